@@ -1,0 +1,101 @@
+"""kvforge's attention function, registered with transformers' ``AttentionInterface`` under the name ``"kvforge"``.
+
+It computes exactly what ``sdpa`` computes, but builds each layer's mask from the positions held in the
+:class:`~kvforge.cache.KVCache` (passed to the model forward as ``kv_cache=``), so layers may hold different lengths
+and heads different entries. Without a cache it is plain causal (or sliding-window) attention.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvforge.cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "kvforge"
+
+
+def kvforge_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    kv_cache: KVCache | None = None,
+    position_ids: Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """Scaled dot-product attention with masks from the cache. ``query`` is ``(B, H, Q, D)``; returns ``(B, Q, H, D)``."""
+    num_heads, q_len = query.shape[1], query.shape[2]
+    layer = kv_cache.layers[module.layer_idx] if kv_cache is not None else None  # type: ignore[index]
+    is_causal = False
+    mask: Tensor | None
+    if layer is not None and kv_cache is not None and kv_cache.query_positions is not None:
+        if layer.is_plain_causal(kv_cache.query_positions):
+            mask, is_causal = None, q_len > 1
+        else:
+            mask = layer.attention_mask(kv_cache.query_positions, num_heads)
+    else:
+        mask = _plain_mask(query, key, sliding_window, attention_mask)
+        is_causal = mask is None and q_len > 1 and q_len == key.shape[2]
+    if softcap is not None:
+        return _softcapped_attention(query, key, value, mask, is_causal, scaling, softcap), None
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=key.shape[1] != num_heads
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _plain_mask(query: Tensor, key: Tensor, sliding_window: int | None, attention_mask: Tensor | None) -> Tensor | None:
+    """Causal (+ window) mask for a forward without a kvforge cache (queries are the last Q of K keys)."""
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return attention_mask if attention_mask.dtype == torch.bool else attention_mask > -1
+    q_len, k_len = query.shape[2], key.shape[2]
+    if sliding_window is None or k_len <= sliding_window:
+        return None
+    q_pos = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
+    k_pos = torch.arange(k_len, device=query.device)[None, :]
+    return ((k_pos <= q_pos) & (q_pos - k_pos < sliding_window))[None, None]
+
+
+def _softcapped_attention(
+    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool, scaling: float | None, cap: float
+) -> Tensor:
+    """Eager attention with logit soft-capping (Gemma2-style models)."""
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    scores = (query @ key.transpose(-1, -2)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / cap) * cap
+    if is_causal:
+        q_len, k_len = scores.shape[-2:]
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.softmax(scores.float(), dim=-1).to(value.dtype) @ value
+    return out.transpose(1, 2).contiguous()
+
+
+def register_attention() -> None:
+    """Register :func:`kvforge_attention` with transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, kvforge_attention)
+
+
+def use_kvforge_attention(model: Any) -> Any:
+    """Switch ``model`` to kvforge attention (needed for caches with per-layer/per-head lengths). Returns the model."""
+    register_attention()
+    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        logger.debug("attention implementation of %s set to %r", type(model).__name__, ATTN_IMPLEMENTATION)
+    return model

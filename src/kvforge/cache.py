@@ -1,0 +1,423 @@
+"""KVCache: per-layer keys/values in buffers grown in blocks, with positions, per-head validity and sliding windows.
+
+The cache speaks the part of transformers' ``Cache`` interface that decoder models call (``update``,
+``get_seq_length``), so any HF decoder runs on it; attention itself goes through :mod:`kvforge.attention`, which
+builds each layer's mask from the positions held here. That is what lets layers hold different lengths
+(PyramidKV), heads hold different entries (AdaKV, padded and masked), entries sit at arbitrary positions (RAG
+chunks re-rotated, selective recomputation) and the cache be shortened (compression, sliding window) while decoding
+keeps the true RoPE positions: the next position is the number of tokens processed, not the cache length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvforge.types import KVSegment
+
+DEFAULT_BLOCK_SIZE = 256
+
+
+class KVLayer:
+    """One layer's cache: ``keys``/``values`` ``(B, H_kv, capacity, D)``, ``positions`` ``(B, H_kv, capacity)``.
+
+    Only the first ``length`` slots are in use. ``valid`` (same shape as positions) is None while every slot is a
+    real entry; head-wise compression packs heads to the longest one and marks the padding False.
+
+    Args:
+        window: keep only entries within ``window`` positions of the newest query (plus sinks); None = keep all.
+        num_sink: with a window, entries at positions < num_sink are always kept (attention sinks).
+        block_size: buffers grow by whole blocks, so decoding reallocates once per block at most (never per token).
+    """
+
+    def __init__(self, window: int | None = None, num_sink: int = 0, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        if num_sink < 0:
+            raise ValueError(f"num_sink must be >= 0, got {num_sink}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.window = window
+        self.num_sink = num_sink
+        self.block_size = block_size
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+        self.positions: Tensor | None = None
+        self.valid: Tensor | None = None
+        self.length = 0
+        self.is_headwise = False  # True when heads hold different positions (then masks are built per head)
+        self.num_new = 0  # entries appended by the current forward (they attend causally among themselves)
+        self.num_reallocations = 0
+
+    # ----------------------------------------------------------------------------------------------- storage
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def _allocate(self, like_keys: Tensor, like_values: Tensor, capacity: int) -> None:
+        b, h = like_keys.shape[:2]
+        keys = like_keys.new_empty((b, h, capacity, like_keys.shape[3]))
+        values = like_values.new_empty((b, h, capacity, like_values.shape[3]))
+        positions = torch.empty((b, h, capacity), dtype=torch.long, device=like_keys.device)
+        valid = None if self.valid is None else torch.zeros((b, h, capacity), dtype=torch.bool, device=keys.device)
+        if self.length:
+            assert self.keys is not None and self.values is not None and self.positions is not None
+            keys[:, :, : self.length] = self.keys[:, :, : self.length]
+            values[:, :, : self.length] = self.values[:, :, : self.length]
+            positions[:, :, : self.length] = self.positions[:, :, : self.length]
+            if valid is not None and self.valid is not None:
+                valid[:, :, : self.length] = self.valid[:, :, : self.length]
+            self.num_reallocations += 1
+        self.keys, self.values, self.positions, self.valid = keys, values, positions, valid
+
+    def reserve(self, num_tokens: int, like_keys: Tensor, like_values: Tensor) -> None:
+        """Make room for ``num_tokens`` entries in total (rounded up to whole blocks)."""
+        if num_tokens > self.capacity:
+            self._allocate(like_keys, like_values, math.ceil(num_tokens / self.block_size) * self.block_size)
+
+    def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Write new entries after the used slots; returns views of all entries (for attention).
+
+        Args:
+            keys, values: ``(B, H_kv, S, D)``.
+            positions: ``(B, S)`` positions of the new tokens (shared by all heads).
+        """
+        self._drop_outside_window(int(positions.min()))
+        s = keys.shape[2]
+        if self.keys is not None and (self.keys.dtype != keys.dtype or self.keys.shape[:2] != keys.shape[:2]):
+            raise ValueError(
+                f"cache holds {tuple(self.keys.shape[:2])} {self.keys.dtype} entries, got {tuple(keys.shape[:2])} "
+                f"{keys.dtype}"
+            )
+        self.reserve(self.length + s, keys, values)
+        assert self.keys is not None and self.values is not None and self.positions is not None
+        end = self.length + s
+        self.keys[:, :, self.length : end] = keys
+        self.values[:, :, self.length : end] = values
+        self.positions[:, :, self.length : end] = positions[:, None, :]
+        if self.valid is not None:
+            self.valid[:, :, self.length : end] = True
+        self.length = end
+        self.num_new = s
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def _drop_outside_window(self, first_new_position: int) -> None:
+        """Compact away entries no future query can see; done once a block of them has built up (amortised)."""
+        if self.window is None or self.length <= self.num_sink + self.window + self.block_size:
+            return
+        assert self.positions is not None
+        pos = self.positions[:, :, : self.length]
+        keep = (pos > first_new_position - self.window) | (pos < self.num_sink)
+        if self.valid is not None:
+            keep &= self.valid[:, :, : self.length]
+        self._keep(keep)
+
+    def _keep(self, keep: Tensor) -> None:
+        """Keep the entries where ``keep`` ``(B, H_kv, length)`` is True, in order, packed to the front."""
+        assert self.keys is not None and self.values is not None and self.positions is not None
+        counts = keep.sum(-1)
+        if bool((counts == counts.flatten()[0]).all()):
+            n = int(counts.flatten()[0])
+            idx = keep.float().argsort(dim=-1, descending=True, stable=True)[..., :n]  # kept indices, in order
+            idx, _ = idx.sort(dim=-1)
+            self.replace(
+                self.keys[:, :, : self.length].gather(2, idx[..., None].expand(-1, -1, -1, self.keys.shape[3])),
+                self.values[:, :, : self.length].gather(2, idx[..., None].expand(-1, -1, -1, self.values.shape[3])),
+                self.positions[:, :, : self.length].gather(2, idx),
+                None if self.valid is None else self.valid[:, :, : self.length].gather(2, idx),
+            )
+        else:
+            self.replace_masked(
+                self.keys[:, :, : self.length], self.values[:, :, : self.length], self.positions[:, :, : self.length],
+                keep,
+            )
+
+    # ----------------------------------------------------------------------------------------------- editing
+    def replace(self, keys: Tensor, values: Tensor, positions: Tensor, valid: Tensor | None = None) -> None:
+        """Replace the whole content, e.g. by a compressed selection.
+
+        Args:
+            keys, values: ``(B, H_kv, S', D)``.
+            positions: ``(B, H_kv, S')`` or ``(B, S')`` int64.
+            valid: optional ``(B, H_kv, S')`` bool; False marks padding of a head-wise selection.
+        """
+        b, h, s, _ = keys.shape
+        if positions.dim() == 2:
+            positions = positions[:, None, :].expand(b, h, s)
+        if tuple(positions.shape) != (b, h, s) or (valid is not None and tuple(valid.shape) != (b, h, s)):
+            raise ValueError(f"positions/valid must be {(b, h, s)}, got {tuple(positions.shape)}")
+        if values.shape[:3] != keys.shape[:3]:
+            raise ValueError(f"values {tuple(values.shape)} do not match keys {tuple(keys.shape)}")
+        if valid is not None and bool(valid.all()):
+            valid = None
+        capacity = max(self.capacity, math.ceil(max(s, 1) / self.block_size) * self.block_size)
+        new_keys = keys.new_empty((b, h, capacity, keys.shape[3]))
+        new_values = values.new_empty((b, h, capacity, values.shape[3]))
+        new_positions = torch.empty((b, h, capacity), dtype=torch.long, device=keys.device)
+        new_keys[:, :, :s] = keys
+        new_values[:, :, :s] = values
+        new_positions[:, :, :s] = positions
+        self.keys, self.values, self.positions = new_keys, new_values, new_positions
+        if valid is None:
+            self.valid = None
+        else:
+            self.valid = torch.zeros((b, h, capacity), dtype=torch.bool, device=keys.device)
+            self.valid[:, :, :s] = valid
+        self.length = s
+        self.num_new = 0
+        self.is_headwise = bool(h > 1 and not (positions == positions[:, :1]).all()) or valid is not None
+
+    def replace_masked(self, keys: Tensor, values: Tensor, positions: Tensor, keep: Tensor) -> None:
+        """Keep a different set of entries per head: pack each head's kept entries to the front, pad to the longest.
+
+        Memory held is ``max_h kept_h`` entries per head, not the full length (kvpress only masks).
+        """
+        b, h, s, d = keys.shape
+        if positions.dim() == 2:
+            positions = positions[:, None, :].expand(b, h, s)
+        counts = keep.sum(-1)  # (B, H_kv)
+        width = int(counts.max()) if counts.numel() else 0
+        order = (~keep).to(torch.int8).argsort(dim=-1, stable=True)[..., :width]  # kept first, in position order
+        slot = torch.arange(width, device=keys.device)
+        valid = slot[None, None, :] < counts[..., None]
+        self.replace(
+            keys.gather(2, order[..., None].expand(-1, -1, -1, d)),
+            values.gather(2, order[..., None].expand(-1, -1, -1, values.shape[3])),
+            positions.gather(2, order),
+            valid,
+        )
+
+    def clear(self) -> None:
+        self.keys = self.values = self.positions = self.valid = None
+        self.length = 0
+        self.num_new = 0
+        self.is_headwise = False
+
+    # ----------------------------------------------------------------------------------------------- reading
+    def view(self) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """``(keys, values, positions, valid)`` of the used slots (views, no copy)."""
+        if self.keys is None or self.values is None or self.positions is None:
+            raise ValueError("empty cache layer")
+        n = self.length
+        valid = None if self.valid is None else self.valid[:, :, :n]
+        return self.keys[:, :, :n], self.values[:, :, :n], self.positions[:, :, :n], valid
+
+    def visible_positions(self, query_position: int, batch: int = 0, head: int = 0) -> list[int]:
+        """Positions a query at ``query_position`` attends to (after window and validity), for one head."""
+        if self.positions is None:
+            return []
+        pos = self.positions[batch, head, : self.length]
+        ok = pos <= query_position
+        if self.valid is not None:
+            ok &= self.valid[batch, head, : self.length]
+        if self.window is not None:
+            ok &= (query_position - pos < self.window) | (pos < self.num_sink)
+        return pos[ok].tolist()
+
+    def num_entries(self) -> int:
+        """Valid entries held, summed over batch and heads."""
+        if self.keys is None:
+            return 0
+        if self.valid is not None:
+            return int(self.valid[:, :, : self.length].sum())
+        return self.keys.shape[0] * self.keys.shape[1] * self.length
+
+    def nbytes(self) -> int:
+        """Bytes of the used key/value slots (padding of head-wise layers included: it is really held)."""
+        if self.keys is None or self.values is None:
+            return 0
+        per_slot = self.keys.shape[0] * self.keys.shape[1] * (
+            self.keys.shape[3] * self.keys.element_size() + self.values.shape[3] * self.values.element_size()
+        )
+        return per_slot * self.length
+
+    def attention_mask(self, query_positions: Tensor, num_query_heads: int) -> Tensor | None:
+        """Boolean mask ``(B, 1 or H, Q, K)`` for this layer's entries, or None when every entry is visible.
+
+        An entry is visible to a query when its position is <= the query's, it is valid, and (with a window) it is
+        within ``window`` positions or a sink.
+        """
+        keys, _, pos, valid = self.view()
+        q = query_positions  # (B, Q)
+        if self.num_new == q.shape[1] and self.num_new == 1 and valid is None and self.window is None:
+            return None  # one decoding query sees every entry
+        if not self.is_headwise and valid is None:
+            k_pos = pos[:, :1, :]  # (B, 1, K)
+        else:
+            k_pos = pos
+        allowed = k_pos[:, :, None, :] <= q[:, None, :, None]  # (B, h, Q, K)
+        if self.window is not None:
+            near = (q[:, None, :, None] - k_pos[:, :, None, :]) < self.window
+            allowed &= near | (k_pos[:, :, None, :] < self.num_sink)
+        if valid is not None:
+            allowed &= valid[:, :, None, :]
+        if allowed.shape[1] > 1 and allowed.shape[1] != num_query_heads:
+            allowed = allowed.repeat_interleave(num_query_heads // allowed.shape[1], dim=1)
+        return allowed
+
+    def is_plain_causal(self, query_positions: Tensor) -> bool:
+        """True when this forward's queries are the only entries and form a contiguous causal block."""
+        return self.length == self.num_new == query_positions.shape[1] and self.window is None and self.valid is None
+
+
+class KVCache:
+    """The KV cache of one batch of sequences, all layers, plus the count of tokens processed.
+
+    Args:
+        num_layers: decoder layers.
+        layer_windows: per-layer native sliding window (Gemma3, Mistral); None entries = full attention.
+        window, num_sink: an optional sliding-window cache on the full-attention layers (StreamingLLM-style): keep
+            the first ``num_sink`` tokens and the last ``window`` ones, so memory stays bounded for endless generation.
+        block_size: growth step of the buffers.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        *,
+        layer_windows: Sequence[int | None] | None = None,
+        window: int | None = None,
+        num_sink: int = 0,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> None:
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        if layer_windows is not None and len(layer_windows) != num_layers:
+            raise ValueError(f"layer_windows has {len(layer_windows)} entries for {num_layers} layers")
+        native = list(layer_windows) if layer_windows is not None else [None] * num_layers
+        self.window = window
+        self.num_sink = num_sink
+        self.layers = [
+            KVLayer(window=w, num_sink=0, block_size=block_size)
+            if w is not None
+            else KVLayer(window=window, num_sink=num_sink if window is not None else 0, block_size=block_size)
+            for w in native
+        ]
+        self.native_windows = native
+        self.next_position = 0  # position of the next token: tokens processed so far
+        self.query_positions: Tensor | None = None  # (B, Q) positions of the forward in flight
+        self.token_ids: list[int] = []  # tokens processed, in order (single-sequence caches)
+        self.info: dict[str, Any] = {}  # facts about how the cache was built (press, reuse), for reports
+
+    @classmethod
+    def for_model(cls, model: Any, **kwargs: Any) -> KVCache:
+        """An empty cache shaped for ``model`` (reads its layer count and native sliding windows)."""
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        return cls(config.num_hidden_layers, layer_windows=native_layer_windows(config), **kwargs)
+
+    # ------------------------------------------------------------------------ transformers' Cache interface
+    def update(
+        self, key_states: Tensor, value_states: Tensor, layer_idx: int, cache_kwargs: dict[str, Any] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Append the new keys/values of ``layer_idx`` and return all of that layer's entries."""
+        if self.query_positions is None:
+            raise RuntimeError("KVCache.update called outside kvforge.prefill.forward (positions unknown)")
+        return self.layers[layer_idx].append(key_states, value_states, self.query_positions)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens processed (NOT entries held): what models use to place the next positions."""
+        return self.next_position
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------------ forward bookkeeping
+    def begin(self, position_ids: Tensor) -> None:
+        """Announce the positions ``(B, Q)`` of the forward about to run."""
+        self.query_positions = position_ids
+
+    def end(self, input_ids: Tensor) -> None:
+        """Close the forward: advance the processed count, remember the tokens."""
+        assert self.query_positions is not None
+        self.next_position = int(self.query_positions.max()) + 1
+        if input_ids.shape[0] == 1:
+            self.token_ids.extend(input_ids[0].tolist())
+        self.query_positions = None
+        for layer in self.layers:
+            layer.num_new = 0
+
+    def abort(self) -> None:
+        """Undo a forward that failed half-way: drop what it appended."""
+        for layer in self.layers:
+            layer.length -= layer.num_new
+            layer.num_new = 0
+        self.query_positions = None
+
+    def reserve(self, num_tokens: int, like: tuple[Tensor, Tensor] | None = None) -> None:
+        """Preallocate room for ``num_tokens`` entries in every (non-empty) layer."""
+        for layer in self.layers:
+            if layer.keys is not None and layer.values is not None:
+                layer.reserve(num_tokens, layer.keys, layer.values)
+
+    # ------------------------------------------------------------------------ accounting
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def lengths(self) -> list[int]:
+        return [layer.length for layer in self.layers]
+
+    def num_entries(self) -> int:
+        return sum(layer.num_entries() for layer in self.layers)
+
+    def nbytes(self) -> int:
+        """Bytes of key/value entries held by all layers."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    # ------------------------------------------------------------------------ segments
+    def to_segment(self, model_id: str = "", token_ids: list[int] | None = None, batch: int = 0) -> KVSegment:
+        """Copy this cache (one batch row) out as a :class:`KVSegment`."""
+        keys, values, positions, valid = [], [], [], []
+        for layer in self.layers:
+            k, v, p, m = layer.view()
+            keys.append(k[batch].clone())
+            values.append(v[batch].clone())
+            positions.append(p[batch].clone())
+            valid.append(None if m is None else m[batch].clone())
+        return KVSegment(
+            token_ids=list(self.token_ids if token_ids is None else token_ids),
+            keys=keys,
+            values=values,
+            positions=positions,
+            valid=valid,
+            next_position=self.next_position,
+            model_id=model_id,
+            meta=dict(self.info),
+        )
+
+    @classmethod
+    def from_segment(cls, segment: KVSegment, model: Any = None, **kwargs: Any) -> KVCache:
+        """A cache holding ``segment``'s entries (batch 1), ready to prefill more tokens on top."""
+        cache = cls.for_model(model, **kwargs) if model is not None else cls(segment.num_layers, **kwargs)
+        if cache.num_layers != segment.num_layers:
+            raise ValueError(f"segment has {segment.num_layers} layers, model has {cache.num_layers}")
+        for layer, k, v, p, m in zip(
+            cache.layers, segment.keys, segment.values, segment.positions, segment.valid, strict=True
+        ):
+            layer.replace(k[None], v[None], p[None], None if m is None else m[None])
+        cache.next_position = segment.next_position
+        cache.token_ids = list(segment.token_ids)
+        cache.info = dict(segment.meta)
+        return cache
+
+
+def native_layer_windows(config: Any) -> list[int | None]:
+    """Per-layer sliding window of a model config (None for full-attention layers)."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None:
+        return [None] * n
+    if layer_types is not None:
+        return [window if t == "sliding_attention" else None for t in layer_types[:n]]
+    if getattr(config, "use_sliding_window", True) is False:
+        return [None] * n
+    return [window] * n

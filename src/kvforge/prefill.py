@@ -1,0 +1,98 @@
+"""Run tokens through the model on a :class:`~kvforge.cache.KVCache`: one forward, or a chunked prefill."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvforge.attention import ATTN_IMPLEMENTATION, use_kvforge_attention
+from kvforge.cache import KVCache
+
+DEFAULT_CHUNK_SIZE = 512
+
+
+def _as_batch(input_ids: Tensor | list[int]) -> Tensor:
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    return ids[None] if ids.dim() == 1 else ids
+
+
+@torch.inference_mode()
+def forward(
+    model: Any,
+    input_ids: Tensor | list[int],
+    cache: KVCache,
+    *,
+    logits_to_keep: int = 1,
+    position_ids: Tensor | None = None,
+    **model_kwargs: Any,
+) -> Tensor:
+    """One forward of ``input_ids`` ``(B, S)`` on top of ``cache``; returns the last ``logits_to_keep`` logits.
+
+    Positions continue from ``cache.next_position`` (tokens processed), whatever the cache holds, unless
+    ``position_ids`` ``(B, S)`` are given (RAG re-assembly places tokens explicitly).
+    """
+    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        use_kvforge_attention(model)
+    ids = _as_batch(input_ids).to(model.device)
+    b, s = ids.shape
+    if s == 0:
+        raise ValueError("forward needs at least one token")
+    if position_ids is None:
+        position_ids = torch.arange(cache.next_position, cache.next_position + s, device=ids.device)[None].expand(b, -1)
+    cache.begin(position_ids)
+    try:
+        out = model(
+            input_ids=ids,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            kv_cache=cache,
+            logits_to_keep=logits_to_keep,
+            **model_kwargs,
+        )
+    except BaseException:
+        cache.abort()  # roll back the entries this forward appended: the cache stays usable
+        raise
+    cache.end(ids)
+    return out.logits
+
+
+def prefill(
+    model: Any,
+    input_ids: Tensor | list[int],
+    cache: KVCache,
+    *,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+    on_chunk: Callable[[int, int], None] | None = None,
+    min_last_chunk: int = 0,
+) -> Tensor:
+    """Prefill ``input_ids`` in chunks of ``chunk_size`` tokens (None = one shot); returns the last token's logits.
+
+    Activation memory is bounded by the chunk size. ``min_last_chunk`` makes the final chunk at least that long
+    (presses score the observation window from the last chunk's hidden states).
+    ``on_chunk(done, total)`` is called after each chunk (progress bars).
+    """
+    ids = _as_batch(input_ids)
+    total = ids.shape[1]
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    bounds = _chunk_bounds(total, chunk_size or total, min_last_chunk)
+    logits: Tensor | None = None
+    for start, end in bounds:
+        logits = forward(model, ids[:, start:end], cache, logits_to_keep=1)
+        if on_chunk is not None:
+            on_chunk(end, total)
+    assert logits is not None
+    return logits[:, -1]
+
+
+def _chunk_bounds(total: int, chunk_size: int, min_last_chunk: int) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` covering ``total`` tokens; the last chunk holds >= min(min_last_chunk, total)."""
+    if total == 0:
+        raise ValueError("prefill needs at least one token")
+    last = min(total, max(min_last_chunk, total - ((total - 1) // chunk_size) * chunk_size))
+    bounds = [(s, min(s + chunk_size, total - last)) for s in range(0, total - last, chunk_size)]
+    return [b for b in bounds if b[1] > b[0]] + [(total - last, total)]
