@@ -48,6 +48,9 @@ def kvforge_attention(
     else:
         mask = _plain_mask(query, key, sliding_window, attention_mask)
         is_causal = mask is None and q_len > 1 and q_len == key.shape[2]
+    override = getattr(kv_cache, "attention_override", None)  # set by RAG strategies (APE, auxiliary scoring)
+    if override is not None:
+        return override(module, query, key, value, mask, is_causal, scaling, softcap), None
     if softcap is not None:
         return _softcapped_attention(query, key, value, mask, is_causal, scaling, softcap), None
     out = F.scaled_dot_product_attention(

@@ -1,0 +1,190 @@
+"""Assemble stored chunk KV into one cache at new positions, and recompute selected tokens on top of it.
+
+Token order is the prompt's: ``prefix + c_1 + sep + ... + c_n + sep + question``. The prefix is placed once,
+every chunk's keys are re-rotated from their stored positions to their new offsets, separators and the question
+are never cached (always computed fresh). Recomputation runs the selected tokens through the model at their true
+positions over a cache holding everyone else's entries: kvforge attention masks by position, so every selected
+token attends exactly to the entries at positions <= its own (an exact position-causal mask).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvforge.cache import KVCache
+from kvforge.prefill import forward
+from kvforge.rag.chunks import RagPrompt
+from kvforge.rag.rope import RopeSpec
+from kvforge.types import KVSegment
+
+RECOMPUTE_CHUNK_SIZE = 512
+
+
+@dataclass
+class Assembly:
+    """The prompt's tokens with the reused KV of its cached ones (prefix + chunks), at their new positions.
+
+    ``keys[l]``/``values[l]`` are ``(H_kv, S_c, D)`` for the cached tokens ``cached_idx`` ``(S_c,)`` (indices into
+    ``ids``), in prompt order. ``positions`` ``(N,)`` are the RoPE positions of all N tokens; ``is_context``
+    ``(N,)`` marks chunk tokens, ``is_cached`` ``(N,)`` prefix + chunk tokens.
+    """
+
+    ids: Tensor
+    positions: Tensor
+    is_context: Tensor
+    is_cached: Tensor
+    cached_idx: Tensor
+    keys: list[Tensor]
+    values: list[Tensor]
+    prefix_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.ids.numel())
+
+    @property
+    def fresh_idx(self) -> Tensor:
+        """Indices of the tokens that have no reused KV (separators, question): always computed."""
+        return (~self.is_cached).nonzero().flatten()
+
+    @property
+    def context_idx(self) -> Tensor:
+        return self.is_context.nonzero().flatten()
+
+
+def assemble(
+    prompt: RagPrompt, prefix: KVSegment | None, chunks: list[KVSegment], rope: RopeSpec | None, *, ape: bool = False
+) -> Assembly:
+    """Place the prefix once and the chunks after it with continuous positions (keys re-rotated).
+
+    With ``ape=True`` every chunk keeps its stored positions ``P..P+L_i-1`` (APE's position reuse), inter-chunk
+    separators are dropped and the final separator + question start at ``P + max L_i``.
+    """
+    p = len(prompt.prefix_ids)
+    ids: list[int] = list(prompt.prefix_ids)
+    pos: list[int] = list(range(p))
+    ctx: list[bool] = [False] * p
+    cached: list[bool] = [True] * p
+    keys: list[list[Tensor]] = [[] if prefix is None else [prefix.keys[l]] for l in range(len(chunks[0].keys))]
+    values: list[list[Tensor]] = [[] if prefix is None else [prefix.values[l]] for l in range(len(keys))]
+    cursor = p  # position of the next placed token
+    max_len = max(len(c) for c in prompt.chunk_ids)
+
+    def place(piece: list[int], is_ctx: bool, is_cached: bool) -> None:
+        nonlocal cursor
+        ids.extend(piece)
+        pos.extend(range(cursor, cursor + len(piece)))
+        ctx.extend([is_ctx] * len(piece))
+        cached.extend([is_cached] * len(piece))
+        cursor += len(piece)
+
+    for i, (chunk_ids, seg) in enumerate(zip(prompt.chunk_ids, chunks, strict=True)):
+        if seg.token_ids != chunk_ids:
+            raise ValueError(f"chunk {i}: stored segment holds other tokens")
+        if ape:
+            cursor = p  # position reuse: every chunk at P..P+L_i-1
+        for l in range(len(keys)):
+            stored = seg.positions[l][0]  # (L,) same for every head
+            first = int(stored[0])
+            if stored.numel() != len(chunk_ids) or not torch.equal(stored, torch.arange(first, first + len(chunk_ids))):
+                raise ValueError(f"chunk {i}, layer {l}: stored positions are not {len(chunk_ids)} contiguous ones")
+            delta = cursor - first
+            if delta and rope is None:
+                raise ValueError("moving chunks needs the model's RoPE spec")
+            keys[l].append(seg.keys[l] if delta == 0 else rope.rotate(seg.keys[l], delta, l))  # type: ignore[union-attr]
+            values[l].append(seg.values[l])
+        place(chunk_ids, True, True)
+        if ape and i < len(chunks) - 1:
+            continue  # APE: contexts are parallel, there is no "between" them
+        if ape:
+            cursor = p + max_len
+        place(prompt.sep_ids, False, False)
+    place(prompt.question_ids, False, False)
+    is_cached = torch.tensor(cached)
+    return Assembly(
+        ids=torch.tensor(ids),
+        positions=torch.tensor(pos),
+        is_context=torch.tensor(ctx),
+        is_cached=is_cached,
+        cached_idx=is_cached.nonzero().flatten(),
+        keys=[torch.cat(k, dim=1) for k in keys],
+        values=[torch.cat(v, dim=1) for v in values],
+        prefix_len=p,
+    )
+
+
+def build_cache(
+    model: Any,
+    asm: Assembly,
+    recompute: Tensor,
+    overrides: dict[int, tuple[Tensor, Tensor]] | None = None,
+) -> KVCache:
+    """A cache holding the reused entries of every cached token not in ``recompute`` ``(N,)`` bool.
+
+    ``overrides[l] = (keys, values)`` ``(H_kv, S_c, D)`` replaces layer l's reused KV (CacheBlend's fresh layers).
+    """
+    cache = KVCache.for_model(model)
+    keep = ~recompute[asm.cached_idx]  # (S_c,)
+    pos = asm.positions[asm.cached_idx][keep]
+    device = next(model.parameters()).device
+    for l, layer in enumerate(cache.layers):
+        k, v = overrides[l] if overrides and l in overrides else (asm.keys[l], asm.values[l])
+        layer.replace(k[:, keep][None].to(device), v[:, keep][None].to(device), pos[None].to(device))
+    return cache
+
+
+def recompute_tokens(model: Any, asm: Assembly, cache: KVCache, idx: Tensor, chunk_size: int | None = None) -> Tensor:
+    """Run tokens ``idx`` (sorted, must end with the last prompt token) at their positions; returns last logits.
+
+    Afterwards the cache holds all N tokens' entries, sorted by position, and counts N tokens processed.
+    """
+    if int(idx[-1]) != asm.num_tokens - 1:
+        raise ValueError("the last prompt token must be recomputed (its logits start decoding)")
+    step = chunk_size or RECOMPUTE_CHUNK_SIZE
+    logits: Tensor | None = None
+    device = next(model.parameters()).device
+    for start in range(0, idx.numel(), step):
+        part = idx[start : start + step]
+        logits = forward(model, asm.ids[part][None], cache, position_ids=asm.positions[part][None].to(device))
+    assert logits is not None
+    sort_by_position(cache)
+    cache.next_position = int(asm.positions.max()) + 1
+    cache.token_ids = asm.ids.tolist()
+    return logits[:, -1]
+
+
+def sort_by_position(cache: KVCache) -> None:
+    """Reorder every layer's entries by position (recomputed tokens were appended at the end)."""
+    for layer in cache.layers:
+        k, v, pos, _ = layer.view()
+        order = pos[0, 0].argsort(stable=True)
+        if bool((order == torch.arange(order.numel(), device=order.device)).all()):
+            continue
+        layer.replace(k[:, :, order], v[:, :, order], pos[:, :, order])
+
+
+def decoder_layers(model: Any) -> torch.nn.ModuleList:
+    """The decoder layer list of an HF causal LM (``model.model.layers``)."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+    return layers
+
+
+@contextmanager
+def truncated(model: Any, num_layers: int) -> Iterator[None]:
+    """Run only the first ``num_layers`` decoder layers inside the block (CacheBlend's full early layers)."""
+    base = model.model
+    layers = decoder_layers(model)
+    base.layers = torch.nn.ModuleList(list(layers)[:num_layers])
+    try:
+        yield
+    finally:
+        base.layers = layers

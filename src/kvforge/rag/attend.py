@@ -1,0 +1,110 @@
+"""Attention overrides for RAG: APE's context temperature/scale merge, and capture of one layer's attention.
+
+Both are installed as ``cache.attention_override`` and called by :func:`kvforge.attention.kvforge_attention` with the
+mask it built from the cache positions; they compute attention eagerly (fp32 softmax).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvforge.cache import KVCache
+
+
+def attention_scores(
+    query: Tensor, key: Tensor, mask: Tensor | None, is_causal: bool, scaling: float | None, softcap: float | None
+) -> Tensor:
+    """Masked attention logits ``(B, H, Q, K)`` in fp32 (-inf where masked); ``key`` ``(B, H_kv, K, D)``."""
+    group = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(group, 1) if group > 1 else key
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = (query.float() @ k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        q_len, k_len = scores.shape[-2:]
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores
+
+
+def attend(probs: Tensor, value: Tensor) -> Tensor:
+    """``probs`` ``(B, H, Q, K)`` applied to ``value`` ``(B, H_kv, K, D)``; returns ``(B, Q, H, D)``."""
+    group = probs.shape[1] // value.shape[1]
+    v = value.repeat_interleave(group, 1) if group > 1 else value
+    return (probs.to(v.dtype) @ v).transpose(1, 2).contiguous()
+
+
+class APEAttention:
+    """APE (arXiv 2502.05431): queries after the contexts merge context and other attention with T and S.
+
+    Context keys are those at positions in ``[context_start, context_end)``. For a query past the contexts the
+    context part gets softmax scale ``1 / (sqrt(d) T)`` and log-mass ``S * T * lse_C``, the prefix/question part
+    its plain log-mass ``lse_O``: weights ``softmax([S T lse_C, lse_O])``. One softmax over adjusted logits does
+    the same: context logit ``s / T + (S T - 1) lse_C``, other logit ``s``.
+    """
+
+    def __init__(self, cache: KVCache, context_start: int, context_end: int, temperature: float, scale: float) -> None:
+        self.cache = cache
+        self.context_start, self.context_end = context_start, context_end
+        self.temperature, self.scale = temperature, scale
+
+    def __call__(
+        self, module: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool,
+        scaling: float | None, softcap: float | None,
+    ) -> Tensor:
+        scores = attention_scores(query, key, mask, is_causal, scaling, softcap)  # (B, H, Q, K)
+        _, _, pos, _ = self.cache.layers[module.layer_idx].view()  # (B, H_kv, K)
+        pos = pos.repeat_interleave(query.shape[1] // pos.shape[1], 1)[:, :, None, :]  # (B, H, 1, K)
+        is_ctx = (pos >= self.context_start) & (pos < self.context_end)
+        t, s = self.temperature, self.scale
+        ctx_logits = scores / t
+        lse = torch.logsumexp(ctx_logits.masked_fill(~is_ctx, float("-inf")), dim=-1, keepdim=True)  # (B, H, Q, 1)
+        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        adjusted = torch.where(is_ctx, ctx_logits + (s * t - 1.0) * lse, scores)
+        q_pos = self.cache.query_positions
+        assert q_pos is not None
+        after = (q_pos >= self.context_end)[:, None, :, None]  # (B, 1, Q, 1) queries past the contexts
+        probs = torch.softmax(torch.where(after, adjusted, scores), dim=-1)
+        return attend(probs, value)
+
+
+class AttentionCapture:
+    """Plain attention that also sums one layer's probabilities from queries at positions >= ``min_query_position``.
+
+    After the forward(s), :meth:`scores_by_position` gives the summed probability (over heads and those queries)
+    each key position received, divided by their count (mean attention).
+    """
+
+    def __init__(self, cache: KVCache, layer_idx: int, min_query_position: int) -> None:
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.min_query_position = min_query_position
+        self._parts: list[tuple[Tensor, Tensor]] = []
+        self._count = 0
+
+    def __call__(
+        self, module: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool,
+        scaling: float | None, softcap: float | None,
+    ) -> Tensor:
+        probs = torch.softmax(attention_scores(query, key, mask, is_causal, scaling, softcap), dim=-1)
+        if module.layer_idx == self.layer_idx:
+            q_pos = self.cache.query_positions
+            assert q_pos is not None
+            sel = q_pos[0] >= self.min_query_position  # (Q,)
+            if bool(sel.any()):
+                _, _, pos, _ = self.cache.layers[module.layer_idx].view()
+                self._parts.append((pos[0, 0].clone(), probs[0][:, sel].sum(dim=(0, 1))))  # (K,), (K,)
+                self._count += int(sel.sum()) * probs.shape[1]
+        return attend(probs, value)
+
+    def scores_by_position(self, num_positions: int) -> Tensor:
+        """``(num_positions,)`` mean attention received per key position."""
+        out = torch.zeros(num_positions)
+        for pos, mass in self._parts:
+            out.index_add_(0, pos.cpu(), mass.float().cpu())
+        return out / max(self._count, 1)

@@ -1,0 +1,99 @@
+"""CacheClip token selection: an auxiliary model's last-layer attention from the question to the context.
+
+The auxiliary model may use another tokenizer: both tokenise the same chunk texts, so scores move from auxiliary
+tokens to main tokens through character offsets (a main token gets the highest score of the auxiliary tokens
+overlapping its characters). Selection keeps the top ``r`` context tokens, then recomputes whole aligned windows
+of ``window_size`` tokens holding more than ``window_threshold`` selected ones (local coherence).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from kvforge.rag.assemble import build_cache, recompute_tokens
+from kvforge.rag.attend import AttentionCapture
+from kvforge.rag.chunks import RagPrompt
+
+if TYPE_CHECKING:
+    from kvforge.rag.pipeline import RagModel
+
+
+def map_scores(
+    text_len: int, src_offsets: list[tuple[int, int]], src_scores: Tensor, dst_offsets: list[tuple[int, int]]
+) -> Tensor:
+    """Scores of ``dst`` tokens from ``src`` tokens of the same text, through character spans ``(start, end)``.
+
+    A destination token gets the max score of the source tokens overlapping its span; an empty span (a token
+    without characters) takes the score of the character it sits on.
+    """
+    chars = torch.zeros(max(text_len, 1))
+    for (a, b), s in zip(src_offsets, src_scores.tolist(), strict=True):
+        if b > a:
+            chars[a:b] = torch.clamp(chars[a:b], min=s)
+    out = torch.zeros(len(dst_offsets))
+    for j, (a, b) in enumerate(dst_offsets):
+        if b > a:
+            out[j] = chars[a:b].max()
+        else:
+            out[j] = chars[min(a, chars.numel() - 1)]
+    return out
+
+
+def select_top(scores: Tensor, ratio: float, window_size: int = 8, window_threshold: int = 5) -> Tensor:
+    """Bool ``(N,)``: the ``round(ratio * N)`` highest scores, then whole aligned windows with > threshold picked."""
+    n = scores.numel()
+    k = min(n, int(round(ratio * n)))
+    selected = torch.zeros(n, dtype=torch.bool)
+    if k == 0:
+        return selected
+    selected[scores.topk(k).indices] = True
+    if window_size > 1:
+        pad = (-n) % window_size
+        counts = torch.cat([selected, selected.new_zeros(pad)]).view(-1, window_size).sum(-1)  # (num_windows,)
+        whole = (counts > window_threshold).repeat_interleave(window_size)[:n]
+        selected |= whole
+    return selected
+
+
+class AuxScorer:
+    """Scores main-model context tokens with an auxiliary model (its own tokenizer, its own stored chunk KV).
+
+    The auxiliary model reuses its precomputed chunks naively and only runs the separators and question; the
+    question tokens' attention at its last layer, averaged over heads and question tokens, scores each context
+    token (CacheClip).
+    """
+
+    def __init__(self, aux: RagModel) -> None:
+        self.aux = aux
+
+    def aux_prompt(self, prompt: RagPrompt) -> RagPrompt:
+        return self.aux.build_prompt(prompt.chunk_texts, prompt.question, prompt.system, prompt.separator)
+
+    def warm(self, prompt: RagPrompt) -> None:
+        self.aux.warm(self.aux_prompt(prompt))
+
+    @torch.inference_mode()
+    def score(self, prompt: RagPrompt) -> Tensor:
+        """``(N_ctx,)`` importance of the main prompt's context tokens, in prompt order."""
+        if not prompt.chunk_texts or len(prompt.chunk_offsets) != len(prompt.chunk_ids):
+            raise ValueError("auxiliary scoring needs the chunk texts and offsets (use build_prompt)")
+        aux_prompt = self.aux_prompt(prompt)
+        asm = self.aux.load(aux_prompt)
+        cache = build_cache(self.aux.model, asm, torch.zeros(asm.num_tokens, dtype=torch.bool))
+        question_start = asm.num_tokens - len(aux_prompt.question_ids)
+        capture = AttentionCapture(cache, self.aux.num_layers - 1, int(asm.positions[question_start]))
+        cache.attention_override = capture  # type: ignore[attr-defined]
+        recompute_tokens(self.aux.model, asm, cache, asm.fresh_idx)
+        by_pos = capture.scores_by_position(int(asm.positions.max()) + 1)
+        aux_ctx = by_pos[asm.positions[asm.context_idx]]  # (N_ctx_aux,)
+        out, start = [], 0
+        for text, aux_ids, aux_off, main_off in zip(
+            aux_prompt.chunk_texts, aux_prompt.chunk_ids, aux_prompt.chunk_offsets, prompt.chunk_offsets, strict=True
+        ):
+            part = aux_ctx[start : start + len(aux_ids)]
+            start += len(aux_ids)
+            out.append(map_scores(len(text), aux_off, part, main_off))
+        return torch.cat(out)

@@ -1,0 +1,98 @@
+"""Exact RoPE re-rotation of cached keys: move a post-RoPE key from position p to p' without recomputing it.
+
+RoPE rotations compose, ``R(a) R(b) = R(a + b)``, so a key rotated at ``p`` moves to ``p'`` by
+``k' = k * cos(d * theta) + rotate_half(k) * sin(d * theta)`` with ``d = p' - p`` (may be negative), done in fp32.
+The ``attention_scaling`` factor of yarn-style RoPE multiplies both cos and sin, so it is already inside ``k``
+and a delta rotation must not apply it again. Only position-linear RoPE composes: dynamic NTK and longrope (whose
+frequencies depend on the sequence length) are refused, as are partial rotary and models without RoPE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvforge.errors import UserError
+
+#: rope types whose frequencies do not depend on the sequence length (HF ``rope_type`` names).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class UnsupportedRopeError(UserError):
+    """The model's positional encoding cannot be moved by a delta rotation."""
+
+
+@dataclass
+class RopeSpec:
+    """Per-layer RoPE inverse frequencies ``(D/2,)`` fp32 of a model; ``head_dim`` is the rotated key width."""
+
+    inv_freq: list[Tensor]
+    head_dim: int
+
+    def rotate(self, keys: Tensor, delta: Tensor | int, layer_idx: int) -> Tensor:
+        """``keys`` ``(..., S, D)`` post-RoPE moved by ``delta`` positions (int or ``(S,)``/broadcastable)."""
+        return rotate_keys(keys, delta, self.inv_freq[layer_idx])
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_keys(keys: Tensor, delta: Tensor | int, inv_freq: Tensor) -> Tensor:
+    """Rotate ``keys`` ``(..., S, D)`` by ``delta`` positions (scalar or ``(..., S)``), in fp32, cast back."""
+    d = torch.as_tensor(delta, device=keys.device, dtype=torch.float64)
+    if d.dim() == 0:
+        d = d.expand(keys.shape[-2])
+    # fp64 angles: positions up to ~1e6 times frequencies keep full fp32 precision of cos/sin
+    freqs = d[..., None] * inv_freq.to(device=keys.device, dtype=torch.float64)  # (..., S, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().float(), emb.sin().float()
+    k = keys.float()
+    return (k * cos + rotate_half(k) * sin).to(keys.dtype)
+
+
+def _text_config(model: Any) -> Any:
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _find_rotary(model: Any) -> Any:
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb"):
+            return module
+    return None
+
+
+def rope_spec(model: Any) -> RopeSpec:
+    """Read the per-layer RoPE frequencies of ``model``; raise :class:`UnsupportedRopeError` when not composable."""
+    config = _text_config(model)
+    name = type(model).__name__
+    rotary = _find_rotary(model)
+    if rotary is None:
+        raise UnsupportedRopeError(f"{name} has no rotary embedding (absolute positions or ALiBi): chunks cannot move")
+    num_layers = config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
+        raise UnsupportedRopeError(f"{name} uses partial rotary ({config.partial_rotary_factor}): not handled")
+    layer_types = getattr(config, "layer_types", None)
+    rope_types = rotary.rope_type if isinstance(getattr(rotary, "rope_type", None), dict) else None
+    inv_freq: list[Tensor] = []
+    for i in range(num_layers):
+        if rope_types is not None:  # per layer type (Gemma3: local/global theta)
+            layer_type = layer_types[i]
+            kind, freq = rope_types[layer_type], getattr(rotary, f"{layer_type}_inv_freq")
+        else:
+            kind, freq = getattr(rotary, "rope_type", "default"), rotary.inv_freq
+        if kind not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedRopeError(
+                f"{name} uses rope_type {kind!r}, whose frequencies depend on the sequence length; "
+                f"only {', '.join(SUPPORTED_ROPE_TYPES)} can be re-rotated"
+            )
+        if 2 * freq.numel() != head_dim:
+            raise UnsupportedRopeError(f"{name} rotates {2 * freq.numel()} of {head_dim} head dims: not handled")
+        inv_freq.append(freq.detach().float().cpu())
+    return RopeSpec(inv_freq=inv_freq, head_dim=head_dim)
