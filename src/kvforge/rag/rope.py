@@ -76,8 +76,6 @@ def rope_spec(model: Any) -> RopeSpec:
         raise UnsupportedRopeError(f"{name} has no rotary embedding (absolute positions or ALiBi): chunks cannot move")
     num_layers = config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
-        raise UnsupportedRopeError(f"{name} uses partial rotary ({config.partial_rotary_factor}): not handled")
     layer_types = getattr(config, "layer_types", None)
     rope_types = rotary.rope_type if isinstance(getattr(rotary, "rope_type", None), dict) else None
     inv_freq: list[Tensor] = []
@@ -93,6 +91,8 @@ def rope_spec(model: Any) -> RopeSpec:
                 f"only {', '.join(SUPPORTED_ROPE_TYPES)} can be re-rotated"
             )
         if 2 * freq.numel() != head_dim:
-            raise UnsupportedRopeError(f"{name} rotates {2 * freq.numel()} of {head_dim} head dims: not handled")
+            raise UnsupportedRopeError(
+                f"{name} rotates {2 * freq.numel()} of {head_dim} head dims (partial rotary): not handled"
+            )
         inv_freq.append(freq.detach().float().cpu())
     return RopeSpec(inv_freq=inv_freq, head_dim=head_dim)

@@ -1,0 +1,148 @@
+"""RAG strategies: r = 1 is a full prefill, r = 0 is naive reuse, budgets are exact, APE's merge is APE's."""
+
+import math
+
+import pytest
+import torch
+
+from kvforge.cache import KVCache
+from kvforge.prefill import forward
+from kvforge.rag import STRATEGIES, APEStrategy, CacheBlendStrategy, CacheClipStrategy, RagModel, make_strategy
+from kvforge.rag.attend import APEAttention
+from kvforge.testing import tiny_model, tiny_tokenizer
+
+ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
+DOCS = [
+    "The cat sat on the mat, then it slept all day long.",
+    "Paris is the capital of France. It is on the Seine.",
+    "The code is 7731. Remember the code for later please.",
+]
+QUESTION = "What is the code?"
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def rag(request):
+    # 3 layers so CacheBlend's check layer 1 is not the last one (later layers really reuse)
+    model = tiny_model(request.param, num_hidden_layers=3,
+                       **({"layer_types": ["sliding_attention", "full_attention", "full_attention"]}
+                          if request.param == "gemma3" else {}))
+    return RagModel(model, tiny_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def prompt(rag):
+    return rag.build_prompt(DOCS, QUESTION, system="Answer briefly.")
+
+
+@pytest.fixture(scope="module")
+def full(rag, prompt):
+    return rag.prefill(prompt, make_strategy("full"))
+
+
+def _run(rag, prompt, name, **kwargs):
+    strategy = make_strategy(name, **kwargs)
+    strategy.warm(rag, prompt)
+    return rag.prefill(prompt, strategy)
+
+
+def test_registry_names():
+    assert set(STRATEGIES) == {"full", "naive", "ape", "cacheblend", "cacheclip"}
+
+
+@pytest.mark.parametrize("name", ["cacheblend", "cacheclip"])
+def test_full_recompute_equals_full_prefill(rag, prompt, name):
+    full = rag.prefill(prompt, make_strategy("full"))  # its cache is extended below: not the shared fixture
+    res = _run(rag, prompt, name, recompute_ratio=1.0)
+    torch.testing.assert_close(res.logits, full.logits, atol=1e-4, rtol=0)
+    assert res.num_recomputed == prompt.num_context_tokens and res.num_tokens == len(prompt.ids())
+    # the assembled cache decodes like the full one
+    nxt = int(full.logits.argmax())
+    a = forward(rag.model, [nxt], res.cache)
+    b = forward(rag.model, [nxt], full.cache)
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    for la, lb in zip(res.cache.layers, full.cache.layers, strict=True):
+        assert torch.equal(la.view()[2], lb.view()[2])  # same positions, same order
+
+
+def test_cacheclip_at_zero_is_naive(rag, prompt, full):
+    naive = _run(rag, prompt, "naive")
+    clip = _run(rag, prompt, "cacheclip", recompute_ratio=0.0)
+    torch.testing.assert_close(clip.logits, naive.logits, atol=1e-5, rtol=0)
+    assert naive.num_recomputed == 0 and naive.num_reused == len(prompt.prefix_ids) + prompt.num_context_tokens
+    assert naive.num_fresh == len(prompt.question_ids) + len(prompt.sep_ids) * len(DOCS)
+    assert (naive.logits - full.logits).abs().max() > 1e-3  # reuse without recompute is an approximation
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.3, 0.5])
+def test_recompute_budget_is_exact(rag, prompt, ratio):
+    n_ctx = prompt.num_context_tokens
+    blend = _run(rag, prompt, "cacheblend", recompute_ratio=ratio)
+    assert blend.num_recomputed == round(ratio * n_ctx)
+    clip = rag.prefill(prompt, CacheClipStrategy(recompute_ratio=ratio, window_size=1))
+    assert clip.num_recomputed == round(ratio * n_ctx)
+    grouped = _run(rag, prompt, "cacheclip", recompute_ratio=ratio)
+    assert round(ratio * n_ctx) <= grouped.num_recomputed <= n_ctx
+
+
+def test_more_recompute_gets_closer_to_full(rag, prompt, full):
+    errs = [float((_run(rag, prompt, "cacheblend", recompute_ratio=r).logits - full.logits).abs().max())
+            for r in (0.0, 1.0)]
+    assert errs[1] < 1e-4 < errs[0]
+
+
+def test_cacheblend_picks_largest_key_deviation(rag, prompt):
+    """With the check layer = last layer everything is fresh there, so any ratio gives full-prefill logits."""
+    last = rag.num_layers - 1
+    full = rag.prefill(prompt, make_strategy("full"))
+    res = rag.prefill(prompt, CacheBlendStrategy(recompute_ratio=0.2, check_layer=last))
+    torch.testing.assert_close(res.logits, full.logits, atol=1e-4, rtol=0)
+
+
+def test_ape_with_unit_temperature_and_scale_is_plain_attention(rag, prompt):
+    """T = S = 1 leaves attention unchanged: same logits as the APE layout with the standard attention."""
+    one = _run(rag, prompt, "ape", temperature=1.0, scale=1.0)
+    asm = rag.load(prompt, ape=True)
+    from kvforge.rag.assemble import build_cache, recompute_tokens
+
+    cache = build_cache(rag.model, asm, torch.zeros(asm.num_tokens, dtype=torch.bool))
+    plain = recompute_tokens(rag.model, asm, cache, asm.fresh_idx)
+    torch.testing.assert_close(one.logits, plain, atol=1e-5, rtol=0)
+    default = _run(rag, prompt, "ape")
+    assert (default.logits - plain).abs().max() > 1e-4
+    # APE positions: every chunk starts right after the prefix, the question after the longest chunk
+    p = len(prompt.prefix_ids)
+    assert int(asm.positions[p]) == p and int(asm.positions[p + len(prompt.chunk_ids[0])]) == p
+    assert int(asm.positions.max()) + 1 == p + max(map(len, prompt.chunk_ids)) + len(prompt.sep_ids) + len(
+        prompt.question_ids)
+
+
+def test_ape_merge_formula():
+    """One adjusted softmax == APE's two attentions merged with weights softmax([S T lse_C, lse_O])."""
+    torch.manual_seed(0)
+    cache = KVCache(1)
+    ctx_pos, other_pos = [3, 4, 5, 3, 4], [0, 1, 2, 6, 7]
+    pos = torch.tensor(other_pos[:3] + ctx_pos + other_pos[3:])
+    k, v = torch.randn(1, 1, 10, 8), torch.randn(1, 1, 10, 8)
+    cache.layers[0].replace(k, v, pos[None])
+    q = torch.randn(1, 2, 1, 8)
+    cache.query_positions = torch.tensor([[8]])
+    t, s = 0.7, 0.8
+    module = type("M", (), {"layer_idx": 0})()
+    out = APEAttention(cache, 3, 6, t, s)(module, q, k, v, None, False, 1 / math.sqrt(8), None)  # (1, 1, 2, 8)
+    is_ctx = (pos >= 3) & (pos < 6)
+    kk, vv = k[0, 0], v[0, 0]
+    for h in range(2):
+        scores = q[0, h, 0] @ kk.T / math.sqrt(8)
+        sc, so = scores[is_ctx] / t, scores[~is_ctx]
+        out_c, out_o = torch.softmax(sc, 0) @ vv[is_ctx], torch.softmax(so, 0) @ vv[~is_ctx]
+        w = torch.softmax(torch.stack([s * t * torch.logsumexp(sc, 0), torch.logsumexp(so, 0)]), 0)
+        torch.testing.assert_close(out[0, 0, h], w[0] * out_c + w[1] * out_o, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="unknown RAG strategy"):
+        make_strategy("blend")
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        CacheClipStrategy(recompute_ratio=1.5)
+    with pytest.raises(ValueError, match="temperature"):
+        APEStrategy(temperature=0.0)
