@@ -100,3 +100,20 @@ class RagModel:
         logger.debug("%s: %d tokens, %d reused, %d recomputed, %.3fs", result.strategy, result.num_tokens,
                      result.num_reused, result.num_recomputed, result.ttft_s)
         return result
+
+
+@torch.inference_mode()
+def greedy_decode(model: Any, tokenizer: Any, cache: KVCache, logits: Tensor, max_new_tokens: int) -> list[int]:
+    """Greedy tokens from a prefilled cache until EOS or ``max_new_tokens`` (the cache is extended in place)."""
+    from kvforge.prefill import forward
+
+    eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
+    stop = set(eos if isinstance(eos, list) else [eos]) - {None}
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        nxt = int(logits[0].argmax())
+        if nxt in stop:
+            break
+        out.append(nxt)
+        logits = forward(model, [nxt], cache)[:, -1]
+    return out

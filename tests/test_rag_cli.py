@@ -1,0 +1,56 @@
+"""``kvforge rag`` on a tiny model saved to a folder."""
+
+import argparse
+
+import pytest
+
+from kvforge.commands import rag as rag_command
+from kvforge.errors import UserError
+from kvforge.testing import tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model("llama").save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture()
+def docs(tmp_path):
+    files = []
+    for i, text in enumerate(["The code is 7731.", "Paris is in France.", "Cats sleep a lot."]):
+        f = tmp_path / f"doc{i}.txt"
+        f.write_text(text)
+        files.append(str(f))
+    return files
+
+
+def run(argv):
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    rag_command.register(sub, None)
+    args = parser.parse_args(["rag", *argv])
+    return args.func(args)
+
+
+@pytest.mark.parametrize("strategy", ["full", "naive", "ape", "cacheblend", "cacheclip"])
+def test_rag_command_answers_and_reports(model_dir, docs, strategy, capsys):
+    argv = ["--model", str(model_dir), "--docs", *docs, "--question", "What is the code?", "--strategy", strategy,
+            "--recompute-ratio", "0.5", "--max-new-tokens", "4"]
+    assert run(argv) == 0
+    out, err = capsys.readouterr()
+    assert f"strategy={strategy}" in err and "ttft=" in err and "reused=" in err and "recomputed=" in err
+    if strategy in ("naive", "ape"):
+        assert "recomputed=0 " in err and "chunk_misses=3" in err
+
+
+def test_rag_command_errors(model_dir, docs, tmp_path):
+    with pytest.raises(UserError, match="cannot read"):
+        run(["--model", str(model_dir), "--docs", str(tmp_path / "missing.txt"), "--question", "q"])
+    with pytest.raises(UserError, match="recompute-ratio"):
+        run(["--model", str(model_dir), "--docs", *docs, "--question", "q", "--recompute-ratio", "2"])
+    with pytest.raises(UserError, match="aux-model"):
+        run(["--model", str(model_dir), "--docs", *docs, "--question", "q", "--strategy", "naive",
+             "--aux-model", str(model_dir)])
