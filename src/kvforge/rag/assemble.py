@@ -97,7 +97,7 @@ def assemble(
             delta = cursor - first
             if delta and rope is None:
                 raise ValueError("moving chunks needs the model's RoPE spec")
-            keys[l].append(seg.keys[l] if delta == 0 else rope.rotate(seg.keys[l], delta, l))  # type: ignore[union-attr]
+            keys[l].append(seg.keys[l] if delta == 0 else rope.rotate(seg.keys[l], int(delta), l))  # type: ignore[union-attr]
             values[l].append(seg.values[l])
         place(chunk_ids, True, True)
         if ape and i < len(chunks) - 1:
@@ -163,9 +163,10 @@ def sort_by_position(cache: KVCache) -> None:
     """Reorder every layer's entries by position (recomputed tokens were appended at the end)."""
     for layer in cache.layers:
         k, v, pos, _ = layer.view()
-        order = pos[0, 0].argsort(stable=True)
-        if bool((order == torch.arange(order.numel(), device=order.device)).all()):
+        p = pos[0, 0]
+        if bool((p[1:] >= p[:-1]).all()):
             continue
+        order = p.argsort(stable=True)
         layer.replace(k[:, :, order], v[:, :, order], pos[:, :, order])
 
 

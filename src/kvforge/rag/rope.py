@@ -9,7 +9,7 @@ frequencies depend on the sequence length) are refused, as are partial rotary an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,10 +31,30 @@ class RopeSpec:
 
     inv_freq: list[Tensor]
     head_dim: int
+    _tables: dict[tuple[Any, ...], tuple[Tensor, Tensor]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        distinct: list[Tensor] = []
+        for i, f in enumerate(self.inv_freq):  # share equal frequency tensors (cache key = storage)
+            same = next((d for d in distinct if d.shape == f.shape and torch.equal(d, f)), None)
+            if same is None:
+                distinct.append(f)
+            else:
+                self.inv_freq[i] = same
 
     def rotate(self, keys: Tensor, delta: Tensor | int, layer_idx: int) -> Tensor:
         """``keys`` ``(..., S, D)`` post-RoPE moved by ``delta`` positions (int or ``(S,)``/broadcastable)."""
-        return rotate_keys(keys, delta, self.inv_freq[layer_idx])
+        if not isinstance(delta, int):
+            return rotate_keys(keys, delta, self.inv_freq[layer_idx])
+        # layers share few distinct frequency sets and one chunk moves by one delta: reuse the cos/sin table
+        freq = self.inv_freq[layer_idx]
+        key = (delta, keys.shape[-2], freq.data_ptr(), keys.device)
+        table = self._tables.get(key)
+        if table is None:
+            if len(self._tables) > 256:
+                self._tables.clear()
+            table = self._tables[key] = rotation_table(delta, keys.shape[-2], freq, keys.device)
+        return apply_rotation(keys, *table)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -42,17 +62,24 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rotate_keys(keys: Tensor, delta: Tensor | int, inv_freq: Tensor) -> Tensor:
-    """Rotate ``keys`` ``(..., S, D)`` by ``delta`` positions (scalar or ``(..., S)``), in fp32, cast back."""
-    d = torch.as_tensor(delta, device=keys.device, dtype=torch.float64)
+def rotation_table(delta: Tensor | int, num_tokens: int, inv_freq: Tensor, device: Any) -> tuple[Tensor, Tensor]:
+    """fp32 ``(cos, sin)`` ``(..., S, D)`` of a rotation by ``delta`` (angles in fp64: exact for large deltas)."""
+    d = torch.as_tensor(delta, device=device, dtype=torch.float64)
     if d.dim() == 0:
-        d = d.expand(keys.shape[-2])
-    # fp64 angles: positions up to ~1e6 times frequencies keep full fp32 precision of cos/sin
-    freqs = d[..., None] * inv_freq.to(device=keys.device, dtype=torch.float64)  # (..., S, D/2)
+        d = d.expand(num_tokens)
+    freqs = d[..., None] * inv_freq.to(device=device, dtype=torch.float64)  # (..., S, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().float(), emb.sin().float()
+    return emb.cos().float(), emb.sin().float()
+
+
+def apply_rotation(keys: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     k = keys.float()
     return (k * cos + rotate_half(k) * sin).to(keys.dtype)
+
+
+def rotate_keys(keys: Tensor, delta: Tensor | int, inv_freq: Tensor) -> Tensor:
+    """Rotate ``keys`` ``(..., S, D)`` by ``delta`` positions (scalar or ``(..., S)``), in fp32, cast back."""
+    return apply_rotation(keys, *rotation_table(delta, keys.shape[-2], inv_freq, keys.device))
 
 
 def _text_config(model: Any) -> Any:
