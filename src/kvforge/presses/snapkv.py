@@ -37,8 +37,9 @@ class SnapKVPress(ScorerPress):
 
     def attention_scores(self, ctx: LayerContext) -> Tensor:
         """``(B, H_kv, S)`` pooled, group-summed window (+ lookahead) attention, before the window is forced in."""
-        scores = pool_tokens(ctx.observed_attention(self.window_size), self.kernel_size)  # (B, H, S)
-        return ctx.group_reduce(scores, "sum")
+        window = ctx.window_mask(self.window_size)[:, None, :]  # (B, 1, S)
+        scores = ctx.observed_attention(self.window_size).masked_fill(window, 0.0)  # window: zero padding (kvpress)
+        return ctx.group_reduce(pool_tokens(scores, self.kernel_size), "sum")  # (B, H_kv, S)
 
     def score(self, ctx: LayerContext) -> Tensor:
         scores = self.attention_scores(ctx)
