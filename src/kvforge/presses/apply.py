@@ -10,6 +10,7 @@ The returned logits are the last prompt token's, computed on the full cache (as 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -55,14 +56,18 @@ def compress_prefill(
     final_position = cache.next_position + ids.shape[1] - 1
     collector = Collector(cache, layers, needs.window_size, final_position)
     active = press.ratio() > 0 and bool(layers)
+    clock = [time.perf_counter()]
     with attention_hooks(model, collector):
         # the window must lie in the last chunk; at ratio 0 keep the plain chunking (bit-identical logits)
         min_last = needs.window_size if active else 0
         logits = prefill(model, ids, cache, chunk_size=chunk_size, min_last_chunk=min_last)
+        clock.append(time.perf_counter())
         if active and needs.lookahead > 0:
             _lookahead(model, cache, logits, needs.lookahead, collector)
+        clock.append(time.perf_counter())
         if active and needs.reconstruction:
             _reconstruct(model, cache, ids, press, tokenizer, chunk_size, collector, start)
+        clock.append(time.perf_counter())
     modules = attention_modules(model)
     kept: list[int | None] = [None] * cache.num_layers
     for rank, idx in enumerate(layers):
@@ -71,6 +76,7 @@ def compress_prefill(
         _check(selection, ctx, idx)
         install(cache.layers[idx], start[idx], selection)
         kept[idx] = int(selection.keep.sum())
+    clock.append(time.perf_counter())
     cache.info["press"] = {
         "name": getattr(press, "registry_name", press.name),
         "compression_ratio": press.ratio(),
@@ -79,6 +85,10 @@ def compress_prefill(
         "kept_entries_per_layer": kept,  # summed over KV heads; None = layer left as is (sliding window)
         "uncompressed_layers": [i for i in range(cache.num_layers) if i not in layers],
         "nbytes": cache.nbytes(),
+        "seconds": {  # wall clock of each stage, for overhead reports
+            stage: round(b - a, 4)
+            for stage, a, b in zip(("prefill", "lookahead", "reconstruction", "compress"), clock, clock[1:])
+        },
     }
     return logits
 
