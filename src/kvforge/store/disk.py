@@ -1,0 +1,232 @@
+"""``file:///path?max_bytes=N``: one file per entry, atomic writes, LRU eviction by bytes, survives restarts.
+
+Layout under the root folder::
+
+    segments/<key[:2]>/<key>.kvseg   encoded segments (their mtime is the last use, for LRU)
+    blobs/<key>.blob                 opaque blobs (reuse indexes), never evicted
+    tmp/                             files being written (tmp + fsync + rename: a reader never sees a partial entry)
+
+The in-memory LRU index is rebuilt from the files on open (ordered by mtime) and re-synced from the folder when an
+eviction is due, so several processes can share one folder. Files that do not follow the layout are ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+from kvforge.store import codec
+from kvforge.store.base import _KEY_RE, ByteStore, Kind
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DISK_BYTES = 10 * 1024**3
+SEG_SUFFIX, BLOB_SUFFIX, TMP_SUFFIX = ".kvseg", ".blob", ".tmp"
+STALE_TMP_S = 3600.0  # a tmp file older than this is a crashed write: removed on open
+
+
+class DiskStore(ByteStore):
+    """Entries as files under ``root``, least recently used evicted past ``max_bytes``.
+
+    Args:
+        root: folder (created if missing).
+        max_bytes: bound on the bytes of segment files (blobs not counted).
+        fsync: fsync each file and its folder before the write returns (durable across power loss).
+        quant: optional int8 quantisation of stored segments.
+    """
+
+    scheme = "file"
+
+    def __init__(self, root: str | Path, max_bytes: int = DEFAULT_DISK_BYTES, fsync: bool = True,
+                 quant: str | None = None) -> None:
+        super().__init__(quant)
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+        self.root = Path(root).expanduser()
+        self.max_bytes = max_bytes
+        self.fsync = fsync
+        for sub in ("segments", "blobs", "tmp"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recently used first
+        self._bytes = 0
+        self._remove_stale_tmp()
+        self._rescan()
+
+    # ------------------------------------------------------------------------------------------ paths, index
+    def path(self, key: str, kind: Kind = "seg") -> Path:
+        if kind == "blob":
+            return self.root / "blobs" / f"{key}{BLOB_SUFFIX}"
+        return self.root / "segments" / key[:2] / f"{key}{SEG_SUFFIX}"
+
+    def _scan(self, kind: Kind) -> list[tuple[float, str, int]]:
+        """(mtime, key, size) of the files of ``kind`` on disk, foreign files skipped."""
+        out = []
+        pattern = f"*/*{SEG_SUFFIX}" if kind == "seg" else f"*{BLOB_SUFFIX}"
+        for p in (self.root / ("segments" if kind == "seg" else "blobs")).glob(pattern):
+            key = p.name[: -len(p.suffix)]
+            if not _KEY_RE.match(key) or (kind == "seg" and p.parent.name != key[:2]):
+                continue
+            try:
+                st = p.stat()
+            except FileNotFoundError:  # removed meanwhile by another process
+                continue
+            out.append((st.st_mtime, key, st.st_size))
+        return out
+
+    def _rescan(self) -> None:
+        """Rebuild the LRU index from the files (oldest mtime first)."""
+        with self.lock:
+            self._index = OrderedDict((key, size) for _, key, size in sorted(self._scan("seg")))
+            self._bytes = sum(self._index.values())
+
+    def _remove_stale_tmp(self) -> None:
+        now = time.time()
+        for p in (self.root / "tmp").glob(f"*{TMP_SUFFIX}"):
+            with contextlib.suppress(FileNotFoundError):
+                if now - p.stat().st_mtime > STALE_TMP_S:
+                    p.unlink()
+                    log.info("disk store: removed a leftover partial write %s", p.name)
+
+    # ------------------------------------------------------------------------------------------ raw bytes
+    def read(self, key: str, kind: Kind = "seg") -> bytearray | None:
+        path = self.path(key, kind)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                data = bytearray(size)  # writable: decoded tensors are views into it, no second copy
+                n = f.readinto(data)
+        except FileNotFoundError:
+            if kind == "seg":
+                self._forget(key)
+            return None
+        if n != size:
+            del data[n:]
+        if kind == "seg":
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(path)  # the mtime is the last use: the LRU order survives restarts
+            with self.lock:
+                if key in self._index:
+                    self._index.move_to_end(key)
+                else:  # written by another process
+                    self._index[key] = size
+                    self._bytes += size
+        return data
+
+    def write(self, key: str, data: bytes, kind: Kind = "seg") -> None:
+        self.write_parts(key, [data], kind)
+
+    def write_parts(self, key: str, parts: list[bytes | memoryview], kind: Kind = "seg") -> None:
+        size = sum(memoryview(p).nbytes for p in parts)
+        if kind == "seg" and size > self.max_bytes:
+            log.warning("disk store: entry %s (%d bytes) exceeds max_bytes=%d; not stored", key, size, self.max_bytes)
+            return
+        path = self.path(key, kind)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / "tmp" / f"{key}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with open(fd, "wb") as f:
+                for part in parts:
+                    f.write(part)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)  # atomic: readers see the old file or the new one
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+        if self.fsync:
+            self._fsync_dir(path.parent)
+        if kind == "seg":
+            with self.lock:
+                self._forget(key)
+                self._index[key] = size
+                self._bytes += size
+            self._evict(keep=key)
+
+    @staticmethod
+    def _fsync_dir(folder: Path) -> None:
+        with contextlib.suppress(OSError):  # not supported everywhere (e.g. Windows)
+            fd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def _forget(self, key: str) -> None:
+        with self.lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._bytes -= size
+
+    def _evict(self, keep: str) -> None:
+        """Remove least recently used segment files until the folder holds at most ``max_bytes``."""
+        with self.lock:
+            if self._bytes <= self.max_bytes:
+                return
+            self._rescan()  # other processes may have written or used entries
+            if keep in self._index:
+                self._index.move_to_end(keep)
+            while self._bytes > self.max_bytes and len(self._index) > 1:
+                old = next(iter(self._index))
+                self.remove(old)
+                self.num_evicted += 1
+                log.debug("disk store: evicted %s", old)
+
+    def remove(self, key: str, kind: Kind = "seg") -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path(key, kind).unlink()
+        if kind == "seg":
+            self._forget(key)
+
+    def has(self, key: str, kind: Kind = "seg") -> bool:
+        return self.path(key, kind).is_file()
+
+    def list_keys(self, kind: Kind = "seg") -> list[str]:
+        if kind == "blob":
+            return sorted(key for _, key, _ in self._scan("blob"))
+        self._rescan()
+        with self.lock:
+            return list(self._index)
+
+    def read_header(self, key: str) -> dict[str, Any] | None:
+        try:
+            with open(self.path(key), "rb") as f:  # no mtime update: describing is not using
+                prefix = f.read(16)
+                rest = f.read(max(codec.header_size(prefix) - len(prefix), 0))
+        except FileNotFoundError:
+            return None
+        return codec.read_header(prefix + rest)
+
+    def stored_size(self, key: str) -> int | None:
+        try:
+            return self.path(key).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def touch(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(self.path(key))
+            with self.lock:
+                if key in self._index:
+                    self._index.move_to_end(key)
+
+    def clear(self) -> None:
+        super().clear()
+        self._remove_stale_tmp()
+
+    def usage(self) -> dict[str, Any]:
+        self._rescan()
+        blobs = self._scan("blob")
+        with self.lock:
+            return {"url": f"file://{self.root.resolve()}?max_bytes={self.max_bytes}", "entries": len(self._index),
+                    "bytes": self._bytes, "capacity": self.max_bytes, "blobs": len(blobs),
+                    "blob_bytes": sum(size for _, _, size in blobs),
+                    "tmp_files": sum(1 for _ in (self.root / "tmp").glob(f"*{TMP_SUFFIX}"))}
