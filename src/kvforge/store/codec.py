@@ -81,7 +81,8 @@ def _safetensors_parts(tensors: dict[str, Tensor]) -> list[bytes | memoryview]:
     header: dict[str, Any] = {}
     buffers: list[memoryview] = []
     offset = 0
-    for name, t in tensors.items():
+    # widest dtypes first: every tensor then starts aligned to its element size (as the safetensors writer does)
+    for name, t in sorted(tensors.items(), key=lambda item: -item[1].element_size()):
         t = t.contiguous()
         if t.dtype not in _ST_DTYPES:
             raise ValueError(f"cannot store tensor {name} of dtype {t.dtype}")

@@ -39,18 +39,22 @@ class DiskStore(ByteStore):
         max_bytes: bound on the bytes of segment files (blobs not counted).
         fsync: fsync each file and its folder before the write returns (durable across power loss).
         quant: optional int8 quantisation of stored segments.
+        rescan_s: on a write, re-read the folder's listing when the last scan is older than this, so files written
+            by other processes count against ``max_bytes`` (it is always re-read before evicting).
     """
 
     scheme = "file"
 
     def __init__(self, root: str | Path, max_bytes: int = DEFAULT_DISK_BYTES, fsync: bool = True,
-                 quant: str | None = None) -> None:
+                 quant: str | None = None, rescan_s: float = 1.0) -> None:
         super().__init__(quant)
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
         self.root = Path(root).expanduser()
         self.max_bytes = max_bytes
         self.fsync = fsync
+        self.rescan_s = rescan_s
+        self._last_scan = 0.0
         for sub in ("segments", "blobs", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recently used first
@@ -84,6 +88,7 @@ class DiskStore(ByteStore):
         with self.lock:
             self._index = OrderedDict((key, size) for _, key, size in sorted(self._scan("seg")))
             self._bytes = sum(self._index.values())
+            self._last_scan = time.monotonic()
 
     def _remove_stale_tmp(self) -> None:
         now = time.time()
@@ -169,9 +174,11 @@ class DiskStore(ByteStore):
     def _evict(self, keep: str) -> None:
         """Remove least recently used segment files until the folder holds at most ``max_bytes``."""
         with self.lock:
+            if time.monotonic() - self._last_scan > self.rescan_s:
+                self._rescan()  # other processes may have written entries
             if self._bytes <= self.max_bytes:
                 return
-            self._rescan()  # other processes may have written or used entries
+            self._rescan()  # ... or used them: take the LRU order from the files' mtimes
             if keep in self._index:
                 self._index.move_to_end(keep)
             while self._bytes > self.max_bytes and len(self._index) > 1:
