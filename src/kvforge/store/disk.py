@@ -174,11 +174,13 @@ class DiskStore(ByteStore):
     def _evict(self, keep: str) -> None:
         """Remove least recently used segment files until the folder holds at most ``max_bytes``."""
         with self.lock:
-            if time.monotonic() - self._last_scan > self.rescan_s:
+            is_stale = time.monotonic() - self._last_scan > self.rescan_s
+            if is_stale:
                 self._rescan()  # other processes may have written entries
             if self._bytes <= self.max_bytes:
                 return
-            self._rescan()  # ... or used them: take the LRU order from the files' mtimes
+            if not is_stale:
+                self._rescan()  # ... or used them: take the LRU order from the files' mtimes
             if keep in self._index:
                 self._index.move_to_end(keep)
             while self._bytes > self.max_bytes and len(self._index) > 1:
