@@ -15,9 +15,16 @@ import torch
 from kvforge.types import KVSegment
 
 
-def make_segment(dtype: torch.dtype = torch.float32, lengths: tuple[int, ...] = (7, 3, 0), num_heads: int = 2,
-                 head_dim: int = 8, masked: bool = True, seed: int = 0, model_id: str = "tiny-model",
-                 meta: dict | None = None) -> KVSegment:
+def make_segment(
+    dtype: torch.dtype = torch.float32,
+    lengths: tuple[int, ...] = (7, 3, 0),
+    num_heads: int = 2,
+    head_dim: int = 8,
+    masked: bool = True,
+    seed: int = 0,
+    model_id: str = "tiny-model",
+    meta: dict | None = None,
+) -> KVSegment:
     """A segment with ragged layers, per-head positions on one layer and a valid mask on another."""
     g = torch.Generator().manual_seed(seed)
     num_tokens = max(lengths) if lengths else 0
@@ -31,9 +38,16 @@ def make_segment(dtype: torch.dtype = torch.float32, lengths: tuple[int, ...] = 
             pos = torch.arange(s).expand(num_heads, s).clone()
         positions.append(pos)
         valid.append(torch.rand(num_heads, s, generator=g) > 0.3 if masked and i == 1 else None)
-    return KVSegment(token_ids=list(range(10, 10 + num_tokens)), keys=keys, values=values, positions=positions,
-                     valid=valid, next_position=num_tokens, model_id=model_id,
-                     meta={"press": {"name": "snapkv", "compression_ratio": 0.5}} if meta is None else meta)
+    return KVSegment(
+        token_ids=list(range(10, 10 + num_tokens)),
+        keys=keys,
+        values=values,
+        positions=positions,
+        valid=valid,
+        next_position=num_tokens,
+        model_id=model_id,
+        meta={"press": {"name": "snapkv", "compression_ratio": 0.5}} if meta is None else meta,
+    )
 
 
 def free_port() -> int:
@@ -53,7 +67,8 @@ def redis_server(workdir: Path) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         _wait_until_up(port, proc)

@@ -151,5 +151,18 @@ def test_header_is_self_describing_json() -> None:
     data = encode(make_segment())
     raw = data[16 : codec.header_size(data)]
     header = json.loads(raw)
-    assert {"format", "version", "model_id", "tokenizer_id", "dtype", "layers", "token_ids", "next_position", "meta",
-            "sha256", "quant", "full_bytes", "payload_bytes"} <= header.keys()
+    assert {
+        "format",
+        "version",
+        "model_id",
+        "tokenizer_id",
+        "dtype",
+        "layers",
+        "token_ids",
+        "next_position",
+        "meta",
+        "sha256",
+        "quant",
+        "full_bytes",
+        "payload_bytes",
+    } <= header.keys()

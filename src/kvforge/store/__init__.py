@@ -44,13 +44,16 @@ def _open_one(url: str) -> ByteStore:
     parts = urlsplit(url)
     scheme = "redis" if parts.scheme == "rediss" else parts.scheme
     if scheme not in _PARAMS or "://" not in url:
-        raise UserError(f"unknown store URL {url!r}: supported are {', '.join(SCHEMES)} (e.g. file:///abs/path, "
-                        "redis://127.0.0.1:6379/0), or a comma-separated list of them for a tiered store")
+        raise UserError(
+            f"unknown store URL {url!r}: supported are {', '.join(SCHEMES)} (e.g. file:///abs/path, "
+            "redis://127.0.0.1:6379/0), or a comma-separated list of them for a tiered store"
+        )
     params = dict(parse_qsl(parts.query, keep_blank_values=True))
     unknown = set(params) - _PARAMS[scheme]
     if unknown and scheme != "redis":
-        raise UserError(f"unknown option(s) {sorted(unknown)} in store URL {url!r}; {scheme} takes "
-                        f"{sorted(_PARAMS[scheme])}")
+        raise UserError(
+            f"unknown option(s) {sorted(unknown)} in store URL {url!r}; {scheme} takes {sorted(_PARAMS[scheme])}"
+        )
     kwargs: dict[str, Any] = {}
     try:
         if "max_bytes" in params:
@@ -94,5 +97,16 @@ def open_store(url: str) -> KVStore:
     return TieredStore(stores)
 
 
-__all__ = ["SCHEMES", "ByteStore", "DiskStore", "KVStore", "MemoryStore", "TieredStore", "check_key", "decode",
-           "default_store_url", "encode", "open_store"]
+__all__ = [
+    "SCHEMES",
+    "ByteStore",
+    "DiskStore",
+    "KVStore",
+    "MemoryStore",
+    "TieredStore",
+    "check_key",
+    "decode",
+    "default_store_url",
+    "encode",
+    "open_store",
+]

@@ -125,10 +125,10 @@ class ByteStore(ABC):
         """Mark an entry as just used (LRU) without decoding it; e.g. prefixes after their suffixes."""
         self.read(key)
 
-    def ping(self) -> None:
+    def ping(self) -> None:  # noqa: B027 (optional hook)
         """Raise :class:`kvforge.errors.StoreUnavailableError` when the backend cannot be reached."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook)
         """Release connections or handles."""
 
     # ------------------------------------------------------------------------ protocol
@@ -189,8 +189,15 @@ class ByteStore(ABC):
 
         With ``deep=True`` every header is read to add tokens, uncompressed bytes and per-model counts.
         """
-        out: dict[str, Any] = {"backend": self.scheme, **self.usage(), "quant": self.quant, "hits": self.hits,
-                               "misses": self.misses, "evictions": self.num_evicted, "corrupt": self.num_corrupt}
+        out: dict[str, Any] = {
+            "backend": self.scheme,
+            **self.usage(),
+            "quant": self.quant,
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.num_evicted,
+            "corrupt": self.num_corrupt,
+        }
         total = self.hits + self.misses
         out["hit_rate"] = self.hits / total if total else None
         if deep:
@@ -243,13 +250,33 @@ def summarize_entries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         press_name = "none" if not press else str(press.get("name", press) if isinstance(press, dict) else press)
         by_press[press_name] = by_press.get(press_name, 0) + 1
         by_quant[str(s.get("quant") or "none")] = by_quant.get(str(s.get("quant") or "none"), 0) + 1
-    return {"tokens": sum(s.get("num_tokens") or 0 for s in summaries), "stored_bytes": stored, "full_bytes": full,
-            "stored_ratio": stored / full if full else None, "by_model": by_model, "by_press": by_press,
-            "by_quant": by_quant}
+    return {
+        "tokens": sum(s.get("num_tokens") or 0 for s in summaries),
+        "stored_bytes": stored,
+        "full_bytes": full,
+        "stored_ratio": stored / full if full else None,
+        "by_model": by_model,
+        "by_press": by_press,
+        "by_quant": by_quant,
+    }
 
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-               "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
 
 
 def parse_size(text: str | int) -> int:

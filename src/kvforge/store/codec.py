@@ -33,8 +33,16 @@ _PREFIX = struct.Struct("<8sQ")  # magic, header length
 
 # safetensors dtype names (https://github.com/huggingface/safetensors, format spec)
 _ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
 _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 
@@ -54,11 +62,19 @@ def _dtype_from_name(name: str) -> torch.dtype:
 # ------------------------------------------------------------------------------------------------ encode
 def _layer_tensors(i: int, seg: KVSegment, quant: str | None) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The payload tensors of layer ``i`` and its header entry."""
-    k, v, p, m = (t.detach().cpu() if t is not None else None for t in (seg.keys[i], seg.values[i], seg.positions[i],
-                                                                       seg.valid[i]))
+    k, v, p, m = (
+        t.detach().cpu() if t is not None else None
+        for t in (seg.keys[i], seg.values[i], seg.positions[i], seg.valid[i])
+    )
     assert k is not None and v is not None and p is not None
-    info: dict[str, Any] = {"k_shape": list(k.shape), "v_shape": list(v.shape), "dtype": dtype_name(k.dtype),
-                            "v_dtype": dtype_name(v.dtype), "p_dtype": dtype_name(p.dtype), "valid": m is not None}
+    info: dict[str, Any] = {
+        "k_shape": list(k.shape),
+        "v_shape": list(v.shape),
+        "dtype": dtype_name(k.dtype),
+        "v_dtype": dtype_name(v.dtype),
+        "p_dtype": dtype_name(p.dtype),
+        "valid": m is not None,
+    }
     out: dict[str, Tensor] = {}
     if quant is None:
         out[f"k.{i}"], out[f"v.{i}"] = k, v
@@ -111,13 +127,22 @@ def encode_parts(segment: KVSegment, quant: str | None = None) -> list[bytes | m
     for part in payload:
         digest.update(part)
     header = {
-        "format": FORMAT, "version": VERSION,
-        "model_id": segment.model_id, "tokenizer_id": segment.meta.get("tokenizer_id"),
-        "dtype": layers[0]["dtype"] if layers else None, "num_layers": segment.num_layers,
-        "num_tokens": segment.num_tokens, "num_entries": segment.num_entries(), "next_position": segment.next_position,
-        "full_bytes": segment.nbytes(), "payload_bytes": sum(len(memoryview(p).cast("B")) for p in payload),
-        "sha256": digest.hexdigest(), "quant": quant, "layers": layers,
-        "token_ids": [int(t) for t in segment.token_ids], "meta": segment.meta,
+        "format": FORMAT,
+        "version": VERSION,
+        "model_id": segment.model_id,
+        "tokenizer_id": segment.meta.get("tokenizer_id"),
+        "dtype": layers[0]["dtype"] if layers else None,
+        "num_layers": segment.num_layers,
+        "num_tokens": segment.num_tokens,
+        "num_entries": segment.num_entries(),
+        "next_position": segment.next_position,
+        "full_bytes": segment.nbytes(),
+        "payload_bytes": sum(len(memoryview(p).cast("B")) for p in payload),
+        "sha256": digest.hexdigest(),
+        "quant": quant,
+        "layers": layers,
+        "token_ids": [int(t) for t in segment.token_ids],
+        "meta": segment.meta,
     }
     try:
         raw = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
@@ -157,19 +182,29 @@ def read_header(data: bytes | bytearray | memoryview) -> dict[str, Any]:
     return header
 
 
-def check_header(header: dict[str, Any], expect_model_id: str | None = None, expect_tokenizer_id: str | None = None,
-                 expect_dtype: torch.dtype | None = None) -> None:
+def check_header(
+    header: dict[str, Any],
+    expect_model_id: str | None = None,
+    expect_tokenizer_id: str | None = None,
+    expect_dtype: torch.dtype | None = None,
+) -> None:
     """Raise :class:`ModelMismatchError` when the segment is of another format version, model, tokenizer or dtype."""
     if header.get("version") != VERSION:
-        raise ModelMismatchError(f"stored segment has format version {header.get('version')}, this kvforge reads "
-                                 f"version {VERSION}; clear the store (kvforge cache clear) or use a matching kvforge")
-    checks = [("model", expect_model_id, header.get("model_id")),
-              ("tokenizer", expect_tokenizer_id, header.get("tokenizer_id")),
-              ("dtype", None if expect_dtype is None else dtype_name(expect_dtype), header.get("dtype"))]
+        raise ModelMismatchError(
+            f"stored segment has format version {header.get('version')}, this kvforge reads "
+            f"version {VERSION}; clear the store (kvforge cache clear) or use a matching kvforge"
+        )
+    checks = [
+        ("model", expect_model_id, header.get("model_id")),
+        ("tokenizer", expect_tokenizer_id, header.get("tokenizer_id")),
+        ("dtype", None if expect_dtype is None else dtype_name(expect_dtype), header.get("dtype")),
+    ]
     for what, expected, found in checks:
         if expected is not None and found != expected:
-            raise ModelMismatchError(f"stored segment was made with {what} {found!r}, not {expected!r}: refusing to "
-                                     f"load another {what}'s KV cache")
+            raise ModelMismatchError(
+                f"stored segment was made with {what} {found!r}, not {expected!r}: refusing to "
+                f"load another {what}'s KV cache"
+            )
 
 
 def _read_payload(buf: memoryview, writable: bool) -> dict[str, Tensor]:
@@ -205,9 +240,14 @@ def _read_payload(buf: memoryview, writable: bool) -> dict[str, Tensor]:
     return out
 
 
-def decode(data: bytes | bytearray | memoryview, expect_model_id: str | None = None, *,
-           expect_tokenizer_id: str | None = None, expect_dtype: torch.dtype | None = None,
-           verify: bool = True) -> KVSegment:
+def decode(
+    data: bytes | bytearray | memoryview,
+    expect_model_id: str | None = None,
+    *,
+    expect_tokenizer_id: str | None = None,
+    expect_dtype: torch.dtype | None = None,
+    verify: bool = True,
+) -> KVSegment:
     """Decode bytes made by :func:`encode` into a CPU segment, bit-exact (quantised ones back in their dtype).
 
     Given a writable buffer (``bytearray``) the tensors are views into it (no copy); given ``bytes`` they are copies.
@@ -222,8 +262,9 @@ def decode(data: bytes | bytearray | memoryview, expect_model_id: str | None = N
     payload = buf[header_size(data) :]
     try:
         if len(payload) != header["payload_bytes"]:
-            raise CorruptSegmentError(f"segment truncated: payload is {len(payload)} bytes, header says "
-                                      f"{header['payload_bytes']}")
+            raise CorruptSegmentError(
+                f"segment truncated: payload is {len(payload)} bytes, header says {header['payload_bytes']}"
+            )
         if verify and hashlib.sha256(payload).hexdigest() != header["sha256"]:
             raise CorruptSegmentError("segment checksum mismatch (the stored bytes were altered)")
         writable = not buf.readonly
@@ -258,28 +299,53 @@ def _segment_from(header: dict[str, Any], tensors: dict[str, Tensor]) -> KVSegme
     meta = dict(header["meta"])
     if quant is not None:
         meta["quant"] = quant  # the caller must know this KV is approximate
-    return KVSegment(token_ids=list(header["token_ids"]), keys=keys, values=values, positions=positions, valid=valid,
-                     next_position=int(header["next_position"]), model_id=header["model_id"], meta=meta)
+    return KVSegment(
+        token_ids=list(header["token_ids"]),
+        keys=keys,
+        values=values,
+        positions=positions,
+        valid=valid,
+        next_position=int(header["next_position"]),
+        model_id=header["model_id"],
+        meta=meta,
+    )
 
 
 def summarize(header: dict[str, Any], stored_bytes: int | None = None) -> dict[str, Any]:
     """A small description of a stored segment (for ``kvforge cache ls`` and stats): no token ids, no layers."""
     meta = header.get("meta") or {}
     return {
-        "num_tokens": header.get("num_tokens"), "num_entries": header.get("num_entries"),
-        "next_position": header.get("next_position"), "num_layers": header.get("num_layers"),
-        "model_id": header.get("model_id"), "tokenizer_id": header.get("tokenizer_id"), "dtype": header.get("dtype"),
-        "quant": header.get("quant"), "press": meta.get("press"), "full_bytes": header.get("full_bytes"),
-        "stored_bytes": stored_bytes, "version": header.get("version"),
+        "num_tokens": header.get("num_tokens"),
+        "num_entries": header.get("num_entries"),
+        "next_position": header.get("next_position"),
+        "num_layers": header.get("num_layers"),
+        "model_id": header.get("model_id"),
+        "tokenizer_id": header.get("tokenizer_id"),
+        "dtype": header.get("dtype"),
+        "quant": header.get("quant"),
+        "press": meta.get("press"),
+        "full_bytes": header.get("full_bytes"),
+        "stored_bytes": stored_bytes,
+        "version": header.get("version"),
     }
 
 
 def segments_equal(a: KVSegment, b: KVSegment) -> bool:
     """Bit-exact equality of two segments (tensors with ``torch.equal``, dtypes included)."""
+
     def same(x: Sequence[Tensor | None], y: Sequence[Tensor | None]) -> bool:
         return len(x) == len(y) and all(
             (s is None and t is None) or (s is not None and t is not None and s.dtype == t.dtype and torch.equal(s, t))
-            for s, t in zip(x, y, strict=True))
-    return (a.token_ids == b.token_ids and a.next_position == b.next_position and a.model_id == b.model_id
-            and a.meta == b.meta and same(a.keys, b.keys) and same(a.values, b.values)
-            and same(a.positions, b.positions) and same(a.valid, b.valid))
+            for s, t in zip(x, y, strict=True)
+        )
+
+    return (
+        a.token_ids == b.token_ids
+        and a.next_position == b.next_position
+        and a.model_id == b.model_id
+        and a.meta == b.meta
+        and same(a.keys, b.keys)
+        and same(a.values, b.values)
+        and same(a.positions, b.positions)
+        and same(a.valid, b.valid)
+    )

@@ -45,8 +45,14 @@ class DiskStore(ByteStore):
 
     scheme = "file"
 
-    def __init__(self, root: str | Path, max_bytes: int = DEFAULT_DISK_BYTES, fsync: bool = True,
-                 quant: str | None = None, rescan_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        max_bytes: int = DEFAULT_DISK_BYTES,
+        fsync: bool = True,
+        quant: str | None = None,
+        rescan_s: float = 1.0,
+    ) -> None:
         super().__init__(quant)
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
@@ -235,7 +241,12 @@ class DiskStore(ByteStore):
         self._rescan()
         blobs = self._scan("blob")
         with self.lock:
-            return {"url": f"file://{self.root.resolve()}?max_bytes={self.max_bytes}", "entries": len(self._index),
-                    "bytes": self._bytes, "capacity": self.max_bytes, "blobs": len(blobs),
-                    "blob_bytes": sum(size for _, _, size in blobs),
-                    "tmp_files": sum(1 for _ in (self.root / "tmp").glob(f"*{TMP_SUFFIX}"))}
+            return {
+                "url": f"file://{self.root.resolve()}?max_bytes={self.max_bytes}",
+                "entries": len(self._index),
+                "bytes": self._bytes,
+                "capacity": self.max_bytes,
+                "blobs": len(blobs),
+                "blob_bytes": sum(size for _, _, size in blobs),
+                "tmp_files": sum(1 for _ in (self.root / "tmp").glob(f"*{TMP_SUFFIX}")),
+            }

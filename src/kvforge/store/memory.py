@@ -49,8 +49,9 @@ class MemoryStore(ByteStore):
                 self._blobs[check_key(key)] = data
                 return
             if len(data) > self.max_bytes:
-                log.warning("memory store: entry %s (%d bytes) exceeds max_bytes=%d; not stored", key, len(data),
-                            self.max_bytes)
+                log.warning(
+                    "memory store: entry %s (%d bytes) exceeds max_bytes=%d; not stored", key, len(data), self.max_bytes
+                )
                 return
             self.remove(key)
             self._entries[key] = data
@@ -87,6 +88,11 @@ class MemoryStore(ByteStore):
 
     def usage(self) -> dict[str, Any]:
         with self.lock:
-            return {"url": f"memory://?max_bytes={self.max_bytes}", "entries": len(self._entries),
-                    "bytes": self._bytes, "capacity": self.max_bytes, "blobs": len(self._blobs),
-                    "blob_bytes": sum(len(b) for b in self._blobs.values())}
+            return {
+                "url": f"memory://?max_bytes={self.max_bytes}",
+                "entries": len(self._entries),
+                "bytes": self._bytes,
+                "capacity": self.max_bytes,
+                "blobs": len(self._blobs),
+                "blob_bytes": sum(len(b) for b in self._blobs.values()),
+            }

@@ -45,9 +45,15 @@ class RedisStore(ByteStore):
 
     scheme = "redis"
 
-    def __init__(self, url: str = "redis://127.0.0.1:6379/0", max_bytes: int | None = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, prefix: str = "kvforge", quant: str | None = None,
-                 connect_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        max_bytes: int | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        prefix: str = "kvforge",
+        quant: str | None = None,
+        connect_timeout_s: float = 2.0,
+    ) -> None:
         super().__init__(quant)
         try:
             import redis
@@ -70,8 +76,9 @@ class RedisStore(ByteStore):
         try:
             yield
         except self._errors as e:
-            raise StoreUnavailableError(f"Redis store {self.url} is unavailable ({e}); start redis-server or "
-                                        "use another --store") from e
+            raise StoreUnavailableError(
+                f"Redis store {self.url} is unavailable ({e}); start redis-server or use another --store"
+            ) from e
 
     def _call(self, fn: Callable[[], T]) -> T:
         with self._guard():
@@ -129,8 +136,12 @@ class RedisStore(ByteStore):
             log.warning("redis store: entry %s (%d bytes) exceeds max_bytes=%d; not stored", key, size, self.max_bytes)
             return
         old = self._meta(key, kind)
-        meta: dict[str, Any] = {"nonce": secrets.token_hex(6), "chunks": -(-size // self.chunk_bytes), "bytes": size,
-                                "time": time.time()}
+        meta: dict[str, Any] = {
+            "nonce": secrets.token_hex(6),
+            "chunks": -(-size // self.chunk_bytes),
+            "bytes": size,
+            "time": time.time(),
+        }
         if kind == "seg":
             meta["summary"] = codec.summarize(codec.read_header(view), size)
         chunk_keys = self._chunk_keys(key, kind, meta)
@@ -208,7 +219,15 @@ class RedisStore(ByteStore):
         sizes = [int(v) for v in self._call(lambda: self.client.hvals(self._sizes("seg")))]
         blob_sizes = [int(v) for v in self._call(lambda: self.client.hvals(self._sizes("blob")))]
         info = self._call(lambda: self.client.info("memory"))
-        return {"url": self.url, "entries": len(sizes), "bytes": sum(sizes), "capacity": self.max_bytes,
-                "blobs": len(blob_sizes), "blob_bytes": sum(blob_sizes), "chunk_bytes": self.chunk_bytes,
-                "redis_used_memory": info.get("used_memory"), "redis_maxmemory": info.get("maxmemory"),
-                "redis_maxmemory_policy": info.get("maxmemory_policy")}
+        return {
+            "url": self.url,
+            "entries": len(sizes),
+            "bytes": sum(sizes),
+            "capacity": self.max_bytes,
+            "blobs": len(blob_sizes),
+            "blob_bytes": sum(blob_sizes),
+            "chunk_bytes": self.chunk_bytes,
+            "redis_used_memory": info.get("used_memory"),
+            "redis_maxmemory": info.get("maxmemory"),
+            "redis_maxmemory_policy": info.get("maxmemory_policy"),
+        }

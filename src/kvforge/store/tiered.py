@@ -56,8 +56,9 @@ class TieredStore:
             self._down_until[i] = time.monotonic() + self.retry_s
             if i not in self._warned:
                 self._warned.add(i)
-                log.warning("tiered store: tier %d (%s) is unavailable, continuing without it: %s", i,
-                            self.tiers[i].scheme, e)
+                log.warning(
+                    "tiered store: tier %d (%s) is unavailable, continuing without it: %s", i, self.tiers[i].scheme, e
+                )
             else:
                 log.debug("tiered store: tier %d still unavailable: %s", i, e)
             return default
@@ -85,7 +86,7 @@ class TieredStore:
             tier.hits += 1
             self.tier_hits[i] += 1
             for j in range(i):
-                self._run(j, lambda t=self.tiers[j]: t.write(key, bytes(data)), None)
+                self._run(j, lambda t=self.tiers[j], d=data: t.write(key, bytes(d)), None)
             return segment
         self.misses += 1
         return None
@@ -141,7 +142,7 @@ class TieredStore:
             found = self._run(i, lambda t=t: t.get_blob(key), None)
             if found is not None:
                 for j in range(i):
-                    self._run(j, lambda u=self.tiers[j]: u.write(key, wrap_blob(found), "blob"), None)
+                    self._run(j, lambda u=self.tiers[j], b=found: u.write(key, wrap_blob(b), "blob"), None)
                 return found
         return None
 
@@ -157,8 +158,14 @@ class TieredStore:
             tiers.append(s if s is not None else {"backend": t.scheme, "available": False})
         hits = sum(self.tier_hits)
         total = hits + self.misses
-        out: dict[str, Any] = {"backend": "tiered", "entries": len(self.keys()), "hits": hits, "misses": self.misses,
-                               "hit_rate": hits / total if total else None, "tiers": tiers}
+        out: dict[str, Any] = {
+            "backend": "tiered",
+            "entries": len(self.keys()),
+            "hits": hits,
+            "misses": self.misses,
+            "hit_rate": hits / total if total else None,
+            "tiers": tiers,
+        }
         if deep:
             out |= summarize_entries([d for k in self.keys() if (d := self.describe(k)) is not None])
         return out
@@ -172,4 +179,3 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
