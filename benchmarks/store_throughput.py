@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvforge.store import DiskStore, MemoryStore
@@ -65,10 +66,11 @@ def drop_cache(path: Path) -> None:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def read_file(path: Path) -> bytearray:
-    with open(path, "rb") as f:
-        data = bytearray(os.fstat(f.fileno()).st_size)
-        f.readinto(data)
+def read_file(path: Path) -> np.ndarray:
+    """The fastest plain read: one ``readinto`` into uninitialised memory."""
+    with open(path, "rb", buffering=0) as f:
+        data = np.empty(os.fstat(f.fileno()).st_size, dtype=np.uint8)
+        f.readinto(memoryview(data))
     return data
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import safetensors.torch
@@ -10,7 +11,7 @@ import torch
 from store_helpers import make_segment
 
 from kvforge.errors import CorruptSegmentError, ModelMismatchError
-from kvforge.store import codec
+from kvforge.store import checksum, codec
 from kvforge.store.codec import decode, encode, segments_equal
 from kvforge.store.quant import QUANT_MODES
 from kvforge.types import KVSegment
@@ -97,6 +98,29 @@ def test_corrupt_or_truncated_bytes_raise_corrupt_error() -> None:
     assert not issubclass(CorruptSegmentError, ModelMismatchError)
 
 
+@pytest.mark.parametrize("algo", ["xxh3_128", "sha256"])
+def test_checksum_algorithms(algo: str) -> None:
+    if algo == "xxh3_128":
+        pytest.importorskip("xxhash")
+    seg = make_segment(torch.float16)
+    data = encode(seg, checksum_algo=algo)
+    assert codec.read_header(data)["checksum_algo"] == algo and segments_equal(decode(data), seg)
+    flipped = bytearray(data)
+    flipped[len(data) // 2 + 40] ^= 0x01
+    with pytest.raises(CorruptSegmentError, match="checksum"):
+        decode(bytes(flipped))
+
+
+def test_without_xxhash_sha256_is_used_and_xxh3_segments_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("xxhash")
+    data = encode(make_segment(), checksum_algo="xxh3_128")
+    monkeypatch.setitem(sys.modules, "xxhash", None)  # import xxhash now fails
+    assert checksum.default_algo() == "sha256"
+    assert codec.read_header(encode(make_segment()))["checksum_algo"] == "sha256"
+    with pytest.raises(ModelMismatchError, match="pip install"):
+        decode(data)
+
+
 def test_meta_must_be_json() -> None:
     seg = make_segment(meta={"bad": object()})
     with pytest.raises(ValueError, match="JSON"):
@@ -161,7 +185,8 @@ def test_header_is_self_describing_json() -> None:
         "token_ids",
         "next_position",
         "meta",
-        "sha256",
+        "checksum_algo",
+        "checksum",
         "quant",
         "full_bytes",
         "payload_bytes",

@@ -90,7 +90,7 @@ class ByteStore(ABC):
 
     # ------------------------------------------------------------------------ raw bytes (backends implement)
     @abstractmethod
-    def read(self, key: str, kind: Kind = "seg") -> bytes | bytearray | None:
+    def read(self, key: str, kind: Kind = "seg") -> bytes | bytearray | memoryview | None:
         """The stored bytes, or None; a segment read counts as a use for LRU."""
 
     @abstractmethod
@@ -132,7 +132,7 @@ class ByteStore(ABC):
         """Release connections or handles."""
 
     # ------------------------------------------------------------------------ protocol
-    def decode_or_discard(self, key: str, data: bytes | bytearray) -> KVSegment | None:
+    def decode_or_discard(self, key: str, data: bytes | bytearray | memoryview) -> KVSegment | None:
         """Decode stored bytes; a corrupt entry is removed and reported once as a warning (None)."""
         try:
             return codec.decode(data, verify=self.verifies_checksum)

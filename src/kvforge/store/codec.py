@@ -5,15 +5,15 @@ Layout (all integers little-endian)::
     b"KVFORGE\\n"  u64 header_len  header (UTF-8 JSON, space-padded to 8 bytes)  payload (safetensors)
 
 The header says what the segment is (format version, model/tokenizer fingerprint, dtype, per-layer shapes, token ids,
-next position, meta such as the press applied, optional int8 quantisation) and carries the sha256 of the payload, so
-a reader refuses a foreign segment from the header alone and detects truncation or bit rot before trusting any tensor.
+next position, meta such as the press applied, optional int8 quantisation) and carries a checksum of the payload
+(xxh3-128, or sha256: see checksum.py), so a reader refuses a foreign segment from the header alone and detects
+truncation or bit rot before trusting any tensor.
 The payload is a plain safetensors file (``safetensors.torch.load`` reads it) holding per layer ``k.{l}``, ``v.{l}``,
 ``p.{l}`` (positions), optional ``m.{l}`` (valid mask) and, when quantised, ``k.{l}.scale``/``v.{l}.scale``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 from collections.abc import Sequence
@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 
 from kvforge.errors import CorruptSegmentError, ModelMismatchError
+from kvforge.store.checksum import checksum, default_algo
+from kvforge.store.payload import read_payload, write_payload
 from kvforge.store.quant import QUANT_MODES, dequantize, quantize
 from kvforge.types import KVSegment
 
@@ -30,21 +32,6 @@ MAGIC = b"KVFORGE\n"
 FORMAT = "kvforge-segment"
 VERSION = 1
 _PREFIX = struct.Struct("<8sQ")  # magic, header length
-
-# safetensors dtype names (https://github.com/huggingface/safetensors, format spec)
-_ST_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -92,28 +79,15 @@ def _layer_tensors(i: int, seg: KVSegment, quant: str | None) -> tuple[dict[str,
     return out, info
 
 
-def _safetensors_parts(tensors: dict[str, Tensor]) -> list[bytes | memoryview]:
-    """Serialise tensors in the safetensors format without concatenating them (the caller streams the parts)."""
-    header: dict[str, Any] = {}
-    buffers: list[memoryview] = []
-    offset = 0
-    # widest dtypes first: every tensor then starts aligned to its element size (as the safetensors writer does)
-    for name, t in sorted(tensors.items(), key=lambda item: -item[1].element_size()):
-        t = t.contiguous()
-        if t.dtype not in _ST_DTYPES:
-            raise ValueError(f"cannot store tensor {name} of dtype {t.dtype}")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-        if nbytes:
-            buffers.append(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # keeps tensor data 8-byte aligned, as the safetensors writer does
-    return [struct.pack("<Q", len(raw)), raw, *buffers]
+def encode_parts(
+    segment: KVSegment, quant: str | None = None, checksum_algo: str | None = None
+) -> list[bytes | memoryview]:
+    """The encoded segment as a list of buffers (write them in order; ``b"".join`` gives :func:`encode`).
 
-
-def encode_parts(segment: KVSegment, quant: str | None = None) -> list[bytes | memoryview]:
-    """The encoded segment as a list of buffers (write them in order; ``b"".join`` gives :func:`encode`)."""
+    Args:
+        quant: None or an int8 mode of :data:`kvforge.store.quant.QUANT_MODES`.
+        checksum_algo: ``xxh3_128`` or ``sha256``; default xxh3_128 when ``xxhash`` is installed.
+    """
     if quant is not None and quant not in QUANT_MODES:
         raise ValueError(f"unknown quantisation {quant!r}; choose from {sorted(QUANT_MODES)} or None")
     tensors: dict[str, Tensor] = {}
@@ -122,10 +96,8 @@ def encode_parts(segment: KVSegment, quant: str | None = None) -> list[bytes | m
         layer_tensors, info = _layer_tensors(i, segment, quant)
         tensors |= layer_tensors
         layers.append(info)
-    payload = _safetensors_parts(tensors)
-    digest = hashlib.sha256()
-    for part in payload:
-        digest.update(part)
+    payload = write_payload(tensors)
+    algo = checksum_algo or default_algo()
     header = {
         "format": FORMAT,
         "version": VERSION,
@@ -138,7 +110,8 @@ def encode_parts(segment: KVSegment, quant: str | None = None) -> list[bytes | m
         "next_position": segment.next_position,
         "full_bytes": segment.nbytes(),
         "payload_bytes": sum(len(memoryview(p).cast("B")) for p in payload),
-        "sha256": digest.hexdigest(),
+        "checksum_algo": algo,
+        "checksum": checksum(payload, algo),
         "quant": quant,
         "layers": layers,
         "token_ids": [int(t) for t in segment.token_ids],
@@ -152,9 +125,9 @@ def encode_parts(segment: KVSegment, quant: str | None = None) -> list[bytes | m
     return [_PREFIX.pack(MAGIC, len(raw)), raw, *payload]
 
 
-def encode(segment: KVSegment, quant: str | None = None) -> bytes:
+def encode(segment: KVSegment, quant: str | None = None, checksum_algo: str | None = None) -> bytes:
     """Encode a segment (optionally int8-quantised: ``"int8-channel"``, ``"int8-token"`` or ``"int8-kivi"``)."""
-    return b"".join(encode_parts(segment, quant))
+    return b"".join(encode_parts(segment, quant, checksum_algo))
 
 
 # ------------------------------------------------------------------------------------------------ decode
@@ -207,39 +180,6 @@ def check_header(
             )
 
 
-def _read_payload(buf: memoryview, writable: bool) -> dict[str, Tensor]:
-    """Tensors of a safetensors payload; views into ``buf`` when it is writable, copies otherwise."""
-    if len(buf) < 8:
-        raise CorruptSegmentError("payload truncated")
-    (n,) = struct.unpack_from("<Q", buf)
-    try:
-        index = json.loads(bytes(buf[8 : 8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptSegmentError(f"payload header is not valid JSON: {e}") from e
-    start = 8 + n
-    out = {}
-    for name, spec in index.items():
-        if name == "__metadata__":
-            continue
-        dtype = _TORCH_DTYPES.get(spec.get("dtype"))
-        begin, end = spec["data_offsets"]
-        shape = spec["shape"]
-        count = 1
-        for s in shape:
-            count *= s
-        if dtype is None or not 0 <= begin <= end <= len(buf) - start or (end - begin) != count * dtype.itemsize:
-            raise CorruptSegmentError(f"payload entry {name} is inconsistent")
-        if count == 0:
-            out[name] = torch.empty(shape, dtype=dtype)
-            continue
-        if writable:
-            t = torch.frombuffer(buf, dtype=torch.uint8, count=end - begin, offset=start + begin)
-        else:  # copy read-only bytes once, into a buffer the tensor owns
-            t = torch.frombuffer(bytearray(buf[start + begin : start + end]), dtype=torch.uint8)
-        out[name] = t.view(dtype).reshape(shape)
-    return out
-
-
 def decode(
     data: bytes | bytearray | memoryview,
     expect_model_id: str | None = None,
@@ -254,7 +194,7 @@ def decode(
 
     Raises:
         ModelMismatchError: another format version, or not the expected model / tokenizer / dtype.
-        CorruptSegmentError: truncated or garbled bytes, or a payload whose sha256 differs from the header's.
+        CorruptSegmentError: truncated or garbled bytes, or a payload whose checksum differs from the header's.
     """
     header = read_header(data)
     check_header(header, expect_model_id, expect_tokenizer_id, expect_dtype)
@@ -265,10 +205,10 @@ def decode(
             raise CorruptSegmentError(
                 f"segment truncated: payload is {len(payload)} bytes, header says {header['payload_bytes']}"
             )
-        if verify and hashlib.sha256(payload).hexdigest() != header["sha256"]:
+        if verify and checksum([payload], header["checksum_algo"]) != header["checksum"]:
             raise CorruptSegmentError("segment checksum mismatch (the stored bytes were altered)")
         writable = not buf.readonly
-        tensors = _read_payload(payload, writable)
+        tensors = read_payload(payload, writable)
         return _segment_from(header, tensors)
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         if isinstance(e, CorruptSegmentError):

@@ -21,6 +21,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvforge.store import codec
 from kvforge.store.base import _KEY_RE, ByteStore, Kind
 
@@ -105,19 +107,22 @@ class DiskStore(ByteStore):
                     log.info("disk store: removed a leftover partial write %s", p.name)
 
     # ------------------------------------------------------------------------------------------ raw bytes
-    def read(self, key: str, kind: Kind = "seg") -> bytearray | None:
+    def read(self, key: str, kind: Kind = "seg") -> memoryview | None:
         path = self.path(key, kind)
         try:
-            with open(path, "rb") as f:
+            with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
-                data = bytearray(size)  # writable: decoded tensors are views into it, no second copy
-                n = f.readinto(data)
+                # uninitialised (np.empty: no zeroing pass, ~3x faster than bytearray) and writable: decoded
+                # tensors are views into it, so the file's bytes are copied once, by the read itself
+                data = memoryview(np.empty(size, dtype=np.uint8))
+                n = 0
+                while n < size and (got := f.readinto(data[n:])):
+                    n += got
         except FileNotFoundError:
             if kind == "seg":
                 self._forget(key)
             return None
-        if n != size:
-            del data[n:]
+        data = data[:n]
         if kind == "seg":
             with contextlib.suppress(FileNotFoundError):
                 os.utime(path)  # the mtime is the last use: the LRU order survives restarts
