@@ -87,7 +87,6 @@ def test_disk_restart_keeps_entries_and_lru_order(tmp_path: Path) -> None:
     store = DiskStore(tmp_path, max_bytes=int(size * 3.5))
     for key in ("aa", "bb", "cc"):
         store.put(key, make_segment())
-        time.sleep(0.01)
     store.get("aa")
     store.put_blob("index", b"blob")
     reopened = DiskStore(tmp_path, max_bytes=int(size * 3.5))  # a new process: index rebuilt from the files

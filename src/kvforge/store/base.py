@@ -200,6 +200,7 @@ class ByteStore(ABC):
         }
         total = self.hits + self.misses
         out["hit_rate"] = self.hits / total if total else None
+        out["usage_ratio"] = out["bytes"] / out["capacity"] if out.get("capacity") else None
         if deep:
             out |= summarize_entries([d for k in self.keys() if (d := self.describe(k)) is not None])
         return out

@@ -190,7 +190,7 @@ def decode(
 ) -> KVSegment:
     """Decode bytes made by :func:`encode` into a CPU segment, bit-exact (quantised ones back in their dtype).
 
-    Given a writable buffer (``bytearray``) the tensors are views into it (no copy); given ``bytes`` they are copies.
+    Given a writable buffer (``bytearray``) the tensors are views into it (no copy); given ``bytes``, into a copy.
 
     Raises:
         ModelMismatchError: another format version, or not the expected model / tokenizer / dtype.
@@ -207,8 +207,7 @@ def decode(
             )
         if verify and checksum([payload], header["checksum_algo"]) != header["checksum"]:
             raise CorruptSegmentError("segment checksum mismatch (the stored bytes were altered)")
-        writable = not buf.readonly
-        tensors = read_payload(payload, writable)
+        tensors = read_payload(payload)
         return _segment_from(header, tensors)
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         if isinstance(e, CorruptSegmentError):

@@ -63,6 +63,7 @@ class DiskStore(ByteStore):
         self.fsync = fsync
         self.rescan_s = rescan_s
         self._last_scan = 0.0
+        self._last_ns = 0
         for sub in ("segments", "blobs", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recently used first
@@ -76,7 +77,7 @@ class DiskStore(ByteStore):
             return self.root / "blobs" / f"{key}{BLOB_SUFFIX}"
         return self.root / "segments" / key[:2] / f"{key}{SEG_SUFFIX}"
 
-    def _scan(self, kind: Kind) -> list[tuple[float, str, int]]:
+    def _scan(self, kind: Kind) -> list[tuple[int, str, int]]:
         """(mtime, key, size) of the files of ``kind`` on disk, foreign files skipped."""
         out = []
         pattern = f"*/*{SEG_SUFFIX}" if kind == "seg" else f"*{BLOB_SUFFIX}"
@@ -88,7 +89,7 @@ class DiskStore(ByteStore):
                 st = p.stat()
             except FileNotFoundError:  # removed meanwhile by another process
                 continue
-            out.append((st.st_mtime, key, st.st_size))
+            out.append((st.st_mtime_ns, key, st.st_size))
         return out
 
     def _rescan(self) -> None:
@@ -125,7 +126,7 @@ class DiskStore(ByteStore):
         data = data[:n]
         if kind == "seg":
             with contextlib.suppress(FileNotFoundError):
-                os.utime(path)  # the mtime is the last use: the LRU order survives restarts
+                self._stamp(path)  # the mtime is the last use: the LRU order survives restarts
             with self.lock:
                 if key in self._index:
                     self._index.move_to_end(key)
@@ -153,6 +154,7 @@ class DiskStore(ByteStore):
                 f.flush()
                 if self.fsync:
                     os.fsync(f.fileno())
+            self._stamp(tmp)
             os.replace(tmp, path)  # atomic: readers see the old file or the new one
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
@@ -166,6 +168,13 @@ class DiskStore(ByteStore):
                 self._index[key] = size
                 self._bytes += size
             self._evict(keep=key)
+
+    def _stamp(self, path: Path) -> None:
+        """Set the mtime to now with ns precision, strictly increasing in this process (the kernel's own file
+        timestamps tick per jiffy: entries used within one tick would tie)."""
+        with self.lock:
+            self._last_ns = max(time.time_ns(), self._last_ns + 1)
+            os.utime(path, ns=(self._last_ns, self._last_ns))
 
     @staticmethod
     def _fsync_dir(folder: Path) -> None:
@@ -233,7 +242,7 @@ class DiskStore(ByteStore):
 
     def touch(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            os.utime(self.path(key))
+            self._stamp(self.path(key))
             with self.lock:
                 if key in self._index:
                     self._index.move_to_end(key)

@@ -11,6 +11,7 @@ import json
 import struct
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -52,8 +53,10 @@ def write_payload(tensors: dict[str, Tensor]) -> list[bytes | memoryview]:
     return [struct.pack("<Q", len(raw)), raw, *buffers]
 
 
-def read_payload(buf: memoryview, writable: bool) -> dict[str, Tensor]:
-    """Tensors of a safetensors payload; views into ``buf`` when it is writable, copies otherwise."""
+def read_payload(buf: memoryview) -> dict[str, Tensor]:
+    """Tensors of a safetensors payload: views into ``buf`` when it is writable, else into one copy of it."""
+    if buf.readonly:  # one allocation and one copy for the whole payload, not one per tensor
+        buf = memoryview(np.frombuffer(buf, dtype=np.uint8).copy())
     if len(buf) < 8:
         raise CorruptSegmentError("payload truncated")
     (n,) = struct.unpack_from("<Q", buf)
@@ -77,9 +80,6 @@ def read_payload(buf: memoryview, writable: bool) -> dict[str, Tensor]:
         if count == 0:
             out[name] = torch.empty(shape, dtype=dtype)
             continue
-        if writable:
-            t = torch.frombuffer(buf, dtype=torch.uint8, count=end - begin, offset=start + begin)
-        else:  # copy read-only bytes once, into a buffer the tensor owns
-            t = torch.frombuffer(bytearray(buf[start + begin : start + end]), dtype=torch.uint8)
+        t = torch.frombuffer(buf, dtype=torch.uint8, count=end - begin, offset=start + begin)
         out[name] = t.view(dtype).reshape(shape)
     return out
