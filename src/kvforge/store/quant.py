@@ -36,12 +36,12 @@ def quantize(x: Tensor, axis: str, valid: Tensor | None = None) -> tuple[Tensor,
         shape = list(xf.shape)
         shape[dim] = 1
         return torch.zeros(xf.shape, dtype=torch.int8), torch.ones(shape, dtype=torch.float32)
-    scale = xf.abs().amax(dim=dim, keepdim=True) / 127.0
+    scale = xf.abs().amax(dim=dim, keepdim=True).div_(127.0)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero rows: any scale works
-    q = torch.round(xf / scale).clamp_(-127, 127).to(torch.int8)
+    q = xf.div(scale).round_().clamp_(-127, 127).to(torch.int8)  # in place: fewer temporaries
     return q, scale
 
 
 def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """``q * scale`` back in ``dtype``."""
-    return (q.float() * scale).to(dtype)
+    return q.float().mul_(scale).to(dtype)
