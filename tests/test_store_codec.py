@@ -71,6 +71,14 @@ def test_refuses_another_model_tokenizer_or_dtype() -> None:
         decode(data, expect_dtype=torch.float32)
 
 
+def test_check_segment_after_a_store_get() -> None:
+    seg = decode(encode(make_segment(torch.bfloat16, meta={"tokenizer_id": "tok-a"})))
+    codec.check_segment(seg, "tiny-model", "tok-a", torch.bfloat16)
+    for bad in ({"expect_model_id": "m2"}, {"expect_tokenizer_id": "tok-b"}, {"expect_dtype": torch.float16}):
+        with pytest.raises(ModelMismatchError):
+            codec.check_segment(seg, **bad)
+
+
 def test_refuses_another_format_version() -> None:
     data = encode(make_segment())
     patched = data.replace(b'"version":1,', b'"version":9,', 1)  # same length: the header stays well-formed

@@ -14,7 +14,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from kvforge.errors import UserError
 from kvforge.paths import cache_dir
 from kvforge.store.base import ByteStore, KVStore, check_key, parse_size
-from kvforge.store.codec import decode, encode
+from kvforge.store.codec import check_segment, decode, encode
 from kvforge.store.disk import DiskStore
 from kvforge.store.memory import MemoryStore
 from kvforge.store.tiered import TieredStore
@@ -105,6 +105,7 @@ __all__ = [
     "MemoryStore",
     "TieredStore",
     "check_key",
+    "check_segment",
     "decode",
     "default_store_url",
     "encode",

@@ -180,6 +180,18 @@ def check_header(
             )
 
 
+def check_segment(
+    segment: KVSegment,
+    expect_model_id: str | None = None,
+    expect_tokenizer_id: str | None = None,
+    expect_dtype: torch.dtype | None = None,
+) -> None:
+    """The checks of :func:`check_header`, on a segment a store returned (``store.get`` does not know the model)."""
+    dtype = dtype_name(segment.keys[0].dtype) if segment.keys else None
+    header = {"version": VERSION, "model_id": segment.model_id, "tokenizer_id": segment.meta.get("tokenizer_id")}
+    check_header(header | {"dtype": dtype}, expect_model_id, expect_tokenizer_id, expect_dtype)
+
+
 def decode(
     data: bytes | bytearray | memoryview,
     expect_model_id: str | None = None,
