@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -148,6 +149,26 @@ def test_disk_failed_write_keeps_the_old_entry(tmp_path: Path, monkeypatch: pyte
     monkeypatch.undo()
     assert segments_equal(store.get("aa"), make_segment(seed=1))
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_disk_full_is_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    store = DiskStore(tmp_path)
+    store.put("aa", make_segment(seed=1))
+
+    def full(*args: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    store.put("aa", make_segment(seed=2))
+    monkeypatch.undo()
+    assert "no space left" in caplog.text and segments_equal(store.get("aa"), make_segment(seed=1))
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_disk_store_in_an_unusable_place(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(UserError, match=r"cannot use .* as a disk store"):
+        DiskStore(tmp_path / "file" / "kv")
 
 
 def test_disk_ignores_foreign_files(tmp_path: Path) -> None:

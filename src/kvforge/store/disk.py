@@ -13,6 +13,7 @@ eviction is due, so several processes can share one folder. Files that do not fo
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from kvforge.errors import UserError
 from kvforge.store import codec
 from kvforge.store.base import _KEY_RE, ByteStore, Kind
 
@@ -64,8 +66,11 @@ class DiskStore(ByteStore):
         self.rescan_s = rescan_s
         self._last_scan = 0.0
         self._last_ns = 0
-        for sub in ("segments", "blobs", "tmp"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        try:
+            for sub in ("segments", "blobs", "tmp"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"cannot use {self.root} as a disk store: {e}") from e
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recently used first
         self._bytes = 0
         self._remove_stale_tmp()
@@ -156,9 +161,12 @@ class DiskStore(ByteStore):
                     os.fsync(f.fileno())
             self._stamp(tmp)
             os.replace(tmp, path)  # atomic: readers see the old file or the new one
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                log.warning("disk store: no space left for %s (%s); not stored", key, e)
+                return  # a cache that cannot grow is not an error for the caller
             raise
         if self.fsync:
             self._fsync_dir(path.parent)
