@@ -62,7 +62,7 @@ def wrap_blob(data: bytes) -> bytes:
     return _BLOB_MAGIC + hashlib.sha256(data).digest() + bytes(data)
 
 
-def unwrap_blob(raw: bytes | bytearray) -> bytes:
+def unwrap_blob(raw: bytes | bytearray | memoryview) -> bytes:
     if len(raw) < 40 or raw[:8] != _BLOB_MAGIC:
         raise CorruptSegmentError("not a kvforge blob")
     data = bytes(raw[40:])

@@ -120,7 +120,7 @@ class DiskStore(ByteStore):
                 size = os.fstat(f.fileno()).st_size
                 # uninitialised (np.empty: no zeroing pass, ~3x faster than bytearray) and writable: decoded
                 # tensors are views into it, so the file's bytes are copied once, by the read itself
-                data = memoryview(np.empty(size, dtype=np.uint8))
+                data = np.empty(size, dtype=np.uint8).data
                 n = 0
                 while n < size and (got := f.readinto(data[n:])):
                     n += got

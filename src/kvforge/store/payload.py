@@ -47,7 +47,7 @@ def write_payload(tensors: dict[str, Tensor]) -> list[bytes | memoryview]:
         header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
         if nbytes:
-            buffers.append(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+            buffers.append(t.view(torch.uint8).reshape(-1).numpy().data)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # keeps tensor data 8-byte aligned, as the safetensors writer does
     return [struct.pack("<Q", len(raw)), raw, *buffers]
@@ -56,7 +56,7 @@ def write_payload(tensors: dict[str, Tensor]) -> list[bytes | memoryview]:
 def read_payload(buf: memoryview) -> dict[str, Tensor]:
     """Tensors of a safetensors payload: views into ``buf`` when it is writable, else into one copy of it."""
     if buf.readonly:  # one allocation and one copy for the whole payload, not one per tensor
-        buf = memoryview(np.frombuffer(buf, dtype=np.uint8).copy())
+        buf = np.frombuffer(buf, dtype=np.uint8).copy().data
     if len(buf) < 8:
         raise CorruptSegmentError("payload truncated")
     (n,) = struct.unpack_from("<Q", buf)

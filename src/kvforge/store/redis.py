@@ -20,14 +20,13 @@ import secrets
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from kvforge.errors import StoreUnavailableError
 from kvforge.store import codec
 from kvforge.store.base import ByteStore, Kind
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 DEFAULT_CHUNK_BYTES = 64 * 1024**2
 
@@ -80,7 +79,7 @@ class RedisStore(ByteStore):
                 f"Redis store {self.url} is unavailable ({e}); start redis-server or use another --store"
             ) from e
 
-    def _call(self, fn: Callable[[], T]) -> T:
+    def _call(self, fn: Callable[[], Any]) -> Any:
         with self._guard():
             return fn()
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any
 
 from kvforge.errors import StoreUnavailableError
 from kvforge.store import codec
@@ -17,7 +18,6 @@ from kvforge.store.base import ByteStore, check_key, summarize_entries, wrap_blo
 from kvforge.types import KVSegment
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class TieredStore:
@@ -46,7 +46,7 @@ class TieredStore:
     def _available(self, i: int) -> bool:
         return time.monotonic() >= self._down_until.get(i, 0.0)
 
-    def _run(self, i: int, fn: Callable[[], T], default: T) -> T:
+    def _run(self, i: int, fn: Callable[[], Any], default: Any) -> Any:
         """Call ``fn`` on tier ``i``; if the tier is unavailable, mark it down and return ``default``."""
         if not self._available(i):
             return default
@@ -76,7 +76,7 @@ class TieredStore:
         """The first tier holding a readable copy answers; the bytes are then copied into the faster tiers."""
         check_key(key)
         for i, tier in enumerate(self.tiers):
-            data = self._run(i, lambda t=tier: t.read(key), None)
+            data = self._run(i, partial(tier.read, key), None)
             if data is None:
                 tier.misses += 1
                 continue
@@ -86,7 +86,7 @@ class TieredStore:
             tier.hits += 1
             self.tier_hits[i] += 1
             for j in range(i):
-                self._run(j, lambda t=self.tiers[j], d=data: t.write(key, bytes(d)), None)
+                self._run(j, partial(self.tiers[j].write, key, bytes(data)), None)
             return segment
         self.misses += 1
         return None
@@ -98,20 +98,20 @@ class TieredStore:
         for i, tier in enumerate(self.tiers):
             if tier.quant not in encoded:
                 encoded[tier.quant] = codec.encode_parts(segment, tier.quant)
-            self._run(i, lambda t=tier, p=encoded[tier.quant]: t.write_parts(key, p), None)
+            self._run(i, partial(tier.write_parts, key, encoded[tier.quant]), None)
 
     def contains(self, key: str) -> bool:
         check_key(key)
-        return any(self._run(i, lambda t=t: t.has(key), False) for i, t in enumerate(self.tiers))
+        return any(self._run(i, partial(t.has, key), False) for i, t in enumerate(self.tiers))
 
     def touch(self, key: str) -> None:
         for i, t in enumerate(self.tiers):
-            self._run(i, lambda t=t: t.touch(key), None)
+            self._run(i, partial(t.touch, key), None)
 
     def delete(self, key: str) -> None:
         check_key(key)
         for i, t in enumerate(self.tiers):
-            self._run(i, lambda t=t: t.remove(key), None)
+            self._run(i, partial(t.remove, key), None)
 
     def keys(self) -> list[str]:
         seen: dict[str, None] = {}
@@ -121,7 +121,7 @@ class TieredStore:
 
     def describe(self, key: str) -> dict[str, Any] | None:
         for i, t in enumerate(self.tiers):
-            found = self._run(i, lambda t=t: t.describe(key) if t.has(key) else None, None)
+            found = self._run(i, partial(_describe, t, key), None)
             if found is not None:
                 return found
         return None
@@ -134,27 +134,27 @@ class TieredStore:
         check_key(key)
         wrapped = wrap_blob(data)
         for i, t in enumerate(self.tiers):
-            self._run(i, lambda t=t: t.write(key, wrapped, "blob"), None)
+            self._run(i, partial(t.write, key, wrapped, "blob"), None)
 
     def get_blob(self, key: str) -> bytes | None:
         check_key(key)
         for i, t in enumerate(self.tiers):
-            found = self._run(i, lambda t=t: t.get_blob(key), None)
+            found = self._run(i, partial(t.get_blob, key), None)
             if found is not None:
                 for j in range(i):
-                    self._run(j, lambda u=self.tiers[j], b=found: u.write(key, wrap_blob(b), "blob"), None)
+                    self._run(j, partial(self.tiers[j].write, key, wrap_blob(found), "blob"), None)
                 return found
         return None
 
     def delete_blob(self, key: str) -> None:
         for i, t in enumerate(self.tiers):
-            self._run(i, lambda t=t: t.delete_blob(key), None)
+            self._run(i, partial(t.delete_blob, key), None)
 
     def stats(self, deep: bool = False) -> dict[str, Any]:
         """Overall hits/misses, plus each tier's own stats (``hits`` there = requests that tier answered)."""
         tiers = []
         for i, t in enumerate(self.tiers):
-            s = self._run(i, lambda t=t: t.stats(), None)
+            s = self._run(i, t.stats, None)
             tiers.append(s if s is not None else {"backend": t.scheme, "available": False})
         hits = sum(self.tier_hits)
         total = hits + self.misses
@@ -179,3 +179,7 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _describe(tier: ByteStore, key: str) -> dict[str, Any] | None:
+    return tier.describe(key) if tier.has(key) else None
