@@ -151,6 +151,9 @@ def test_tiered_survives_redis_going_down(tmp_path: Path, caplog: pytest.LogCapt
         store.tiers[0].clear()
         store.tiers[1].clear()
         assert segments_equal(store.get("aa"), make_segment()) and store.tier_hits == [0, 0, 1]  # from Redis
+        assert store.tiers[0].contains("aa")  # promoted into memory at once ...
+        store.flush()
+        assert store.tiers[1].contains("aa")  # ... and into the disk tier in the background
     with caplog.at_level(logging.WARNING):  # the server is gone now
         for _ in range(3):
             store.put("bb", make_segment(seed=3))

@@ -1,5 +1,9 @@
 """Tiered store (e.g. memory -> disk -> Redis): read the fastest tier holding a key, promote on hit, write through.
 
+Promotion into the memory tier is immediate; into slower tiers (a Redis hit copied to disk) it runs on a background
+thread, so a hit is not delayed by a disk write; ``flush()`` waits for it (``close()`` too, and so does interpreter
+exit: the worker finishes its queue).
+
 A tier that becomes unreachable (Redis down) is skipped with ONE warning; it is retried after ``retry_s`` and a
 recovery is logged. Entries move between tiers as encoded bytes (no decode/encode on promotion).
 """
@@ -9,12 +13,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
 from kvforge.errors import StoreUnavailableError
 from kvforge.store import codec
-from kvforge.store.base import ByteStore, check_key, summarize_entries, wrap_blob
+from kvforge.store.base import ByteStore, Kind, check_key, summarize_entries, wrap_blob
+from kvforge.store.memory import MemoryStore
 from kvforge.types import KVSegment
 
 log = logging.getLogger(__name__)
@@ -39,6 +45,8 @@ class TieredStore:
         self._warned: set[int] = set()
         self.tier_hits = [0] * len(tiers)
         self.misses = 0
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvforge-promote")
+        self._pending: list[Future] = []
         for i, tier in enumerate(tiers):
             self._run(i, tier.ping, None)  # warn now, at open, if a tier is already down
 
@@ -85,11 +93,27 @@ class TieredStore:
                 continue
             tier.hits += 1
             self.tier_hits[i] += 1
-            for j in range(i):
-                self._run(j, partial(self.tiers[j].write, key, bytes(data)), None)
+            if i:
+                self._promote(i, key, bytes(data))  # a copy: the segment's tensors are views into ``data``
             return segment
         self.misses += 1
         return None
+
+    def _promote(self, i: int, key: str, data: bytes, kind: Kind = "seg") -> None:
+        """Copy an entry found in tier ``i`` into the faster tiers (memory now, others in the background)."""
+        for j in range(i):
+            write = partial(self._run, j, partial(self.tiers[j].write, key, data, kind), None)
+            if isinstance(self.tiers[j], MemoryStore):
+                write()
+            else:
+                self._pending = [f for f in self._pending if not f.done()]
+                self._pending.append(self._background.submit(_logged, write))
+
+    def flush(self) -> None:
+        """Wait for background promotions."""
+        for future in self._pending:
+            future.result()
+        self._pending.clear()
 
     def put(self, key: str, segment: KVSegment) -> None:
         """Write through to every available tier (encoded once per quantisation setting)."""
@@ -141,8 +165,7 @@ class TieredStore:
         for i, t in enumerate(self.tiers):
             found = self._run(i, partial(t.get_blob, key), None)
             if found is not None:
-                for j in range(i):
-                    self._run(j, partial(self.tiers[j].write, key, wrap_blob(found), "blob"), None)
+                self._promote(i, key, wrap_blob(found), "blob")
                 return found
         return None
 
@@ -171,6 +194,8 @@ class TieredStore:
         return out
 
     def close(self) -> None:
+        self.flush()
+        self._background.shutdown(wait=True)
         for t in self.tiers:
             t.close()
 
@@ -183,3 +208,11 @@ class TieredStore:
 
 def _describe(tier: ByteStore, key: str) -> dict[str, Any] | None:
     return tier.describe(key) if tier.has(key) else None
+
+
+def _logged(fn: Callable[[], Any]) -> None:
+    """Run a background write; an error there is a warning (the entry is still in the tier it came from)."""
+    try:
+        fn()
+    except Exception as e:
+        log.warning("tiered store: background promotion failed: %s", e)
