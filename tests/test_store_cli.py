@@ -12,11 +12,6 @@ from kvforge import cli
 from kvforge.store import open_store
 
 
-@pytest.fixture(autouse=True)
-def only_cache_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ["kvforge.commands.cache"])
-
-
 def test_cache_ls_stats_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     url = f"file://{tmp_path}/kv"
     store = open_store(url)
