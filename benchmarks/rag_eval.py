@@ -23,9 +23,13 @@ from kvforge.rag.evaluate import RagConfig, evaluate, load_musique, make_needle_
 
 
 def load(name: str):
-    from kvforge.commands.rag import load as load_cli
+    from transformers.utils import logging as hf_logging
 
-    return load_cli(name)
+    from kvforge.model import load_model
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    return load_model(name)
 
 
 def configs(strategies: list[str], ratios: list[float], aux_names: list[str]) -> list[RagConfig]:

@@ -4,6 +4,7 @@ import argparse
 
 import pytest
 
+from kvforge.cli import main
 from kvforge.commands import rag as rag_command
 from kvforge.errors import UserError
 from kvforge.testing import tiny_model, tiny_tokenizer
@@ -35,6 +36,18 @@ def run(argv):
     return args.func(args)
 
 
+def test_registered_in_the_cli(model_dir, docs, tmp_path, capsys):
+    store = f"file://{tmp_path / 'kv'}"
+    argv = ["rag", "--model", str(model_dir), "--docs", *docs, "--question", "Code?", "--strategy", "cacheclip",
+            "--store", store, "--max-new-tokens", "2"]
+    assert main(argv) == 0
+    assert "chunk_misses=3" in capsys.readouterr().err
+    assert main(argv) == 0  # second run: chunks come from the disk store
+    err = capsys.readouterr().err
+    assert "chunk_misses=0" in err and "chunk_hits=0" not in err
+    assert main(["rag", "--model", str(model_dir), "--docs", str(tmp_path / "nope.txt"), "--question", "q"]) == 2
+
+
 @pytest.mark.parametrize("strategy", ["full", "naive", "ape", "cacheblend", "cacheclip"])
 def test_rag_command_answers_and_reports(model_dir, docs, strategy, capsys):
     argv = ["--model", str(model_dir), "--docs", *docs, "--question", "What is the code?", "--strategy", strategy,
@@ -47,7 +60,7 @@ def test_rag_command_answers_and_reports(model_dir, docs, strategy, capsys):
 
 
 def test_rag_command_errors(model_dir, docs, tmp_path):
-    with pytest.raises(UserError, match="cannot read"):
+    with pytest.raises(UserError, match="not found"):
         run(["--model", str(model_dir), "--docs", str(tmp_path / "missing.txt"), "--question", "q"])
     with pytest.raises(UserError, match="recompute-ratio"):
         run(["--model", str(model_dir), "--docs", *docs, "--question", "q", "--recompute-ratio", "2"])

@@ -146,3 +146,10 @@ def test_bad_arguments():
         CacheClipStrategy(recompute_ratio=1.5)
     with pytest.raises(ValueError, match="temperature"):
         APEStrategy(temperature=0.0)
+
+
+def test_answer_api_reports_reuse(rag):
+    gen, result = rag.answer(DOCS, QUESTION, make_strategy("cacheclip", recompute_ratio=0.25), max_new_tokens=3)
+    assert gen.reused_tokens == result.num_reused > 0 and gen.prompt_tokens == result.num_tokens
+    assert gen.info["strategy"] == "cacheclip" and gen.info["recomputed_tokens"] == result.num_recomputed
+    assert len(gen.token_ids) <= 3 and gen.ttft_s > 0

@@ -5,59 +5,37 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from kvforge.commands._common import add_model_args, load, read_text_file
 from kvforge.errors import UserError
 
-
-def load(name: str) -> tuple[Any, Any]:
-    """``kvforge.model.load_model`` when present; else a local Hugging Face folder."""
-    try:
-        from kvforge.model import load_model
-    except ImportError:
-        load_model = None
-    if load_model is not None:
-        return load_model(name)
-    if not Path(name).is_dir():
-        raise UserError(f"model {name!r} is not a folder (built-in names need kvforge.model)")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(name)
+STRATEGY_NAMES = ["full", "naive", "ape", "cacheblend", "cacheclip"]
 
 
 def open_segment_store(url: str | None) -> Any:
     if url is None:
         return None
-    try:
-        from kvforge.store import open_store
-    except ImportError as e:
-        raise UserError("--store needs kvforge.store, which this build lacks") from e
+    from kvforge.store import open_store
+
     return open_store(url)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvforge.rag import RagModel, make_strategy
-    from kvforge.rag.pipeline import greedy_decode
 
-    docs = []
-    for f in args.docs:
-        try:
-            docs.append(Path(f).read_text(encoding="utf-8"))
-        except OSError as e:
-            raise UserError(f"cannot read document {f}: {e.strerror}") from e
+    docs = [read_text_file(f) for f in args.docs]
     if args.recompute_ratio is not None and not 0.0 <= args.recompute_ratio <= 1.0:
         raise UserError(f"--recompute-ratio must be in [0, 1], got {args.recompute_ratio}")
+    if args.aux_model and args.strategy != "cacheclip":
+        raise UserError("--aux-model only applies to --strategy cacheclip")
     store = open_segment_store(args.store)
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args)
     rag = RagModel(model, tokenizer, store)
     kwargs: dict[str, Any] = {}
     if args.aux_model:
-        if args.strategy != "cacheclip":
-            raise UserError("--aux-model only applies to --strategy cacheclip")
-        aux_model, aux_tok = load(args.aux_model)
-        kwargs["aux"] = RagModel(aux_model, aux_tok, store)
+        aux_args = argparse.Namespace(model=args.aux_model, device=args.device, dtype=args.dtype)
+        kwargs["aux"] = RagModel(*load(aux_args), store=store)
     strategy = make_strategy(args.strategy, args.recompute_ratio, **kwargs)
     separator = args.separator.encode().decode("unicode_escape")
     try:
@@ -65,9 +43,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UserError(str(e)) from e
     start = time.perf_counter()
-    strategy.warm(rag, prompt)
+    strategy.warm(rag, prompt)  # precompute + store chunks (a hit when --store already holds them)
     warm_s = time.perf_counter() - start
     result = rag.prefill(prompt, strategy)
+    from kvforge.rag.pipeline import greedy_decode
+
     ids = greedy_decode(rag.model, tokenizer, result.cache, result.logits, args.max_new_tokens)
     print(tokenizer.decode(ids, skip_special_tokens=True).strip())
     print(
@@ -81,12 +61,12 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: Any, bench_sub: Any) -> None:
     p = sub.add_parser("rag", help="answer over documents reusing per-chunk KV (naive, ape, cacheblend, cacheclip)")
-    p.add_argument("--model", required=True, help="model name or folder")
+    add_model_args(p)
     p.add_argument("--docs", nargs="+", required=True, metavar="FILE", help="one document (chunk) per text file")
     p.add_argument("--question", required=True)
-    p.add_argument("--strategy", default="cacheclip", choices=["full", "naive", "ape", "cacheblend", "cacheclip"])
+    p.add_argument("--strategy", default="cacheclip", choices=STRATEGY_NAMES)
     p.add_argument("--recompute-ratio", type=float, default=None, help="share of context tokens recomputed (0.2)")
-    p.add_argument("--store", default=None, help="chunk KV store URL (default: in memory, this run only)")
+    p.add_argument("--store", default=None, help="chunk KV store URL, e.g. file:///dir (default: in memory)")
     p.add_argument("--aux-model", default=None, help="CacheClip auxiliary model (default: the model itself)")
     p.add_argument("--system", default=None, help="system prompt (part of the shared prefix)")
     p.add_argument("--separator", default="\\n\\n", help="text between documents (escapes allowed)")

@@ -15,6 +15,7 @@ from kvforge.cache import KVCache
 from kvforge.rag.assemble import Assembly, assemble
 from kvforge.rag.chunks import ChunkCache, RagPrompt, SegmentStore, build_prompt, model_id_of
 from kvforge.rag.rope import RopeSpec, rope_spec
+from kvforge.types import Generation
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,25 @@ class RagModel:
             prefix = prefix.to(device) if prefix is not None else None
             return assemble(prompt, prefix, segments, self.rope, ape=ape)
 
+    def answer(
+        self, docs: list[str], question: str, strategy: Any, system: str | None = None, max_new_tokens: int = 64,
+        separator: str = "\n\n",
+    ) -> tuple[Generation, RagResult]:
+        """Precompute/store the chunks, prefill with ``strategy`` (timed), decode greedily."""
+        prompt = self.build_prompt(docs, question, system, separator)
+        strategy.warm(self, prompt)
+        result = self.prefill(prompt, strategy)
+        ids = greedy_decode(self.model, self.tokenizer, result.cache, result.logits, max_new_tokens)
+        gen = Generation(
+            text=self.tokenizer.decode(ids, skip_special_tokens=True).strip(), token_ids=ids,
+            prompt_tokens=result.num_tokens, ttft_s=result.ttft_s, decode_s=0.0,
+            finish_reason="length" if len(ids) >= max_new_tokens else "stop", reused_tokens=result.num_reused,
+            cache_bytes=result.cache.nbytes(),
+            info={"strategy": result.strategy, "recomputed_tokens": result.num_recomputed,
+                  "fresh_tokens": result.num_fresh} | result.info,
+        )
+        return gen, result
+
     def prefill(self, prompt: RagPrompt, strategy: Any) -> RagResult:
         """Run ``strategy`` (see :data:`kvforge.rag.STRATEGIES`) on ``prompt``; ``ttft_s`` is its wall time."""
         start = time.perf_counter()
@@ -102,18 +122,9 @@ class RagModel:
         return result
 
 
-@torch.inference_mode()
+
 def greedy_decode(model: Any, tokenizer: Any, cache: KVCache, logits: Tensor, max_new_tokens: int) -> list[int]:
     """Greedy tokens from a prefilled cache until EOS or ``max_new_tokens`` (the cache is extended in place)."""
-    from kvforge.prefill import forward
+    from kvforge.decode import decode, eos_ids
 
-    eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
-    stop = set(eos if isinstance(eos, list) else [eos]) - {None}
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        nxt = int(logits[0].argmax())
-        if nxt in stop:
-            break
-        out.append(nxt)
-        logits = forward(model, [nxt], cache)[:, -1]
-    return out
+    return list(decode(model, cache, logits, max_new_tokens, eos_token_ids=eos_ids(model, tokenizer)).token_ids)
