@@ -87,9 +87,13 @@ def _template_halves(tokenizer: Any, system: str | None) -> tuple[str, str]:
 
 
 def build_prompt(
-    tokenizer: Any, docs: list[str], question: str, system: str | None = None, separator: str = "\n\n"
+    tokenizer: Any, docs: list[str], question: str, system: str | None = None, separator: str = "\n\n",
+    answer_prefix: str = "",
 ) -> RagPrompt:
-    """Tokenise a RAG prompt piece by piece (chat template around ``docs`` joined by ``separator`` + question)."""
+    """Tokenise a RAG prompt piece by piece (chat template around ``docs`` joined by ``separator`` + question).
+
+    ``answer_prefix`` starts the assistant's answer (after the assistant header).
+    """
     if not docs:
         raise ValueError("a RAG prompt needs at least one document")
     head, tail = _template_halves(tokenizer, system)
@@ -101,7 +105,7 @@ def build_prompt(
         prefix_ids=tokenizer(head, add_special_tokens=False)["input_ids"] if head else [],
         chunk_ids=[list(e["input_ids"]) for e in enc],
         sep_ids=tokenizer(separator, add_special_tokens=False)["input_ids"] if separator else [],
-        question_ids=tokenizer(question + tail, add_special_tokens=False)["input_ids"],
+        question_ids=tokenizer(question + tail + answer_prefix, add_special_tokens=False)["input_ids"],
         chunk_texts=list(docs),
         chunk_offsets=[[tuple(o) for o in e["offset_mapping"]] for e in enc],
         question=question,

@@ -74,9 +74,10 @@ class RagModel:
         return self._rope
 
     def build_prompt(
-        self, docs: list[str], question: str, system: str | None = None, separator: str = "\n\n"
+        self, docs: list[str], question: str, system: str | None = None, separator: str = "\n\n",
+        answer_prefix: str = "",
     ) -> RagPrompt:
-        return build_prompt(self.tokenizer, docs, question, system, separator)
+        return build_prompt(self.tokenizer, docs, question, system, separator, answer_prefix)
 
     def warm(self, prompt: RagPrompt) -> None:
         """Precompute and store the prefix and chunks of ``prompt`` (done before timing)."""

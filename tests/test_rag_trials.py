@@ -1,0 +1,27 @@
+"""RAG strategies inside the evaluation runner (skipped until kvforge.eval.runner is on this branch)."""
+
+import pytest
+
+pytest.importorskip("kvforge.eval.runner")
+
+from kvforge.engine import Engine  # noqa: E402
+from kvforge.eval.data import Example  # noqa: E402
+from kvforge.eval.runner import EvalRunner  # noqa: E402
+from kvforge.rag.trials import rag_trials  # noqa: E402
+from kvforge.testing import tiny_model, tiny_tokenizer  # noqa: E402
+
+
+def test_rag_rows_in_the_runner(tmp_path):
+    engine = Engine(tiny_model("llama"), tiny_tokenizer())
+    examples = [Example(id="e1", context="", chunks=["The code is 12.", "Cats nap."], question="Code?",
+                        answers=["12"], max_new_tokens=3)]
+    trials = rag_trials(["naive", "ape", "cacheblend", "cacheclip"], [0.2, 1.0])
+    assert [(t.method, t.compression_ratio) for t in trials] == [
+        ("full", 0.0), ("naive", 0.0), ("ape", 0.0), ("cacheblend", 0.2), ("cacheclip", 0.2), ("cacheblend", 1.0),
+        ("cacheclip", 1.0)]
+    rows = EvalRunner(engine, trials, tmp_path, {"model": "tiny"}).run(examples, progress=False)
+    by = {(r["method"], r["compression_ratio"]): r for r in rows}
+    assert len(rows) == 7
+    assert by[("cacheclip", 1.0)]["prediction"] == by[("full", 0.0)]["prediction"]
+    assert by[("cacheclip", 0.2)]["info"]["recompute_ratio"] == 0.2
+    assert by[("naive", 0.0)]["info"]["num_recomputed"] == 0
