@@ -41,7 +41,7 @@ def test_chunk_segment_is_the_chunk_part_of_prefix_plus_chunk():
     cache = KVCache.for_model(model)
     prefill(model, p.prefix_ids + p.chunk_ids[1], cache)
     for layer, k, v, pos in zip(cache.layers, seg.keys, seg.values, seg.positions, strict=True):
-        k_ref, v_ref, pos_ref, _ = layer.view()
+        k_ref, v_ref, _, _ = layer.view()
         assert k.shape[1] == n
         assert torch.equal(pos[0], torch.arange(plen, plen + n))
         torch.testing.assert_close(k, k_ref[0, :, plen:])

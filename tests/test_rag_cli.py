@@ -53,7 +53,7 @@ def test_rag_command_answers_and_reports(model_dir, docs, strategy, capsys):
     argv = ["--model", str(model_dir), "--docs", *docs, "--question", "What is the code?", "--strategy", strategy,
             "--recompute-ratio", "0.5", "--max-new-tokens", "4"]
     assert run(argv) == 0
-    out, err = capsys.readouterr()
+    err = capsys.readouterr().err
     assert f"strategy={strategy}" in err and "ttft=" in err and "reused=" in err and "recomputed=" in err
     if strategy in ("naive", "ape"):
         assert "recomputed=0 " in err and "chunk_misses=3" in err

@@ -4,11 +4,12 @@ import pytest
 
 pytest.importorskip("kvforge.eval.runner")
 
-from kvforge.engine import Engine  # noqa: E402
-from kvforge.eval.data import Example  # noqa: E402
-from kvforge.eval.runner import EvalRunner  # noqa: E402
-from kvforge.rag.trials import rag_trials  # noqa: E402
-from kvforge.testing import tiny_model, tiny_tokenizer  # noqa: E402
+from kvforge.eval.data import Example
+from kvforge.eval.runner import EvalRunner
+
+from kvforge.engine import Engine
+from kvforge.rag.trials import rag_trials
+from kvforge.testing import tiny_model, tiny_tokenizer
 
 
 def test_rag_rows_in_the_runner(tmp_path):

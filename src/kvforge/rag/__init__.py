@@ -12,12 +12,12 @@ from kvforge.rag.chunks import ChunkCache, DictStore, RagPrompt, build_prompt, c
 from kvforge.rag.pipeline import RagModel, RagResult
 from kvforge.rag.rope import RopeSpec, UnsupportedRopeError, rope_spec, rotate_keys
 from kvforge.rag.strategies import (
+    STRATEGIES,
     APEStrategy,
     CacheBlendStrategy,
     CacheClipStrategy,
     FullStrategy,
     NaiveStrategy,
-    STRATEGIES,
     make_strategy,
 )
 

@@ -71,8 +71,8 @@ def assemble(
     pos: list[int] = list(range(p))
     ctx: list[bool] = [False] * p
     cached: list[bool] = [True] * p
-    keys: list[list[Tensor]] = [[] if prefix is None else [prefix.keys[l]] for l in range(len(chunks[0].keys))]
-    values: list[list[Tensor]] = [[] if prefix is None else [prefix.values[l]] for l in range(len(keys))]
+    keys: list[list[Tensor]] = [[] if prefix is None else [prefix.keys[i]] for i in range(len(chunks[0].keys))]
+    values: list[list[Tensor]] = [[] if prefix is None else [prefix.values[i]] for i in range(len(keys))]
     cursor = p  # position of the next placed token
     max_len = max(len(c) for c in prompt.chunk_ids)
 
@@ -89,16 +89,17 @@ def assemble(
             raise ValueError(f"chunk {i}: stored segment holds other tokens")
         if ape:
             cursor = p  # position reuse: every chunk at P..P+L_i-1
-        for l in range(len(keys)):
-            stored = seg.positions[l][0]  # (L,) same for every head
+        for li in range(len(keys)):
+            stored = seg.positions[li][0]  # (L,) same for every head
             first = int(stored[0])
             if stored.numel() != len(chunk_ids) or not torch.equal(stored, torch.arange(first, first + len(chunk_ids))):
-                raise ValueError(f"chunk {i}, layer {l}: stored positions are not {len(chunk_ids)} contiguous ones")
+                raise ValueError(f"chunk {i}, layer {li}: stored positions are not {len(chunk_ids)} contiguous ones")
             delta = cursor - first
             if delta and rope is None:
                 raise ValueError("moving chunks needs the model's RoPE spec")
-            keys[l].append(seg.keys[l] if delta == 0 else rope.rotate(seg.keys[l], int(delta), l))  # type: ignore[union-attr]
-            values[l].append(seg.values[l])
+            moved = seg.keys[li] if delta == 0 else rope.rotate(seg.keys[li], int(delta), li)  # type: ignore[union-attr]
+            keys[li].append(moved)
+            values[li].append(seg.values[li])
         place(chunk_ids, True, True)
         if ape and i < len(chunks) - 1:
             continue  # APE: contexts are parallel, there is no "between" them
@@ -133,8 +134,8 @@ def build_cache(
     keep = ~recompute[asm.cached_idx]  # (S_c,)
     pos = asm.positions[asm.cached_idx][keep]
     device = next(model.parameters()).device
-    for l, layer in enumerate(cache.layers):
-        k, v = overrides[l] if overrides and l in overrides else (asm.keys[l], asm.values[l])
+    for li, layer in enumerate(cache.layers):
+        k, v = overrides[li] if overrides and li in overrides else (asm.keys[li], asm.values[li])
         layer.replace(k[:, keep][None].to(device), v[:, keep][None].to(device), pos[None].to(device))
     return cache
 

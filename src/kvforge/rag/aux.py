@@ -45,7 +45,7 @@ def map_scores(
 def select_top(scores: Tensor, ratio: float, window_size: int = 8, window_threshold: int = 5) -> Tensor:
     """Bool ``(N,)``: the ``round(ratio * N)`` highest scores, then whole aligned windows with > threshold picked."""
     n = scores.numel()
-    k = min(n, int(round(ratio * n)))
+    k = min(n, round(ratio * n))
     selected = torch.zeros(n, dtype=torch.bool)
     if k == 0:
         return selected

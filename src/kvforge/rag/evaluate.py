@@ -64,7 +64,8 @@ def make_needle_examples(
     essays_path: Path, num_examples: int, num_docs: int = 10, doc_chars: int = 2000, seed: int = 0
 ) -> list[RagExample]:
     """Multi-document needles: ``num_docs`` essay windows, one holding "The special magic number for X is N."."""
-    essays = [json.loads(line)["text"] for line in open(essays_path, encoding="utf-8")]
+    with open(essays_path, encoding="utf-8") as f:
+        essays = [json.loads(line)["text"] for line in f]
     text = re.sub(r"\s+", " ", " ".join(essays))
     rng = random.Random(seed)
     keys = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Quito", "Perth", "Dakar", "Hanoi", "Riga", "Accra", "Bern"]

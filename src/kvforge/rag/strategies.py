@@ -12,7 +12,14 @@ import torch
 
 from kvforge.cache import KVCache
 from kvforge.prefill import forward, prefill
-from kvforge.rag.assemble import Assembly, build_cache, recompute_tokens, sort_by_position, truncated
+from kvforge.rag.assemble import (
+    RECOMPUTE_CHUNK_SIZE,
+    Assembly,
+    build_cache,
+    recompute_tokens,
+    sort_by_position,
+    truncated,
+)
 from kvforge.rag.attend import APEAttention
 from kvforge.rag.aux import AuxScorer, select_top
 from kvforge.rag.chunks import RagPrompt
@@ -136,14 +143,14 @@ class CacheBlendStrategy:
         rest = torch.arange(asm.prefix_len, asm.num_tokens)
         device = next(rag.model.parameters()).device
         with truncated(rag.model, check + 1):
-            for start in range(0, rest.numel(), 512):
-                part = rest[start : start + 512]
+            for start in range(0, rest.numel(), RECOMPUTE_CHUNK_SIZE):
+                part = rest[start : start + RECOMPUTE_CHUNK_SIZE]
                 forward(rag.model, asm.ids[part][None], early, position_ids=asm.positions[part][None].to(device))
         sort_by_position(early)
         fresh = {}
-        for l in range(check + 1):
-            k, v, _, _ = early.layers[l].view()  # (1, H_kv, N, D): every token, in prompt order
-            fresh[l] = (k[0][:, asm.cached_idx], v[0][:, asm.cached_idx])
+        for li in range(check + 1):
+            k, v, _, _ = early.layers[li].view()  # (1, H_kv, N, D): every token, in prompt order
+            fresh[li] = (k[0][:, asm.cached_idx], v[0][:, asm.cached_idx])
         # deviation of context keys at the check layer
         ctx_in_cached = asm.is_context[asm.cached_idx]
         diff = (fresh[check][0][:, ctx_in_cached].float() - asm.keys[check][:, ctx_in_cached].float()).pow(2)
