@@ -45,6 +45,17 @@ def configs(strategies: list[str], ratios: list[float], aux_names: list[str]) ->
     return out
 
 
+def print_table(summary: list[dict]) -> None:
+    print("| method | r | quality vs full | score | TTFT s (median) | speedup vs full | recomputed | tokens | n |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for s in summary:
+        q = "-" if s["quality_vs_full"] is None else f"{100 * s['quality_vs_full']:.0f}%"
+        sp = "-" if s["speedup_vs_full"] is None else f"{s['speedup_vs_full']:.2f}x"
+        r = "-" if s["recompute_ratio"] is None else s["recompute_ratio"]
+        print(f"| {s['method']} | {r} | {q} | {s['score']:.3f} | {s['ttft_s']:.1f} | {sp} | "
+              f"{100 * s['recomputed_share']:.0f}% | {s['mean_tokens']:.0f} | {s['num_examples']} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -59,7 +70,12 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/rag"))
+    ap.add_argument("--report", type=Path, default=None, help="only print the table of an existing rows file")
     args = ap.parse_args()
+    if args.report is not None:
+        rows = [json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]
+        print_table(summarize(rows))
+        return 0
     torch.set_num_threads(args.threads)
     data = args.data_dir or default_data_dir()
     if args.dataset == "musique":
@@ -88,14 +104,7 @@ def main() -> int:
                                                    "num_tokens", "prediction")}), file=sys.stderr)
     summary = [s | meta for s in summarize(rows)]
     (args.out / f"summary_{args.dataset}.json").write_text(json.dumps(summary, indent=1))
-    print("| method | r | quality vs full | score | TTFT s (median) | speedup | recomputed | tokens |")
-    print("|---|---|---|---|---|---|---|---|")
-    for s in summary:
-        q = "-" if s["quality_vs_full"] is None else f"{100 * s['quality_vs_full']:.0f}%"
-        sp = "-" if s["speedup_vs_full"] is None else f"{s['speedup_vs_full']:.2f}x"
-        print(f"| {s['method']} | {s['recompute_ratio'] if s['recompute_ratio'] is not None else '-'} | {q} | "
-              f"{s['score']:.3f} | {s['ttft_s']:.3f} | {sp} | {100 * s['recomputed_share']:.0f}% | "
-              f"{s['mean_tokens']:.0f} |")
+    print_table(summary)
     return 0
 
 

@@ -145,20 +145,22 @@ def evaluate(
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (method, ratio): mean score, quality normalised to full, median TTFT and speedup vs full."""
+    """Per (method, ratio): mean score, quality normalised to full (on the same examples), median TTFT and speedup."""
     full = {r["id"]: r for r in rows if r["method"] == "full"}
     groups: dict[tuple[str, float | None], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["method"], r["recompute_ratio"]), []).append(r)
-    full_score = statistics.mean(r["score"] for r in full.values()) if full else 0.0
     out = []
     for (method, ratio), rs in groups.items():
         score = statistics.mean(r["score"] for r in rs)
+        both = [r for r in rs if r["id"] in full]  # quality is compared on the examples full also ran
+        full_score = statistics.mean(full[r["id"]]["score"] for r in both) if both else 0.0
+        own_score = statistics.mean(r["score"] for r in both) if both else 0.0
         speedups = [full[r["id"]]["ttft_s"] / r["ttft_s"] for r in rs if r["id"] in full and r["ttft_s"] > 0]
         n_ctx = sum(r["num_context_tokens"] for r in rs)
         out.append({
             "method": method, "recompute_ratio": ratio, "num_examples": len(rs), "score": score,
-            "quality_vs_full": score / full_score if full_score else None,
+            "quality_vs_full": own_score / full_score if full_score else None,
             "ttft_s": statistics.median(r["ttft_s"] for r in rs),
             "speedup_vs_full": statistics.median(speedups) if speedups else None,
             "recomputed_share": sum(r["num_recomputed"] for r in rs) / n_ctx if method != "full" and n_ctx else 1.0,
