@@ -8,19 +8,20 @@ recompute ratio goes in the runner's ratio slot (it keys the rows) and in ``info
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 from kvforge.rag.pipeline import RagModel
 from kvforge.rag.strategies import RECOMPUTING, make_strategy
 
-_RAG_MODELS: dict[int, RagModel] = {}
+_RAG_MODELS: weakref.WeakKeyDictionary[Any, RagModel] = weakref.WeakKeyDictionary()
 
 
 def rag_model_for(engine: Any) -> RagModel:
-    """One :class:`RagModel` (and chunk store) per engine, shared by its trials."""
-    rag = _RAG_MODELS.get(id(engine))
+    """One :class:`RagModel` (and chunk store) per engine, shared by its trials (dropped with the engine)."""
+    rag = _RAG_MODELS.get(engine)
     if rag is None or rag.model is not engine.model:
-        rag = _RAG_MODELS[id(engine)] = RagModel(engine.model, engine.tokenizer, model_id=engine.model_id)
+        rag = _RAG_MODELS[engine] = RagModel(engine.model, engine.tokenizer, model_id=engine.model_id)
     return rag
 
 
