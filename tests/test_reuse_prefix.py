@@ -134,12 +134,12 @@ def test_window_layers_that_dropped_entries_still_give_exact_logits():
     """Gemma3 sliding layers (window 16) compact old entries during a chunked prefill: reuse must stay exact."""
     model = tiny_model("gemma3")
     reuse = PrefixReuse(DictStore(), "tiny", block_size=8)
-    ids = ids_of(120, seed=4)
+    ids = ids_of(64, seed=4)
     cache, _ = full_prefill(model, ids, chunk_size=8, block_size=8)
-    assert min(cache.lengths()) < 120  # the sliding layers did drop entries
+    assert min(cache.lengths()) < 64  # the sliding layers did drop entries
     reuse.record(ids, cache)
-    # the sliding layers still hold positions > 96: prefixes ending there are complete, shorter ones are not
-    for n, expected in ((120, 120), (112, 112), (64, 0), (30, 0)):
+    # the sliding layers still hold positions > 40: prefixes ending at 56 or 64 are complete, shorter ones are not
+    for n, expected in ((64, 64), (56, 56), (40, 0)):
         query = ids[:n] + ids_of(10, seed=5)
         plan, _, logits = reuse_prefill(model, reuse, query)
         assert plan.reused_tokens == expected
@@ -194,12 +194,9 @@ def test_keys_identical_across_processes():
         "from kvforge.reuse.prefix import PrefixReuse\n"
         f"print(','.join(PrefixReuse(None, 'fp', block_size=16).block_keys({ids!r})))"
     )
-    outs = []
-    for seed in ("1", "2"):
-        env = dict(os.environ, PYTHONPATH=SRC, PYTHONHASHSEED=seed)
-        outs.append(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True))
-    assert outs[0].stdout == outs[1].stdout
-    assert outs[0].stdout.strip().split(",") == PrefixReuse(None, "fp", block_size=16).block_keys(ids)
+    env = dict(os.environ, PYTHONPATH=SRC, PYTHONHASHSEED="12345")  # another string-hash seed than this process
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().split(",") == PrefixReuse(None, "fp", block_size=16).block_keys(ids)
 
 
 def test_suffix_blocks_evicted_before_prefixes(model):

@@ -7,6 +7,7 @@ runs ``plan -> prefill plan.prefill_ids on plan.cache -> record -> decode``.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -16,6 +17,8 @@ import torch
 
 from kvforge.cache import KVCache
 from kvforge.types import KVSegment
+
+logger = logging.getLogger(__name__)
 
 ReuseKind = Literal["miss", "prefix", "semantic"]
 
@@ -186,3 +189,41 @@ def cache_from_segments(
     cache.next_position = end
     cache.token_ids = list(token_ids[:end])
     return cache
+
+
+def covers(segments: Sequence[KVSegment], end: int) -> bool:
+    """True when the segments' entries below ``end`` are all that a query at position ``end`` can attend to.
+
+    Full-attention layers need every position ``< end``; sliding-window layers (``meta["layer_windows"]``) only
+    the last ``window - 1`` ones (they may have compacted older entries away).
+    """
+    windows = segments[0].meta.get("layer_windows") or [None] * segments[0].num_layers
+    for i, window in enumerate(windows):
+        lo = 0 if window is None else max(0, end - window + 1)
+        held = sum(int(((s.positions[i][0] >= lo) & (s.positions[i][0] < end)).sum()) for s in segments)
+        if held != end - lo:
+            return False
+    return True
+
+
+def holds_exactly(cache: KVCache, ids: Sequence[int]) -> bool:
+    """True when ``cache`` was computed from exactly ``ids`` (its first tokens), with no approximate reuse inside.
+
+    Guards ``record``: the KV of a donor prompt must never be stored under another prompt's key.
+    """
+    ids = list(ids)
+    if cache.token_ids and cache.token_ids[: len(ids)] != ids:
+        logger.debug("cache tokens differ from the prompt (donor KV?): not recorded")
+        return False
+    if cache.next_position < len(ids):
+        logger.debug("cache covers %d of %d prompt tokens: not recorded", cache.next_position, len(ids))
+        return False
+    if (cache.info.get("reuse") or {}).get("approximate"):
+        logger.debug("cache was built on approximate (semantic) reuse: not recorded")
+        return False
+    return True
+
+
+def full_layers_complete(segment: KVSegment, windows: Sequence[int | None], num_tokens: int) -> bool:
+    """Every full-attention layer holds one entry per token (no compression dropped any)."""
+    return all(k.shape[1] == num_tokens for k, w in zip(segment.keys, windows, strict=True) if w is None)

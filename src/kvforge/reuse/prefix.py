@@ -25,8 +25,11 @@ from kvforge.reuse.base import (
     PromptContext,
     ReusePlan,
     cache_from_segments,
+    covers,
     digest,
     encode_ids,
+    full_layers_complete,
+    holds_exactly,
     miss_plan,
     segment_slice,
 )
@@ -124,20 +127,9 @@ class PrefixReuse:
         """Longest reusable prefix length: a block end (minus 1 on a full hit) where every layer is complete."""
         candidates = [min(bounds[i][1], num_tokens - 1) for i in reversed(range(len(segments)))]
         for end in candidates:
-            if end > 0 and self._complete(segments, end):
+            if end > 0 and covers(segments, end):
                 return end
         return 0
-
-    @staticmethod
-    def _complete(segments: list[KVSegment], end: int) -> bool:
-        """True when the entries below ``end`` are all a query at ``end`` can see (windows layers may lack old ones)."""
-        windows = segments[0].meta.get("layer_windows") or [None] * segments[0].num_layers
-        for i, window in enumerate(windows):
-            lo = 0 if window is None else max(0, end - window + 1)
-            held = sum(int(((s.positions[i][0] >= lo) & (s.positions[i][0] < end)).sum()) for s in segments)
-            if held != end - lo:
-                return False
-        return True
 
     # ------------------------------------------------------------------------------------------------ record
     def record(
@@ -150,7 +142,7 @@ class PrefixReuse:
     ) -> None:
         """Store the blocks of ``token_ids`` not stored yet (the cache must hold exactly these tokens' full KV)."""
         ids = list(token_ids)
-        if not ids or not _holds_exactly(cache, ids):
+        if not ids or not holds_exactly(cache, ids):
             return
         bounds, keys = self.block_bounds(len(ids)), self.block_keys(ids)
         windows = list(cache.native_windows)
@@ -165,7 +157,7 @@ class PrefixReuse:
             except ValueError as e:
                 logger.debug("not recording prefix blocks: %s", e)
                 break
-            if not _full_layers_complete(seg, windows, end - start):
+            if not full_layers_complete(seg, windows, end - start):
                 logger.debug("cache lacks entries of block [%d, %d) (compressed?); stopping there", start, end)
                 break
             seg.meta = {"layer_windows": windows, "block_start": start, "format": KEY_PREFIX}
@@ -184,22 +176,3 @@ class PrefixReuse:
             else:
                 self.store.contains(key)
 
-
-def _holds_exactly(cache: KVCache, ids: list[int]) -> bool:
-    """True when ``cache`` was built from exactly ``ids`` (first tokens), with no approximate reuse inside."""
-    if cache.token_ids and cache.token_ids[: len(ids)] != ids:
-        logger.debug("cache tokens differ from the prompt (donor KV?): not recorded")
-        return False
-    if cache.next_position < len(ids):
-        logger.debug("cache covers %d of %d prompt tokens: not recorded", cache.next_position, len(ids))
-        return False
-    reuse = cache.info.get("reuse") or {}
-    if reuse.get("approximate"):
-        logger.debug("cache was built on approximate (semantic) reuse: not recorded")
-        return False
-    return True
-
-
-def _full_layers_complete(seg: KVSegment, windows: list[int | None], num_tokens: int) -> bool:
-    """Every full-attention layer holds one entry per token of the block (no compression dropped any)."""
-    return all(k.shape[1] == num_tokens for k, w in zip(seg.keys, windows, strict=True) if w is None)
