@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 from collections import OrderedDict
@@ -31,15 +32,21 @@ class DictStore:
         self.evicted: list[str] = []
         self.num_gets = 0
 
+    @staticmethod
+    def check(key: str) -> str:
+        assert re.fullmatch(r"[A-Za-z0-9._-]{1,200}", key), f"invalid store key {key!r}"  # as kvforge.store
+        return key
+
     def get(self, key: str) -> KVSegment | None:
         self.num_gets += 1
+        self.check(key)
         if key not in self.data:
             return None
         self.data.move_to_end(key)
         return copy.deepcopy(self.data[key])
 
     def put(self, key: str, segment: KVSegment) -> None:
-        self.data[key] = copy.deepcopy(segment)
+        self.data[self.check(key)] = copy.deepcopy(segment)
         self.data.move_to_end(key)
         while self.max_entries is not None and len(self.data) > self.max_entries:
             self.evicted.append(self.data.popitem(last=False)[0])
@@ -58,7 +65,7 @@ class DictStore:
         return list(self.data)
 
     def put_blob(self, key: str, data: bytes) -> None:
-        self.blobs[key] = bytes(data)
+        self.blobs[self.check(key)] = bytes(data)
 
     def get_blob(self, key: str) -> bytes | None:
         return self.blobs.get(key)

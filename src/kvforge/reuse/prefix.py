@@ -37,7 +37,7 @@ from kvforge.types import KVSegment
 
 logger = logging.getLogger(__name__)
 
-KEY_PREFIX = "prefix/v1/"
+KEY_PREFIX = "prefix-v1-"
 
 
 @dataclass

@@ -44,7 +44,7 @@ from kvforge.types import KVSegment
 
 logger = logging.getLogger(__name__)
 
-KEY_PREFIX = "semantic/v1/"
+KEY_PREFIX = "semantic-v1-"
 MODES = ("canonical", "context")
 DEFAULT_THRESHOLD = 0.9
 
@@ -98,13 +98,13 @@ class SemanticReuse:
             self.guards = DEFAULT_GUARDS if self.mode == "canonical" else tuple(g for g in DEFAULT_GUARDS if g != "wh")
         check("", "", self.guards)  # validates the guard names
         self.namespace = digest("kvforge-semantic-v1", self.model_id)
-        self.index_key = f"{KEY_PREFIX}index/{digest(self.namespace, self.mode)}"
+        self.index_key = f"{KEY_PREFIX}index-{digest(self.namespace, self.mode)}"
         self.index = self._open_index()
 
     # ------------------------------------------------------------------------------------------------ keys
     def entry_key(self, token_ids: Sequence[int]) -> str:
         """Store key of the KV of exactly ``token_ids`` (a whole prompt, or a context part)."""
-        return f"{KEY_PREFIX}{self.mode}/{digest(self.namespace, encode_ids(token_ids))}"
+        return f"{KEY_PREFIX}{self.mode}-{digest(self.namespace, encode_ids(token_ids))}"
 
     def _split(self, ids: list[int], context: PromptContext | None) -> tuple[list[int], str]:
         """(tokens whose KV is stored/reused, namespace the candidates must share) for this mode."""
