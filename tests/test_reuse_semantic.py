@@ -8,14 +8,14 @@ import torch
 
 pytest.importorskip("faiss")
 
-from test_reuse_prefix import DictStore  # noqa: E402
+from test_reuse_prefix import DictStore
 
-from kvforge.cache import KVCache  # noqa: E402
-from kvforge.prefill import prefill  # noqa: E402
-from kvforge.reuse import FakeEmbedder, PromptContext, ReuseStrategy, SemanticReuse  # noqa: E402
-from kvforge.reuse.guards import check, entities, negations, numbers, wh_word  # noqa: E402
-from kvforge.reuse.index import IndexEntry, SemanticIndex  # noqa: E402
-from kvforge.testing import tiny_model, tiny_tokenizer  # noqa: E402
+from kvforge.cache import KVCache
+from kvforge.prefill import prefill
+from kvforge.reuse import FakeEmbedder, PromptContext, ReuseStrategy, SemanticReuse
+from kvforge.reuse.guards import check, entities, negations, numbers, wh_word
+from kvforge.reuse.index import IndexEntry, SemanticIndex
+from kvforge.testing import tiny_model, tiny_tokenizer
 
 DOC = "The Normans were the people who in the 10th and 11th centuries gave their name to Normandy, a region in France."
 Q_ORIG = "In what country is Normandy located?"

@@ -13,9 +13,12 @@ from kvforge.errors import UserError
 def register(sub: Any, bench_sub: Any) -> None:
     b = bench_sub.add_parser("reuse", help="TTFT cold vs warm (prefix reuse) per store: one JSON line per length/store")
     add_model_args(b)
-    b.add_argument("--store", action="append", default=None,
-                   help="store URL (repeatable: one row per store; comma-separated = one tiered store); "
-                   "default memory://")
+    b.add_argument(
+        "--store",
+        action="append",
+        default=None,
+        help="store URL (repeatable: one row per store; comma-separated = one tiered store); default memory://",
+    )
     b.add_argument("--lengths", default="1024,2048,4096,8192", help="prompt lengths in tokens, comma-separated")
     b.add_argument("--repeats", type=positive_int, default=3, help="warm runs per configuration (median)")
     b.add_argument("--block-size", type=positive_int, default=256)
@@ -41,8 +44,9 @@ def run_bench_reuse(args: argparse.Namespace) -> int:
     lengths = _lengths(args.lengths)
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer, chunk_size=args.chunk_size)
-    for row in measure_reuse_ttft(engine, args.store or ["memory://"], lengths, repeats=args.repeats,
-                                  block_size=args.block_size):
+    for row in measure_reuse_ttft(
+        engine, args.store or ["memory://"], lengths, repeats=args.repeats, block_size=args.block_size
+    ):
         row |= {"model": args.model, "device": str(model.device), "dtype": str(model.dtype), "git_sha": _git_sha()}
         print(json.dumps(row), flush=True)
     return 0
@@ -60,8 +64,14 @@ def attach_reuse(engine: Any, args: argparse.Namespace) -> None:
     if args.threshold is not None and not -1 <= args.threshold <= 1:
         raise UserError(f"--threshold is a cosine similarity in [-1, 1], got {args.threshold}")
     store = open_store(args.store or default_store_url())
-    engine.reuse = build_reuse(args.reuse, store, engine.model_id, semantic_mode=args.semantic_mode,
-                               threshold=args.threshold, device=engine.model.device)
+    engine.reuse = build_reuse(
+        args.reuse,
+        store,
+        engine.model_id,
+        semantic_mode=args.semantic_mode,
+        threshold=args.threshold,
+        device=engine.model.device,
+    )
 
 
 def describe_reuse(gen: Any) -> str:

@@ -30,9 +30,16 @@ def build_reuse(
         return PrefixReuse(store, model_id, block_size=block_size, device=device)
     if name == "semantic":
         kwargs = {} if threshold is None else {"threshold": threshold}
-        return SemanticReuse(store, model_id, embedder or MiniLMEmbedder(), mode=semantic_mode,  # type: ignore[arg-type]
-                             device=device, **kwargs)
+        return SemanticReuse(
+            store,
+            model_id,
+            embedder or MiniLMEmbedder(),
+            mode=semantic_mode,  # type: ignore[arg-type]
+            device=device,
+            **kwargs,
+        )
     raise ValueError(f"unknown reuse strategy {name!r}; choose from {sorted(REUSE)}")
+
 
 __all__ = [
     "EMBEDDERS",

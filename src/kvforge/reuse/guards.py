@@ -14,18 +14,39 @@ from collections.abc import Callable, Sequence
 
 _WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*", re.UNICODE)
 _NUMBER = re.compile(r"\d[\d,.]*\d|\d")
-NUMBER_WORDS = frozenset(
-    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
-    "seventeen eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety hundred thousand million "
-    "billion trillion first second third fourth fifth sixth seventh eighth ninth tenth half twice once dozen".split()
+
+
+def _set(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
+NUMBER_WORDS = _set(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen "
+    "eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety hundred thousand million billion "
+    "trillion first second third fourth fifth sixth seventh eighth ninth tenth half twice once dozen"
 )
-NEGATIONS = frozenset(
+NEGATIONS = _set(
     "not no never none nobody nothing neither nor nowhere without cannot cant dont doesnt didnt isnt wasnt arent "
-    "werent wont wouldnt shouldnt couldnt hasnt havent hadnt except unless".split()
+    "werent wont wouldnt shouldnt couldnt hasnt havent hadnt except unless"
 )
-WH_WORDS = ("how many", "how much", "how long", "how old", "how far", "what year", "who", "whom", "whose", "when",
-            "where", "why", "which", "what", "how")
-_STOP_CAPS = frozenset("i a an the in on at of for to by with from and or but is was are were be this that".split())
+WH_WORDS = (
+    "how many",
+    "how much",
+    "how long",
+    "how old",
+    "how far",
+    "what year",
+    "who",
+    "whom",
+    "whose",
+    "when",
+    "where",
+    "why",
+    "which",
+    "what",
+    "how",
+)
+_STOP_CAPS = _set("i a an the in on at of for to by with from and or but is was are were be this that")
 
 
 def words(text: str) -> list[str]:
@@ -55,9 +76,7 @@ def entities(text: str) -> list[str]:
         word = _WORD.search(token)
         if word is not None:
             w = word.group(0)
-            if (w[0].isupper() and not sentence_start and w.lower() not in _STOP_CAPS) or (
-                len(w) > 1 and w.isupper()
-            ):
+            if (w[0].isupper() and not sentence_start and w.lower() not in _STOP_CAPS) or (len(w) > 1 and w.isupper()):
                 out.append(w.lower())
             sentence_start = False
         if token[-1] in ".?!:":

@@ -117,8 +117,9 @@ class PrefixReuse:
             if seg is None:
                 break  # evicted between contains and get
             if seg.model_id != self.model_id or seg.token_ids != ids[start:end] or seg.next_position != end:
-                logger.warning("prefix block at tokens [%d, %d) does not hold these tokens; treated as a miss",
-                               start, end)
+                logger.warning(
+                    "prefix block at tokens [%d, %d) does not hold these tokens; treated as a miss", start, end
+                )
                 break
             out.append(seg)
         return out
@@ -175,4 +176,3 @@ class PrefixReuse:
                 touch(key)
             else:
                 self.store.contains(key)
-

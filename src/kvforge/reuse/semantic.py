@@ -237,8 +237,9 @@ class SemanticReuse:
                     self.index = index
                     self.sync()
                     return index
-                logger.warning("stored semantic index has dim %d, embedder %d: starting empty", index.dim,
-                               self.embedder.dim)
+                logger.warning(
+                    "stored semantic index has dim %d, embedder %d: starting empty", index.dim, self.embedder.dim
+                )
             except (ValueError, KeyError) as e:
                 logger.warning("unreadable semantic index (%s): starting empty", e)
         return SemanticIndex(self.embedder.dim)

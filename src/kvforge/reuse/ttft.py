@@ -1,4 +1,4 @@
-"""TTFT with and without prefix reuse, per store tier (what ``kvforge bench reuse`` and benchmarks/reuse_ttft.py run)."""
+"""TTFT with and without prefix reuse, per store tier (``kvforge bench reuse``, benchmarks/reuse_ttft.py)."""
 
 from __future__ import annotations
 
