@@ -26,10 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--chunk-size", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 = stable on a busy machine)")
     parser.add_argument("--out", type=Path, default=RESULTS / "reuse_ttft.jsonl")
     args = parser.parse_args(argv)
 
     import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from kvforge.bench import _git_sha
     from kvforge.engine import Engine

@@ -35,6 +35,7 @@ RESULTS = Path(__file__).parent / "results"
 GUARD_SETS = {
     "none": (),
     "numbers+negation+entities": ("numbers", "negation", "entities"),
+    "default-without-word_order": tuple(g for g in DEFAULT_GUARDS if g != "word_order"),
     "default": DEFAULT_GUARDS,
 }
 

@@ -23,6 +23,7 @@ def register(sub: Any, bench_sub: Any) -> None:
     b.add_argument("--repeats", type=positive_int, default=3, help="warm runs per configuration (median)")
     b.add_argument("--block-size", type=positive_int, default=256)
     b.add_argument("--chunk-size", type=positive_int, default=512, help="prefill chunk size in tokens")
+    b.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     b.set_defaults(func=run_bench_reuse)
 
 
@@ -41,13 +42,18 @@ def run_bench_reuse(args: argparse.Namespace) -> int:
     from kvforge.engine import Engine
     from kvforge.reuse.ttft import measure_reuse_ttft
 
+    import torch
+
     lengths = _lengths(args.lengths)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer, chunk_size=args.chunk_size)
     for row in measure_reuse_ttft(
         engine, args.store or ["memory://"], lengths, repeats=args.repeats, block_size=args.block_size
     ):
         row |= {"model": args.model, "device": str(model.device), "dtype": str(model.dtype), "git_sha": _git_sha()}
+        row["threads"] = torch.get_num_threads()
         print(json.dumps(row), flush=True)
     return 0
 

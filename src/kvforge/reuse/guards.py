@@ -46,6 +46,7 @@ WH_WORDS = (
     "what",
     "how",
 )
+WORD_ORDER_MIN = 0.9  # measured on paws_wiki / squad_paraphrase (docs/reuse.md)
 _STOP_CAPS = _set("i a an the in on at of for to by with from and or but is was are were be this that")
 
 
@@ -119,6 +120,28 @@ def entity_order_guard(query: str, donor: str) -> str | None:
     return None if order_q == order_d else "entities in another order"
 
 
+def order_ratio(a: str, b: str) -> float:
+    """Share of the words occurring once in each text that keep their relative order (LCS / count); 1.0 if < 2."""
+    wa, wb = words(a), words(b)
+    ca, cb = Counter(wa), Counter(wb)
+    common = {w for w, n in ca.items() if n == 1 and cb.get(w) == 1}
+    if len(common) < 2:
+        return 1.0
+    sa, sb = [w for w in wa if w in common], [w for w in wb if w in common]
+    row = [0] * (len(sb) + 1)  # longest common subsequence, one row at a time
+    for x in sa:
+        prev = 0
+        for j, y in enumerate(sb):
+            prev, row[j + 1] = row[j + 1], prev + 1 if x == y else max(row[j + 1], row[j])
+    return row[-1] / len(common)
+
+
+def word_order_guard(query: str, donor: str) -> str | None:
+    """Shared words must keep their order (>= WORD_ORDER_MIN): rejects PAWS-style scrambles of the same words."""
+    ratio = order_ratio(query, donor)
+    return None if ratio >= WORD_ORDER_MIN else f"word order differs ({ratio:.2f} of shared words in order)"
+
+
 def wh_guard(query: str, donor: str) -> str | None:
     a, b = wh_word(query), wh_word(donor)
     return None if a == b else f"question word differs ({a} vs {b})"
@@ -131,8 +154,9 @@ GUARDS: dict[str, Guard] = {
     "entities": entities_guard,
     "entity_order": entity_order_guard,
     "wh": wh_guard,
+    "word_order": word_order_guard,
 }
-DEFAULT_GUARDS = ("numbers", "negation", "entities", "entity_order", "wh")
+DEFAULT_GUARDS = ("numbers", "negation", "entities", "entity_order", "wh", "word_order")
 
 
 def check(query: str, donor: str, guards: Sequence[str] = DEFAULT_GUARDS) -> str | None:
