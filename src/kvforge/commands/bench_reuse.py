@@ -38,11 +38,11 @@ def _lengths(text: str) -> list[int]:
 
 
 def run_bench_reuse(args: argparse.Namespace) -> int:
+    import torch
+
     from kvforge.bench import _git_sha
     from kvforge.engine import Engine
     from kvforge.reuse.ttft import measure_reuse_ttft
-
-    import torch
 
     lengths = _lengths(args.lengths)
     if args.threads:
