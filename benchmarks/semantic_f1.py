@@ -93,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num", type=int, default=24, help="paragraphs (each: original, paraphrase, negative)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--data-dir", type=Path, default=None)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--out", type=Path, default=RESULTS / "semantic_f1.jsonl")
     args = parser.parse_args(argv)
 
+    import torch
     from kvforge.store import open_store
 
     from kvforge.engine import Engine
@@ -107,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         json.loads(line) for line in ((args.data_dir or default_data_dir()) / "squad_paraphrase" / "pairs.jsonl").open()
     ]
     rows = select(rows, args.num)
+    torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, device="cpu")
     engine = Engine(model, tokenizer)
     embedder = MiniLMEmbedder()

@@ -62,6 +62,7 @@ def test_guards():
         "entity_order"
     )
     assert check("when was it built?", "where was it built?").startswith("wh")
+    assert check("flights from new york to florida", "flights from florida to new york").startswith("word_order")
     assert check(Q_ORIG, Q_PARA) is None  # lower-casing is not a difference
     with pytest.raises(ValueError, match="unknown guard"):
         check("a", "b", ["nope"])
