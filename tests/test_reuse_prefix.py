@@ -31,6 +31,7 @@ class DictStore:
         self.max_entries = max_entries
         self.evicted: list[str] = []
         self.num_gets = 0
+        self.num_blob_puts = 0
 
     @staticmethod
     def check(key: str) -> str:
@@ -66,6 +67,7 @@ class DictStore:
 
     def put_blob(self, key: str, data: bytes) -> None:
         self.blobs[self.check(key)] = bytes(data)
+        self.num_blob_puts += 1
 
     def get_blob(self, key: str) -> bytes | None:
         return self.blobs.get(key)

@@ -157,6 +157,9 @@ def test_index_persists_and_follows_evictions(model, tok):
     for t in texts:
         ids = encode(tok, t)
         reuse.record(ids, full(model, ids)[0], text=t)
+    puts = store.num_blob_puts
+    reuse.record(ids, full(model, ids)[0], text=texts[1])  # the same prompt again: no index rewrite
+    assert store.num_blob_puts == puts and len(reuse.index) == 2
     reopened = make(store)  # another process / a restart: the index comes back from the store blob
     assert len(reopened.index) == 2
     assert reopened.plan(encode(tok, texts[0].lower()), text=texts[0].lower()).kind == "semantic"

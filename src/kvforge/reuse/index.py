@@ -46,6 +46,10 @@ class SemanticIndex:
     def __len__(self) -> int:
         return len(self.entries)
 
+    def has(self, key: str, text: str) -> bool:
+        """Whether ``key`` is indexed with this exact text."""
+        return any(e.key == key and e.text == text for e in self.entries.values())
+
     def add(self, vector: np.ndarray, entry: IndexEntry) -> int:
         """Add one unit vector ``(dim,)``; returns its id (an entry with the same key is replaced)."""
         self.remove([i for i, e in self.entries.items() if e.key == entry.key])

@@ -223,7 +223,7 @@ class SemanticReuse:
                 return
             segment.meta = {"layer_windows": windows, "text": query or "", "format": KEY_PREFIX + self.mode}
             self.store.put(key, segment)
-        if query:
+        if query and not self.index.has(key, query):  # a repeated prompt changes nothing: no index rewrite
             self.index.add(self.embedder.embed([query])[0], IndexEntry(key=key, text=query, namespace=namespace))
             self._save_index()
 
