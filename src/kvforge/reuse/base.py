@@ -184,8 +184,13 @@ def cache_from_segments(
         k = torch.cat([s.keys[i] for s in segments], dim=1)  # (H_kv, S, D)
         v = torch.cat([s.values[i] for s in segments], dim=1)
         p = torch.cat([s.positions[i] for s in segments], dim=1)  # (H_kv, S)
-        keep = p[0] < end
-        layer.replace(k[:, keep][None].to(device), v[:, keep][None].to(device), p[:, keep][None].to(device))
+        keep = p[0] < end  # (S,)
+        count = int(keep.sum())
+        if bool(keep[:count].all()):  # positions ascending: a slice, no gather copy
+            k, v, p = k[:, :count], v[:, :count], p[:, :count]
+        else:
+            k, v, p = k[:, keep], v[:, keep], p[:, keep]
+        layer.replace(k[None].to(device), v[None].to(device), p[None].to(device))
     cache.next_position = end
     cache.token_ids = list(token_ids[:end])
     return cache
