@@ -98,12 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from kvforge.store import open_store
 
     from kvforge.engine import Engine
     from kvforge.model import load_model
     from kvforge.reuse import MiniLMEmbedder, SemanticReuse
     from kvforge.reuse.semantic import DEFAULT_THRESHOLD
+    from kvforge.store import open_store
 
     rows = [
         json.loads(line) for line in ((args.data_dir or default_data_dir()) / "squad_paraphrase" / "pairs.jsonl").open()
