@@ -116,6 +116,9 @@ def test_canonical_with_context_requires_same_context(model, tok):
     cache, _ = full(model, ctx_ids + q_ids)
     reuse.record(ctx_ids + q_ids, cache, text=Q_ORIG, context=PromptContext(DOC, len(ctx_ids)))
     para = encode(tok, Q_PARA)
+    crowd = reuse.embedder.embed([Q_PARA])[0]  # 40 closer entries about other documents must not hide the match
+    for i in range(40):
+        reuse.index.add(crowd, IndexEntry(key=f"other-{i}", text=Q_PARA, namespace=f"doc-{i}"))
     plan = reuse.plan(ctx_ids + para, text=Q_PARA, context=PromptContext(DOC, len(ctx_ids)))
     assert plan.kind == "semantic" and plan.token_ids == ctx_ids + q_ids
     other_ctx = encode(tok, DOC.replace("France", "Gaul") + "\n")

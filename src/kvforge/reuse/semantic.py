@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
+
 from kvforge.cache import KVCache
 from kvforge.reuse.base import (
     Embedder,
@@ -163,10 +165,8 @@ class SemanticReuse:
         vector = self.embedder.embed([query])[0]
         stale = []
         try:
-            for similarity, vid in self.index.search(vector, k=16):
+            for similarity, vid in self._candidates(vector, namespace):
                 entry = self.index.entries[vid]
-                if entry.namespace != namespace:
-                    continue
                 reason = accept(query, entry.text, similarity, self.threshold, self.guards or ())
                 if reason is None and self.mode == "context" and text_ratio(query, entry.text) < self.min_text_ratio:
                     reason = f"documents differ by more than {1 - self.min_text_ratio:.0%} of their words"
@@ -184,6 +184,16 @@ class SemanticReuse:
             if stale:
                 self.index.remove(stale)
                 self._save_index()
+
+    def _candidates(self, vector: np.ndarray, namespace: str) -> list[tuple[float, int]]:
+        """Search results in ``namespace``, best first (widening the search until one is found or all are seen)."""
+        k = 16
+        while True:
+            found = self.index.search(vector, k=k)
+            inside = [(s, i) for s, i in found if self.index.entries[i].namespace == namespace]
+            if inside or k >= len(self.index):
+                return inside
+            k *= 8
 
     def _load(self, key: str, ids: list[int]) -> KVSegment | None:
         if not self.store.contains(key):
