@@ -1,4 +1,8 @@
-"""Semantic prompt reuse (arXiv-less KSC paper ``shared/papers/004``): a similar stored prompt's KV, made safe.
+"""Semantic prompt reuse: a similar stored prompt's KV, made safe.
+
+After C. Lee (Samsung Electronics), "A Study on the Caching Strategies for Semantically Similar Prompts in KV Cache
+Storage Offloading" (embedding -> FAISS top-1 -> cosine >= 0.7 -> the matched prompt's tokens and KV); kvforge adds
+lexical guards, a measured default threshold, approximate flags and a context mode.
 
 Modes:
     ``canonical`` (the paper): the prompt text is embedded, the top-1 stored prompt with cosine >= threshold that
