@@ -13,7 +13,7 @@ import torch
 from store_helpers import make_segment
 
 from kvforge.errors import UserError
-from kvforge.store import DiskStore, KVStore, MemoryStore, TieredStore, open_store
+from kvforge.store import DiskStore, KVStore, MemoryStore, TieredStore, default_store_url, open_store
 from kvforge.store.codec import encode, segments_equal
 
 
@@ -237,6 +237,13 @@ def test_tiered_quantises_per_tier(tmp_path: Path) -> None:
     exact, small = MemoryStore(), DiskStore(tmp_path, quant="int8-channel")
     TieredStore([exact, small]).put("aa", make_segment())
     assert "quant" not in exact.get("aa").meta and small.get("aa").meta["quant"] == "int8-channel"
+
+
+def test_default_disk_store_lives_in_the_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
+    assert default_store_url() == f"file://{tmp_path}/kv"
+    store = open_store("file://")
+    assert isinstance(store, DiskStore) and store.root == tmp_path / "kv"
 
 
 def test_open_store_urls(tmp_path: Path) -> None:
