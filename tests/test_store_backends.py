@@ -264,3 +264,29 @@ def test_open_store_urls(tmp_path: Path) -> None:
         open_store("memory://?max_bytes=lots")
     with pytest.raises(UserError, match="quantisation"):
         open_store("memory://?quant=int3")
+
+
+def test_concurrent_writers_and_readers_never_see_a_mix(tmp_path: Path) -> None:
+    import threading
+
+    versions = [make_segment(seed=s) for s in range(3)]
+    store = TieredStore([MemoryStore(max_bytes=3 * entry_size()), DiskStore(tmp_path, max_bytes=8 * entry_size())])
+    errors: list[str] = []
+
+    def work(worker: int) -> None:
+        for i in range(15):
+            key = f"k{i % 4}"
+            if (i + worker) % 2:
+                store.put(key, versions[(i + worker) % 3])
+            else:
+                got = store.get(key)
+                if got is not None and not any(segments_equal(got, v) for v in versions):
+                    errors.append(f"{key}: a segment that was never written")
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    store.close()
+    assert errors == [] and list((tmp_path / "tmp").iterdir()) == []
