@@ -22,10 +22,6 @@ async def _send_error(send: Any, status: int, message: str, code: str, headers: 
     await send({"type": "http.response.body", "body": body})
 
 
-class _TooLarge(Exception):
-    pass
-
-
 class GuardMiddleware:
     """Checks the API key and the body size before the app sees a request, and counts every answer.
 
@@ -66,7 +62,7 @@ class GuardMiddleware:
                 await _send_error(send_counted, 413, f"request body over {self.max_body_bytes} bytes",
                                   "request_too_large")
                 return
-            await self._call_limited(scope, receive, send_counted)
+            await self._call_limited(scope, receive, send_counted, length is not None)
         finally:
             code = status["code"]
             self.metrics.requests.labels(endpoint, str(code)).inc()
@@ -82,26 +78,28 @@ class GuardMiddleware:
         scheme, _, token = auth.partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
-    async def _call_limited(self, scope: Scope, receive: Any, send: Any) -> None:
-        received = 0
-        started = False
-
-        async def receive_limited() -> dict[str, Any]:
-            nonlocal received
+    async def _call_limited(self, scope: Scope, receive: Any, send: Any, has_length: bool) -> None:
+        """Call the app; a body without Content-Length (chunked) is read here first, up to the limit."""
+        if has_length or scope.get("method") in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        body, more = bytearray(), True
+        while more:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise _TooLarge
-            return message  # type: ignore[no-any-return]
-
-        async def send_tracked(message: dict[str, Any]) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive_limited, send_tracked)
-        except _TooLarge:
-            if not started:
+            if message["type"] != "http.request":
+                return  # client gone
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_body_bytes:
                 await _send_error(send, 413, f"request body over {self.max_body_bytes} bytes", "request_too_large")
+                return
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # type: ignore[no-any-return]
+
+        await self.app(scope, replay, send)
