@@ -59,8 +59,13 @@ class LiveServer:
             time.sleep(0.02)
 
     def client(self, **kwargs: Any) -> Any:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=kwargs.pop("api_key", "none"), max_retries=0,
-                             timeout=kwargs.pop("timeout", 30), **kwargs)
+        return openai.OpenAI(
+            base_url=self.url + "/v1",
+            api_key=kwargs.pop("api_key", "none"),
+            max_retries=0,
+            timeout=kwargs.pop("timeout", 30),
+            **kwargs,
+        )
 
     def close(self) -> None:
         self.server.should_exit = True
@@ -140,7 +145,8 @@ def test_chat_completion_and_seeded_sampling(client: Any, engine: Engine) -> Non
     assert out.usage.prompt_tokens == len(engine.encode_chat(messages))
     sampled = [
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=1.0, seed=s)
-        .choices[0].message.content
+        .choices[0]
+        .message.content
         for s in (7, 7, 8)
     ]
     assert sampled[0] == sampled[1] != sampled[2]
@@ -220,7 +226,9 @@ def test_bad_requests_are_openai_errors(client: Any, engine: Engine) -> None:
 
 
 def test_invalid_json_and_oversized_body(server: LiveServer) -> None:
-    r = httpx.post(server.url + "/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.url + "/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
     r = httpx.post(server.url + "/v1/chat/completions", content=b"[1, 2]", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
@@ -285,6 +293,13 @@ def test_timeout_gives_504() -> None:
         assert e.value.status_code == 504 and _error(e)["code"] == "timeout"
         assert time.monotonic() - start < 3
         assert engine.finished.wait(2) and engine.emitted[0] < 100
+        engine.finished.clear()
+        stream = live.client().completions.create(model=MODEL, prompt="abc", max_tokens=1000, stream=True)
+        with pytest.raises(openai.APIError, match="timed out"):
+            for _ in stream:
+                pass
+        assert engine.finished.wait(2) and engine.emitted[1] < 100
+        assert 'kvforge_aborted_total{reason="timeout"} 2.0' in httpx.get(live.url + "/metrics").text
     finally:
         live.close()
 
@@ -305,14 +320,20 @@ def test_per_request_press(client: Any) -> None:
     messages = [{"role": "user", "content": LONG_DOC + "\n\nWhat is the code word of room 3?"}]
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
     pressed = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=4, temperature=0,
+        model=MODEL,
+        messages=messages,
+        max_tokens=4,
+        temperature=0,
         extra_body={"kvforge": {"press": "snapkv", "compression_ratio": 0.5}},
     )
     kvf, kvf_plain = pressed.model_extra["kvforge"], plain.model_extra["kvforge"]
     assert kvf["press"] == "snapkv" and kvf["compression_ratio"] == 0.5
     assert kvf["cache_bytes"] < 0.75 * kvf_plain["cache_bytes"]
     agnostic = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=4, temperature=0,
+        model=MODEL,
+        messages=messages,
+        max_tokens=4,
+        temperature=0,
         extra_body={"kvforge": {"press": "snapkv", "compression_ratio": 0.5, "query_aware": False}},
     )
     assert agnostic.model_extra["kvforge"]["cache_bytes"] < kvf_plain["cache_bytes"]
@@ -321,7 +342,9 @@ def test_per_request_press(client: Any) -> None:
 @needs_reuse
 def test_prefix_cache_hit_on_repeated_long_request(client: Any) -> None:
     messages = [{"role": "user", "content": LONG_DOC + "\n\nWhich room has the code word ddd?"}]
-    kwargs = dict(model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body={"kvforge": {"reuse": "prefix"}})
+    kwargs = dict(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body={"kvforge": {"reuse": "prefix"}}
+    )
     first = client.chat.completions.create(**kwargs)
     second = client.chat.completions.create(**kwargs)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -337,8 +360,9 @@ def test_disk_store_hit_after_restart(tmp_path: Any) -> None:
     kwargs = dict(model=MODEL, messages=messages, max_tokens=4, temperature=0)
     answers = []
     for _ in range(2):  # two server lifetimes, fresh engine each, one store folder
-        live = LiveServer(create_app(Engine(tiny_model("llama"), tiny_tokenizer()), model_name=MODEL, store_url=url,
-                                     reuse="prefix"))
+        live = LiveServer(
+            create_app(Engine(tiny_model("llama"), tiny_tokenizer()), model_name=MODEL, store_url=url, reuse="prefix")
+        )
         try:
             answers.append(live.client().chat.completions.create(**kwargs))
         finally:
@@ -356,7 +380,10 @@ def test_documents_endpoint_precomputes_a_prefix(server: LiveServer, client: Any
     (entry,) = r.json()["data"]
     assert entry["id"].startswith("kvdoc-") and entry["tokens"] > len(doc)
     out = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": doc + "\n\nWhat is the password of room 2?"}],
-        max_tokens=4, temperature=0, extra_body={"kvforge": {"reuse": "prefix"}},
+        model=MODEL,
+        messages=[{"role": "user", "content": doc + "\n\nWhat is the password of room 2?"}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"kvforge": {"reuse": "prefix"}},
     )
     assert out.usage.prompt_tokens_details.cached_tokens > 0

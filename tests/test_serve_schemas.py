@@ -11,17 +11,16 @@ from typing import Any
 import pytest
 
 pytest.importorskip("fastapi")
-from fastapi.testclient import TestClient  # noqa: E402
+from fastapi.testclient import TestClient
 
-from kvforge.engine import Engine  # noqa: E402
-from kvforge.errors import UserError  # noqa: E402
-from kvforge.serve import create_app  # noqa: E402
-from kvforge.serve.app import _query_agnostic_split  # noqa: E402
-from kvforge.serve.errors import APIError  # noqa: E402
-from kvforge.serve.metrics import store_tiers  # noqa: E402
-from kvforge.serve.runner import DeltaStream  # noqa: E402
-from kvforge.serve.worker import Aborted, QueueFullError, Worker  # noqa: E402
-from kvforge.testing import tiny_model, tiny_tokenizer  # noqa: E402
+from kvforge.engine import Engine
+from kvforge.errors import UserError
+from kvforge.serve import create_app
+from kvforge.serve.errors import APIError
+from kvforge.serve.metrics import store_tiers
+from kvforge.serve.runner import DeltaStream, query_agnostic_split
+from kvforge.serve.worker import Aborted, QueueFullError, Worker
+from kvforge.testing import tiny_model, tiny_tokenizer
 
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "hi"}]
@@ -58,8 +57,10 @@ def test_chat_accepts_text_parts_and_developer_role(client: Any, engine: Engine)
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]},
     ]
-    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 5,
-                                                   "temperature": 0, "user": "ignored-field"})
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "max_tokens": 5, "temperature": 0, "user": "ignored-field"},
+    )
     assert r.status_code == 200, r.text
     expected = engine.generate([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}], 5)
     assert r.json()["choices"][0]["message"]["content"] == expected.text
@@ -68,8 +69,9 @@ def test_chat_accepts_text_parts_and_developer_role(client: Any, engine: Engine)
 def test_completion_token_prompt_and_echo(client: Any, engine: Engine) -> None:
     ids = engine.encode_chat("abc", raw=True)
     by_ids = client.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 4, "temperature": 0})
-    by_text = client.post("/v1/completions", json={"model": MODEL, "prompt": ["abc"], "max_tokens": 4,
-                                                    "temperature": 0, "echo": True})
+    by_text = client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": ["abc"], "max_tokens": 4, "temperature": 0, "echo": True}
+    )
     assert by_ids.status_code == by_text.status_code == 200
     assert by_text.json()["choices"][0]["text"] == "abc" + by_ids.json()["choices"][0]["text"]
     assert by_ids.json()["usage"]["prompt_tokens"] == len(ids)
@@ -180,13 +182,16 @@ def test_create_app_rejects_bad_defaults(engine: Engine) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ pieces
-def test_query_agnostic_split() -> None:
+def testquery_agnostic_split() -> None:
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "doc\n\npart\n\nWhat?"}]
-    assert _query_agnostic_split(msgs) == ("doc\n\npart", "What?", "S")
-    for bad in ([{"role": "user", "content": "no separator"}], "raw text",
-                [{"role": "user", "content": "a\n\nb"}, {"role": "assistant", "content": "c"}]):
+    assert query_agnostic_split(msgs) == ("doc\n\npart", "What?", "S")
+    for bad in (
+        [{"role": "user", "content": "no separator"}],
+        "raw text",
+        [{"role": "user", "content": "a\n\nb"}, {"role": "assistant", "content": "c"}],
+    ):
         with pytest.raises(APIError):
-            _query_agnostic_split(bad)
+            query_agnostic_split(bad)
 
 
 def test_delta_stream_holds_back_stop_strings() -> None:

@@ -21,8 +21,11 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--semantic-mode", choices=["canonical", "context"], default="canonical")
     p.add_argument("--press", default=None, help="default compression method (see `kvforge presses`)")
     p.add_argument("--compression-ratio", type=ratio, default=0.5, help="fraction of KV entries removed")
-    p.add_argument("--api-key", default=os.environ.get("KVFORGE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $KVFORGE_API_KEY; none = open)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("KVFORGE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $KVFORGE_API_KEY; none = open)",
+    )
     p.add_argument("--max-queue", type=positive_int, default=16, help="waiting requests before 429s")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request (queueing included)")
     p.add_argument("--max-body-bytes", type=positive_int, default=8 * 2**20)

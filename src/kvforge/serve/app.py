@@ -7,7 +7,6 @@ Routes only translate OpenAI schemas into :class:`GenerationSpec` s; one worker 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,11 +18,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvforge.decode import SamplingParams
 from kvforge.errors import UserError
 from kvforge.serve import schemas as S
-from kvforge.serve.errors import APIError, install_handlers, user_error
+from kvforge.serve.errors import APIError, install_handlers, timeout_error, user_error
 from kvforge.serve.features import Features
 from kvforge.serve.metrics import Metrics
 from kvforge.serve.middleware import GuardMiddleware
-from kvforge.serve.runner import KEEP, GenerationSpec, run_generation
+from kvforge.serve.runner import KEEP, GenerationSpec, query_agnostic_split, run_generation
 from kvforge.serve.worker import Aborted, Job, QueueFullError, Worker
 from kvforge.types import Generation
 
@@ -84,8 +83,12 @@ def create_app(
     def spec_for(req: S._GenerationRequest, prompt: Any, raw: bool) -> tuple[GenerationSpec, int, str]:
         """Validate against the model (name, context, press, reuse); returns (spec, prompt tokens, reuse label)."""
         if req.model != model_name:
-            raise APIError(404, f"model {req.model!r} not found; this server serves {model_name!r}", param="model",
-                           code="model_not_found")
+            raise APIError(
+                404,
+                f"model {req.model!r} not found; this server serves {model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         opts = req.kvforge or S.KVForgeOptions()
         ratio = opts.compression_ratio if opts.compression_ratio is not None else compression_ratio
         press_obj = features.press(opts.press if opts.press is not None else press, ratio)
@@ -111,7 +114,7 @@ def create_app(
             )
         except UserError as e:
             raise user_error(e, param="messages" if not raw else "prompt") from e
-        qa = _query_agnostic_split(prompt) if opts.query_aware is False and press_obj is not None else None
+        qa = query_agnostic_split(prompt) if opts.query_aware is False and press_obj is not None else None
         spec = GenerationSpec(prompt, raw, max_tokens, sampling, req.stop_list, press_obj, spec_reuse, qa)
         return spec, num_prompt, label
 
@@ -120,8 +123,9 @@ def create_app(
             return worker.submit(fn, asyncio.get_running_loop(), request_timeout_s)
         except QueueFullError as e:
             metrics.rejected.inc()
-            raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(e.retry_after_s)}) from e
+            raise APIError(
+                429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": str(e.retry_after_s)}
+            ) from e
 
     def kvforge_field(gen: Generation, job: Job, label: str, opts: S.KVForgeOptions | None) -> dict[str, Any]:
         info = gen.info.get("reuse") or {}
@@ -133,7 +137,7 @@ def create_app(
         metrics.prompt_tokens.inc(gen.prompt_tokens)
         metrics.reused_tokens.inc(gen.reused_tokens)
         metrics.completion_tokens.inc(len(gen.token_ids))
-        ratio = (opts.compression_ratio if opts and opts.compression_ratio is not None else compression_ratio)
+        ratio = opts.compression_ratio if opts and opts.compression_ratio is not None else compression_ratio
         press_name = opts.press if opts and opts.press is not None else press
         return {
             "reuse": kind,
@@ -164,7 +168,7 @@ def create_app(
             reason = job.abort_reason or "cancelled"
             metrics.aborted.labels(reason).inc()
             if reason == "timeout":
-                raise APIError(504, f"request timed out after {request_timeout_s}s", type="timeout", code="timeout")
+                raise timeout_error(request_timeout_s)
             return None  # type: ignore[return-value]  # client gone: nobody reads the answer
         exc = job.future.exception()
         if isinstance(exc, UserError):
@@ -174,7 +178,7 @@ def create_app(
         return job.future.result()  # type: ignore[no-any-return]
 
     async def generate(request: Request, req: S._GenerationRequest, prompt: Any, raw: bool, endpoint: str) -> Response:
-        spec, num_prompt, label = spec_for(req, prompt, raw)
+        spec, _, label = spec_for(req, prompt, raw)
         rid = S.new_id("cmpl" if raw else "chatcmpl")
         if req.stream:
             return stream(req, spec, label, rid, endpoint)
@@ -213,44 +217,46 @@ def create_app(
         async def events() -> AsyncIterator[str]:
             try:
                 if not raw:
-                    yield _sse(chunk({"role": "assistant", "content": ""}, "", None))
+                    yield S.sse(chunk({"role": "assistant", "content": ""}, "", None))
                 while True:
                     remaining = job.deadline - time.monotonic()
                     try:
                         item = await asyncio.wait_for(deltas.get(), timeout=max(remaining, 0.001))
                     except asyncio.TimeoutError:
                         job.cancel("timeout")
-                        break
+                        metrics.aborted.labels("timeout").inc()
+                        yield S.sse(timeout_error(request_timeout_s).body())
+                        return
                     if item is _DONE:
                         break
-                    yield _sse(chunk({"content": item}, item, None))
+                    yield S.sse(chunk({"content": item}, item, None))
                 try:
-                    gen: Generation = await asyncio.wait_for(asyncio.shield(job.future), timeout=5.0)
+                    gen: Generation = await asyncio.wait_for(asyncio.shield(job.future), timeout=30.0)
                 except Aborted as e:
                     metrics.aborted.labels(e.reason).inc()
-                    yield _sse(APIError(504, f"generation stopped: {e.reason}", type="timeout", code=e.reason).body())
+                    yield S.sse(timeout_error(request_timeout_s).body())
                     return
                 except UserError as e:
-                    yield _sse(user_error(e).body())
+                    yield S.sse(user_error(e).body())
                     return
                 except Exception as e:  # already streaming: the error travels as an event
                     logger.exception("generation failed")
-                    yield _sse(APIError(500, f"internal error: {type(e).__name__}", type="server_error").body())
+                    yield S.sse(APIError(500, f"internal error: {type(e).__name__}", type="server_error").body())
                     return
                 kvf = kvforge_field(gen, job, label, req.kvforge)
                 usage = S.usage(gen.prompt_tokens, len(gen.token_ids), gen.reused_tokens)
                 last = chunk({}, "", gen.finish_reason)
                 last["kvforge"] = kvf
-                yield _sse(last)
+                yield S.sse(last)
                 if include_usage:
                     final = S.completion_body(rid, model_name, "", None, usage, None) if raw else chunk(None, "", None)
                     if raw:
                         final["choices"] = []
                     final["usage"] = usage
-                    yield _sse(final)
+                    yield S.sse(final)
                 yield "data: [DONE]\n\n"
             finally:
-                if not job.future.done():
+                if not job.future.done() and job.abort_reason is None:  # the client went away mid-stream
                     job.cancel("cancelled")
                     metrics.aborted.labels("cancelled").inc()
 
@@ -259,8 +265,15 @@ def create_app(
     # ------------------------------------------------------------------------------------------ routes
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model_name, "queue_depth": worker.depth, "busy": worker.busy,
-                "reuse": reuse_kind, "press": press, "store": features.has_store}
+        return {
+            "status": "ok",
+            "model": model_name,
+            "queue_depth": worker.depth,
+            "busy": worker.busy,
+            "reuse": reuse_kind,
+            "press": press,
+            "store": features.has_store,
+        }
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -268,13 +281,13 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(model_name)]}
+        return {"object": "list", "data": [S.model_card(model_name)]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> dict[str, Any]:
         if name != model_name:
             raise APIError(404, f"model {name!r} not found", param="model", code="model_not_found")
-        return _model_card(model_name)
+        return S.model_card(model_name)
 
     @app.post("/v1/completions")
     async def completions(request: Request, req: S.CompletionRequest) -> Response:
@@ -299,26 +312,3 @@ def create_app(
         return JSONResponse({"object": "list", "data": result})
 
     return app
-
-
-def _query_agnostic_split(messages: Any) -> tuple[str, str, str | None]:
-    """(context, question, system) of a ``[system?, user]`` chat whose user message is ``context\\n\\nquestion``."""
-    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-        raise APIError(400, "kvforge.query_aware=false needs a chat request", param="kvforge.query_aware")
-    roles = [m["role"] for m in messages]
-    if roles not in (["user"], ["system", "user"]):
-        raise APIError(400, "kvforge.query_aware=false takes one user message (and an optional system one)",
-                       param="kvforge.query_aware")
-    context, sep, question = messages[-1]["content"].rpartition("\n\n")
-    if not sep or not context.strip() or not question.strip():
-        raise APIError(400, "kvforge.query_aware=false needs a user message 'context\\n\\nquestion'",
-                       param="kvforge.query_aware")
-    return context, question, messages[0]["content"] if roles[0] == "system" else None
-
-
-def _model_card(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "kvforge"}
-
-
-def _sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body)}\n\n"

@@ -57,6 +57,10 @@ def user_error(e: UserError, param: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
+def timeout_error(timeout_s: float) -> APIError:
+    return APIError(504, f"request timed out after {timeout_s}s", type="timeout", code="timeout")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str | None]:
     errors = exc.errors()
     if not errors:

@@ -90,15 +90,20 @@ class Features:
         reuse_mod = _import("kvforge.reuse", "KV reuse", "kvforge.reuse")
         registry = getattr(reuse_mod, "REUSE", {})
         if kind not in registry:
-            raise APIError(400, f"unknown reuse strategy {kind!r}; choose from: none, {', '.join(sorted(registry))}",
-                           param="kvforge.reuse", code="invalid_value")
+            raise APIError(
+                400,
+                f"unknown reuse strategy {kind!r}; choose from: none, {', '.join(sorted(registry))}",
+                param="kvforge.reuse",
+                code="invalid_value",
+            )
         store = self.store
         device = getattr(self.engine.model, "device", None)
         try:
             if kind == "semantic":
                 embedder = self.embedder if self.embedder is not None else reuse_mod.EMBEDDERS["minilm"]()
-                strategy = registry[kind](store=store, model_id=self.engine.model_id, embedder=embedder, mode=mode,
-                                          device=device)
+                strategy = registry[kind](
+                    store=store, model_id=self.engine.model_id, embedder=embedder, mode=mode, device=device
+                )
             else:
                 strategy = registry[kind](store=store, model_id=self.engine.model_id, device=device)
         except (UserError, ValueError, TypeError) as e:
@@ -120,8 +125,12 @@ class Features:
         if mode == "chunks":
             return self._precompute_chunks(documents, system)
         if strategy is None:
-            raise APIError(400, "prefix documents need a reuse strategy: start the server with --reuse prefix or send "
-                           "kvforge.reuse", param="mode", code="feature_unavailable")
+            raise APIError(
+                400,
+                "prefix documents need a reuse strategy: start the server with --reuse prefix or send kvforge.reuse",
+                param="mode",
+                code="feature_unavailable",
+            )
         out = []
         for doc in documents:
             ctx_ids, _ = self.engine.encode_qa(doc, "?", system=system)
@@ -142,7 +151,11 @@ class Features:
         self.engine.check_length(len(prompt.ids()))
         model.warm(prompt)
         return [
-            {"id": rag.chunk_key(model.model_id, prompt.prefix_ids, chunk), "object": "kv.document", "mode": "chunks",
-             "tokens": len(chunk)}
+            {
+                "id": rag.chunk_key(model.model_id, prompt.prefix_ids, chunk),
+                "object": "kv.document",
+                "mode": "chunks",
+                "tokens": len(chunk),
+            }
             for chunk in prompt.chunk_ids
         ]

@@ -27,19 +27,27 @@ class Metrics:
         self.rejected = Counter("kvforge_rejected", "Requests refused with 429 (queue full)", registry=r)
         self.aborted = Counter("kvforge_aborted", "Generations stopped early", ["reason"], registry=r)
         self.ttft = Histogram(
-            "kvforge_ttft_seconds", "Time to first token (prefill + first pick)", ["endpoint"],
-            buckets=_TIME_BUCKETS, registry=r,
+            "kvforge_ttft_seconds",
+            "Time to first token (prefill + first pick)",
+            ["endpoint"],
+            buckets=_TIME_BUCKETS,
+            registry=r,
         )
         self.latency = Histogram(
-            "kvforge_request_latency_seconds", "Request latency including queueing", ["endpoint"],
-            buckets=_TIME_BUCKETS, registry=r,
+            "kvforge_request_latency_seconds",
+            "Request latency including queueing",
+            ["endpoint"],
+            buckets=_TIME_BUCKETS,
+            registry=r,
         )
         self.queue_wait = Histogram(
             "kvforge_queue_wait_seconds", "Time spent waiting for the model", buckets=_TIME_BUCKETS, registry=r
         )
         self.reuse = Counter(
-            "kvforge_reuse_lookups", "Reuse lookups by strategy and outcome (miss, prefix, semantic)",
-            ["strategy", "outcome"], registry=r,
+            "kvforge_reuse_lookups",
+            "Reuse lookups by strategy and outcome (miss, prefix, semantic)",
+            ["strategy", "outcome"],
+            registry=r,
         )
         self.prompt_tokens = Counter("kvforge_prompt_tokens", "Prompt tokens received", registry=r)
         self.reused_tokens = Counter("kvforge_reused_tokens", "Prompt tokens served from reused KV", registry=r)
@@ -67,7 +75,9 @@ class _DerivedCollector(Collector):
         self.store_stats = store_stats
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        rate = GaugeMetricFamily("kvforge_reuse_hit_rate", "Fraction of lookups that hit, per strategy", labels=["strategy"])
+        rate = GaugeMetricFamily(
+            "kvforge_reuse_hit_rate", "Fraction of lookups that hit, per strategy", labels=["strategy"]
+        )
         for strategy, (num_hits, num) in sorted(self.hits.items()):
             rate.add_metric([strategy], num_hits / num if num else 0.0)
         yield rate

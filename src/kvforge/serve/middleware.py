@@ -53,14 +53,20 @@ class GuardMiddleware:
 
         try:
             if not self._authorized(scope, path):
-                await _send_error(send_counted, 401, "invalid or missing API key (Authorization: Bearer <key>)",
-                                  "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+                await _send_error(
+                    send_counted,
+                    401,
+                    "invalid or missing API key (Authorization: Bearer <key>)",
+                    "invalid_api_key",
+                    [(b"www-authenticate", b"Bearer")],
+                )
                 return
             headers = dict(scope.get("headers") or [])
             length = headers.get(b"content-length")
             if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-                await _send_error(send_counted, 413, f"request body over {self.max_body_bytes} bytes",
-                                  "request_too_large")
+                await _send_error(
+                    send_counted, 413, f"request body over {self.max_body_bytes} bytes", "request_too_large"
+                )
                 return
             await self._call_limited(scope, receive, send_counted, length is not None)
         finally:

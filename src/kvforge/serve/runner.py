@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvforge.decode import SamplingParams, trim_at_stop
+from kvforge.serve.errors import APIError
 from kvforge.serve.worker import Job
 from kvforge.types import Generation
 
@@ -98,8 +99,13 @@ def run_generation(engine: Any, spec: GenerationSpec, job: Job, emit: Callable[[
             gen = _query_agnostic(engine, spec, on_token)
         else:
             gen = engine.generate(
-                spec.prompt, spec.max_tokens, sampling=spec.sampling, stop=spec.stop or None, raw=spec.raw,
-                press=spec.press, on_token=on_token,
+                spec.prompt,
+                spec.max_tokens,
+                sampling=spec.sampling,
+                stop=spec.stop or None,
+                raw=spec.raw,
+                press=spec.press,
+                on_token=on_token,
             )
     stream.finish(gen.text)
     return gen
@@ -122,3 +128,22 @@ def _query_agnostic(engine: Any, spec: GenerationSpec, on_token: Callable[[int],
     gen.info.update(cache.info)
     gen.info["prefill_s"] = prefill_s
     return gen
+
+
+def query_agnostic_split(messages: Any) -> tuple[str, str, str | None]:
+    """(context, question, system) of a ``[system?, user]`` chat whose user message is ``context\\n\\nquestion``."""
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise APIError(400, "kvforge.query_aware=false needs a chat request", param="kvforge.query_aware")
+    roles = [m["role"] for m in messages]
+    if roles not in (["user"], ["system", "user"]):
+        raise APIError(
+            400,
+            "kvforge.query_aware=false takes one user message (and an optional system one)",
+            param="kvforge.query_aware",
+        )
+    context, sep, question = messages[-1]["content"].rpartition("\n\n")
+    if not sep or not context.strip() or not question.strip():
+        raise APIError(
+            400, "kvforge.query_aware=false needs a user message 'context\\n\\nquestion'", param="kvforge.query_aware"
+        )
+    return context, question, messages[0]["content"] if roles[0] == "system" else None

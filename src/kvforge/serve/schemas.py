@@ -6,6 +6,7 @@ ones; the ``kvforge`` object forbids unknown keys so a typo is a 400, not a sile
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -189,3 +190,12 @@ def chat_chunk(rid: str, model: str, delta: dict[str, Any] | None, finish: str |
     """One ``chat.completion.chunk``; ``delta=None`` gives the usage-only final chunk (empty choices)."""
     choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
     return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": choices}
+
+
+def model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kvforge"}
+
+
+def sse(body: dict[str, Any]) -> str:
+    """One server-sent event carrying ``body`` as JSON."""
+    return f"data: {json.dumps(body)}\n\n"

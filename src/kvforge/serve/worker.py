@@ -8,6 +8,7 @@ stops costing compute at its next token. Results go back to the asyncio side thr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import queue
@@ -69,10 +70,8 @@ class Job:
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the event loop (from the worker thread); a closed loop drops it."""
-        try:
+        with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:
-            pass
 
     def _resolve(self, result: Any = None, error: BaseException | None = None) -> None:
         def done() -> None:
@@ -157,8 +156,6 @@ class Worker:
                 job._resolve(error=Aborted("cancelled"))
         if self.running is not None:
             self.running.cancel()
-        try:
+        with contextlib.suppress(queue.Full):
             self._queue.put(None, timeout=timeout_s)
-        except queue.Full:
-            pass
         self._thread.join(timeout_s)
