@@ -387,3 +387,41 @@ def test_documents_endpoint_precomputes_a_prefix(server: LiveServer, client: Any
         extra_body={"kvforge": {"reuse": "prefix"}},
     )
     assert out.usage.prompt_tokens_details.cached_tokens > 0
+
+
+@needs_reuse
+def test_semantic_hit_reports_approximate_and_similarity() -> None:
+    from kvforge.reuse import FakeEmbedder
+
+    engine = Engine(tiny_model("llama"), tiny_tokenizer())
+    live = LiveServer(create_app(engine, model_name=MODEL, reuse="semantic", embedder=FakeEmbedder()))
+    try:
+        client = live.client()
+        ask = lambda q: client.chat.completions.create(  # noqa: E731
+            model=MODEL, messages=[{"role": "user", "content": LONG_DOC + "\n\n" + q}], max_tokens=4, temperature=0
+        )
+        first, second = ask("What is the code word of room 7?"), ask("What is the code word for room 7?")
+        assert first.model_extra["kvforge"]["reuse"] == "miss"
+        kvf = second.model_extra["kvforge"]
+        assert kvf["reuse"] == "semantic" and kvf["approximate"] is True
+        assert 0.9 <= kvf["similarity"] <= 1.0
+        assert second.usage.prompt_tokens_details.cached_tokens > 0
+        assert (
+            'kvforge_reuse_lookups_total{outcome="semantic",strategy="semantic"} 1.0'
+            in httpx.get(live.url + "/metrics").text
+        )
+    finally:
+        live.close()
+
+
+@pytest.mark.skipif(
+    not (_have("kvforge.rag") and _have("kvforge.store")), reason="kvforge.rag / kvforge.store not importable"
+)
+def test_documents_endpoint_stores_rag_chunks(server: LiveServer) -> None:
+    chunks = ["The red door opens at noon.", "The blue door opens at dusk."]
+    r = httpx.post(server.url + "/v1/kv/documents", json={"documents": chunks, "mode": "chunks"}, timeout=30)
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert [d["tokens"] for d in data] == [len(c) for c in chunks]  # character tokenizer
+    store = server.server.config.app.state.features.store
+    assert all(store.contains(d["id"]) for d in data)

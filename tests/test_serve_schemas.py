@@ -18,7 +18,7 @@ from kvforge.errors import UserError
 from kvforge.serve import create_app
 from kvforge.serve.errors import APIError
 from kvforge.serve.metrics import store_tiers
-from kvforge.serve.runner import DeltaStream, query_agnostic_split
+from kvforge.serve.runner import DeltaStream, split_context_question
 from kvforge.serve.worker import Aborted, QueueFullError, Worker
 from kvforge.testing import tiny_model, tiny_tokenizer
 
@@ -182,16 +182,16 @@ def test_create_app_rejects_bad_defaults(engine: Engine) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ pieces
-def testquery_agnostic_split() -> None:
+def testsplit_context_question() -> None:
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "doc\n\npart\n\nWhat?"}]
-    assert query_agnostic_split(msgs) == ("doc\n\npart", "What?", "S")
+    assert split_context_question(msgs) == ("doc\n\npart", "What?", "S")
     for bad in (
         [{"role": "user", "content": "no separator"}],
         "raw text",
         [{"role": "user", "content": "a\n\nb"}, {"role": "assistant", "content": "c"}],
     ):
         with pytest.raises(APIError):
-            query_agnostic_split(bad)
+            split_context_question(bad)
 
 
 def test_delta_stream_holds_back_stop_strings() -> None:

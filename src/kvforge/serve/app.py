@@ -22,7 +22,7 @@ from kvforge.serve.errors import APIError, install_handlers, timeout_error, user
 from kvforge.serve.features import Features
 from kvforge.serve.metrics import Metrics
 from kvforge.serve.middleware import GuardMiddleware
-from kvforge.serve.runner import KEEP, GenerationSpec, query_agnostic_split, run_generation
+from kvforge.serve.runner import KEEP, GenerationSpec, run_generation, split_context_question
 from kvforge.serve.worker import Aborted, Job, QueueFullError, Worker
 from kvforge.types import Generation
 
@@ -114,7 +114,14 @@ def create_app(
             )
         except UserError as e:
             raise user_error(e, param="messages" if not raw else "prompt") from e
-        qa = query_agnostic_split(prompt) if opts.query_aware is False and press_obj is not None else None
+        qa = None
+        if opts.query_aware is False and press_obj is not None:
+            qa = split_context_question(prompt)
+        elif press_obj is None and not raw and _context_mode(opts, reuse_kind, semantic_mode):
+            try:  # semantic reuse of the document part: needs a 'document\n\nquestion' message
+                qa = split_context_question(prompt)
+            except APIError:
+                qa = None  # a plain chat: ordinary generation (a miss for context mode)
         spec = GenerationSpec(prompt, raw, max_tokens, sampling, req.stop_list, press_obj, spec_reuse, qa)
         return spec, num_prompt, label
 
@@ -145,6 +152,7 @@ def create_app(
             "recomputed_tokens": gen.prompt_tokens - gen.reused_tokens,
             "approximate": bool(info.get("approximate", False)),
             "similarity": info.get("similarity"),
+            "miss_reason": info.get("reason"),
             "ttft_s": round(gen.ttft_s, 6),
             "queue_s": round((job.started or job.submitted) - job.submitted, 6),
             "press": press_name,
@@ -312,3 +320,11 @@ def create_app(
         return JSONResponse({"object": "list", "data": result})
 
     return app
+
+
+def _context_mode(opts: S.KVForgeOptions, server_kind: str, server_mode: str) -> bool:
+    """Whether this request's reuse is semantic in context mode."""
+    if opts.reuse is None and opts.semantic_mode is None:
+        return server_kind == "semantic" and server_mode == "context"
+    kind = opts.reuse or server_kind
+    return kind == "semantic" and (opts.semantic_mode or server_mode) == "context"

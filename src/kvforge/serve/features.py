@@ -99,13 +99,15 @@ class Features:
         store = self.store
         device = getattr(self.engine.model, "device", None)
         try:
-            if kind == "semantic":
-                embedder = self.embedder if self.embedder is not None else reuse_mod.EMBEDDERS["minilm"]()
-                strategy = registry[kind](
-                    store=store, model_id=self.engine.model_id, embedder=embedder, mode=mode, device=device
+            if hasattr(reuse_mod, "build_reuse"):
+                strategy = reuse_mod.build_reuse(
+                    kind, store, self.engine.model_id, semantic_mode=mode, embedder=self.embedder, device=device
                 )
+            elif kind == "semantic":
+                embedder = self.embedder if self.embedder is not None else reuse_mod.EMBEDDERS["minilm"]()
+                strategy = registry[kind](store, self.engine.model_id, embedder, mode=mode, device=device)
             else:
-                strategy = registry[kind](store=store, model_id=self.engine.model_id, device=device)
+                strategy = registry[kind](store, self.engine.model_id, device=device)
         except (UserError, ValueError, TypeError) as e:
             raise _bad(e, "kvforge.reuse") from e
         self._strategies[key] = strategy

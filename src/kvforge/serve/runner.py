@@ -24,7 +24,9 @@ class GenerationSpec:
         prompt: text (raw or one user message), chat messages, or token ids, as :meth:`Engine.generate` takes.
         raw: no chat template (``/v1/completions``).
         reuse: the reuse strategy for this request, None for no reuse, or :data:`KEEP` for the engine's own.
-        qa: ``(context, question, system)`` for query-agnostic compression: the press sees the context only.
+        qa: ``(context, question, system)`` of a ``document\n\nquestion`` chat: with a press, query-agnostic
+            compression (the press sees the context only); without, :meth:`Engine.answer` (semantic reuse in
+            context mode matches the document and prefills the question exactly; no per-token streaming there).
     """
 
     prompt: Any
@@ -95,8 +97,18 @@ def run_generation(engine: Any, spec: GenerationSpec, job: Job, emit: Callable[[
 
     job.check()
     with engine_reuse(engine, spec.reuse):
-        if spec.qa is not None:
+        if spec.qa is not None and spec.press is not None:
             gen = _query_agnostic(engine, spec, on_token)
+        elif spec.qa is not None:
+            context, question, system = spec.qa
+            gen = engine.answer(
+                context,
+                question,
+                system=system,
+                max_new_tokens=spec.max_tokens,
+                sampling=spec.sampling,
+                stop=spec.stop or None,
+            )
         else:
             gen = engine.generate(
                 spec.prompt,
@@ -130,7 +142,7 @@ def _query_agnostic(engine: Any, spec: GenerationSpec, on_token: Callable[[int],
     return gen
 
 
-def query_agnostic_split(messages: Any) -> tuple[str, str, str | None]:
+def split_context_question(messages: Any) -> tuple[str, str, str | None]:
     """(context, question, system) of a ``[system?, user]`` chat whose user message is ``context\\n\\nquestion``."""
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise APIError(400, "kvforge.query_aware=false needs a chat request", param="kvforge.query_aware")
