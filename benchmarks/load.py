@@ -56,7 +56,7 @@ class PromptMix:
         self.num_facts, self.repeat, self.paraphrase = num_facts, repeat, paraphrase
         self.sent: list[tuple[str, dict[str, Any], int, int]] = []  # (document, facts, question idx, room)
 
-    def next(self) -> tuple[str, str]:
+    def next(self) -> tuple[str, str, Any]:
         u = self.rng.random()
         if self.sent and u < self.repeat:
             kind, (doc, facts, q, room) = "repeated", self.rng.choice(self.sent)
@@ -67,9 +67,13 @@ class PromptMix:
         else:
             doc, facts = make_document(self.rng, self.num_facts)
             kind, q, room, wording = "new", self.rng.randrange(len(QUESTIONS)), self.rng.randrange(self.num_facts), 0
-            self.sent.append((doc, facts, q, room))
         question = QUESTIONS[q][wording].format(r=room, c=facts["codes"][room], t=facts["topic"])
-        return kind, f"{doc}\n\n{question}"
+        return kind, f"{doc}\n\n{question}", (doc, facts, q, room)
+
+    def answered(self, kind: str, item: Any) -> None:
+        """Only prompts the server answered are repeated later (a refused one was never cached)."""
+        if kind == "new":
+            self.sent.append(item)
 
 
 class Stats:
@@ -131,7 +135,7 @@ async def client_loop(
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(base_url=url, timeout=timeout, headers=headers) as http:
         while time.perf_counter() < stop_at:
-            kind, prompt = mix.next()
+            kind, prompt, item = mix.next()
             try:
                 status, result = await one_request(http, args.served_model_name, prompt, args.max_tokens, args.press)
             except (httpx.HTTPError, json.JSONDecodeError) as e:
@@ -144,6 +148,7 @@ async def client_loop(
             else:
                 result["kind"] = kind
                 stats.ok.append(result)
+                mix.answered(kind, item)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -160,7 +165,11 @@ def summarize(stats: Stats, elapsed: float, args: argparse.Namespace) -> dict[st
     for kind in ("repeated", "paraphrased", "new"):
         rows = [r for r in ok if r["kind"] == kind]
         hits = [r for r in rows if r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) > 0]
-        by_kind[kind] = {"requests": len(rows), "hit_rate": round(len(hits) / len(rows), 3) if rows else None}
+        by_kind[kind] = {
+            "requests": len(rows),
+            "hit_rate": round(len(hits) / len(rows), 3) if rows else None,
+            "server_ttft_p50_s": percentile([r["kvforge"]["ttft_s"] for r in rows if "ttft_s" in r["kvforge"]], 0.5),
+        }
     prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in ok)
     cached = sum(r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) for r in ok)
     return {
@@ -175,6 +184,8 @@ def summarize(stats: Stats, elapsed: float, args: argparse.Namespace) -> dict[st
         "completion_tokens_per_s": round(sum(r["usage"]["completion_tokens"] for r in ok) / elapsed, 2),
         "ttft_p50_s": percentile([r["ttft_s"] for r in ok], 0.5),
         "ttft_p99_s": percentile([r["ttft_s"] for r in ok], 0.99),
+        "server_ttft_p50_s": percentile([r["kvforge"]["ttft_s"] for r in ok if "ttft_s" in r["kvforge"]], 0.5),
+        "server_ttft_p99_s": percentile([r["kvforge"]["ttft_s"] for r in ok if "ttft_s" in r["kvforge"]], 0.99),
         "latency_p50_s": percentile([r["latency_s"] for r in ok], 0.5),
         "latency_p99_s": percentile([r["latency_s"] for r in ok], 0.99),
         "hit_rate": round(len(hit) / len(ok), 3) if ok else None,
