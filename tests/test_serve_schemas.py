@@ -241,3 +241,22 @@ def test_worker_queue_bound_and_cancelled_jobs_never_run() -> None:
     finally:
         worker.close()
         loop.close()
+
+
+def test_worker_refuses_jobs_that_would_time_out_in_the_queue() -> None:
+    loop = asyncio.new_event_loop()
+    worker = Worker(max_queue=8)
+    try:
+        job = worker.submit(lambda job: None, loop, None)
+        loop.run_until_complete(asyncio.wait({job.future}, timeout=5))
+        worker.avg_job_s = 2.0  # as if each job took 2 s
+        assert worker.expected_wait_s() == 0.0  # idle: nothing ahead
+        gate = threading.Event()
+        worker.submit(lambda job: gate.wait(5), loop, 3.0)  # its own 2 s fit in 3 s
+        with pytest.raises(QueueFullError) as e:
+            worker.submit(lambda job: None, loop, 3.0)  # 2 s ahead + its own 2 s do not
+        assert e.value.retry_after_s >= 1
+        gate.set()
+    finally:
+        worker.close()
+        loop.close()

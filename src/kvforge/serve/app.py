@@ -136,8 +136,8 @@ def create_app(
 
     def kvforge_field(gen: Generation, job: Job, label: str, opts: S.KVForgeOptions | None) -> dict[str, Any]:
         info = gen.info.get("reuse") or {}
-        kind = info.get("kind", "miss" if label != "none" else "none")
-        if label != "none":
+        kind = info.get("kind", "none")  # "none": the engine did not look (no strategy, or a press was active)
+        if info and label != "none":
             metrics.observe_reuse(label, kind)
         metrics.ttft.labels(job.endpoint).observe(gen.ttft_s)
         metrics.queue_wait.observe((job.started or job.submitted) - job.submitted)

@@ -111,8 +111,18 @@ class Worker:
     def retry_after_s(self) -> int:
         return max(1, math.ceil(self.avg_job_s * (self.depth + 1)))
 
+    def expected_wait_s(self) -> float:
+        """Time until a job queued now would start, from the average job time (0 before any job completed)."""
+        return self.avg_job_s * (self.depth + self.busy) if self.num_done else 0.0
+
     def submit(self, fn: Callable[[Job], Any], loop: asyncio.AbstractEventLoop, timeout_s: float | None) -> Job:
-        """Queue ``fn(job)``; raises :class:`QueueFullError` when ``max_queue`` jobs already wait."""
+        """Queue ``fn(job)``.
+
+        Raises :class:`QueueFullError` when ``max_queue`` jobs already wait, or when the jobs ahead would take longer
+        than ``timeout_s`` (refusing now beats timing out later: the client can retry elsewhere).
+        """
+        if timeout_s and self.expected_wait_s() + (self.avg_job_s if self.num_done else 0.0) > timeout_s:
+            raise QueueFullError(self.retry_after_s())
         job = Job(fn, loop, timeout_s)
         try:
             self._queue.put_nowait(job)
@@ -132,16 +142,17 @@ class Worker:
             self.running = job
             job.started = time.monotonic()
             try:
-                job._resolve(result=job.fn(job))
+                result = job.fn(job)
+                elapsed = time.monotonic() - job.started  # completed jobs only feed the estimate
+                self.avg_job_s = 0.8 * self.avg_job_s + 0.2 * elapsed if self.num_done else elapsed
+                self.num_done += 1
+                job._resolve(result=result)
             except Aborted as e:
                 logger.info("generation stopped: %s", e.reason)
                 job._resolve(error=e)
             except BaseException as e:  # the request answers with the error; the worker keeps going
                 job._resolve(error=e)
             finally:
-                elapsed = time.monotonic() - job.started
-                self.avg_job_s = 0.8 * self.avg_job_s + 0.2 * elapsed if self.num_done else elapsed
-                self.num_done += 1
                 self.running = None
 
     def close(self, timeout_s: float = 5.0) -> None:
