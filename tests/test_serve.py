@@ -32,10 +32,10 @@ def _have(module: str) -> bool:
         return False
 
 
-needs_presses = pytest.mark.skipif(not _have("kvforge.presses"), reason="kvforge.presses not importable (not merged)")
+needs_presses = pytest.mark.skipif(not _have("kvforge.presses"), reason="kvforge.presses not importable")
+_MISSING_REUSE = [m for m in ("kvforge.reuse", "kvforge.store") if not _have(m)]
 needs_reuse = pytest.mark.skipif(
-    not (_have("kvforge.reuse") and _have("kvforge.store")),
-    reason="kvforge.reuse / kvforge.store not importable (prefix reuse and the KV store land with their branches)",
+    bool(_MISSING_REUSE), reason=f"{' and '.join(_MISSING_REUSE)} not importable (lands with the reuse branch)"
 )
 
 
