@@ -246,6 +246,7 @@ def test_worker_queue_bound_and_cancelled_jobs_never_run() -> None:
 def test_worker_refuses_jobs_that_would_time_out_in_the_queue() -> None:
     loop = asyncio.new_event_loop()
     worker = Worker(max_queue=8)
+    ran: list[str] = []
     try:
         job = worker.submit(lambda job: None, loop, None)
         loop.run_until_complete(asyncio.wait({job.future}, timeout=5))
@@ -256,7 +257,12 @@ def test_worker_refuses_jobs_that_would_time_out_in_the_queue() -> None:
         with pytest.raises(QueueFullError) as e:
             worker.submit(lambda job: None, loop, 3.0)  # 2 s ahead + its own 2 s do not
         assert e.value.retry_after_s >= 1
+        worker.avg_job_s = 0.1  # admitted on a low estimate...
+        late = worker.submit(lambda job: ran.append("late"), loop, 0.5)
+        worker.avg_job_s = 2.0  # ...but by the time it could start, 0.5 s no longer covers a job: refused, not run
         gate.set()
+        loop.run_until_complete(asyncio.wait({late.future}, timeout=5))
+        assert isinstance(late.future.exception(), QueueFullError) and not ran
     finally:
         worker.close()
         loop.close()

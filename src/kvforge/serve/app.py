@@ -130,9 +130,7 @@ def create_app(
             return worker.submit(fn, asyncio.get_running_loop(), request_timeout_s)
         except QueueFullError as e:
             metrics.rejected.inc()
-            raise APIError(
-                429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": str(e.retry_after_s)}
-            ) from e
+            raise _queue_full(e) from e
 
     def kvforge_field(gen: Generation, job: Job, label: str, opts: S.KVForgeOptions | None) -> dict[str, Any]:
         info = gen.info.get("reuse") or {}
@@ -160,18 +158,30 @@ def create_app(
             "cache_bytes": gen.cache_bytes,
         }
 
-    async def wait(request: Request, job: Job) -> Generation:
-        """The job's result; a client that goes away or a deadline that passes cancels it."""
-        while True:
-            done, _ = await asyncio.wait({job.future}, timeout=_POLL_S)
-            if done:
-                break
-            if time.monotonic() > job.deadline:
-                job.cancel("timeout")
-                break
-            if await request.is_disconnected():
-                job.cancel("cancelled")
-                break
+    async def wait(request: Request, job: Job, until_started: bool = False) -> Any:
+        """The job's result (with ``until_started``: True once it runs).
+
+        A client that goes away or a deadline that passes cancels the job; one the worker refused as too late is a 429.
+        """
+        started = asyncio.ensure_future(job.started_event.wait())
+        try:
+            while True:
+                done, _ = await asyncio.wait({job.future, started} if until_started else {job.future}, timeout=_POLL_S)
+                if job.future in done or (until_started and started in done):
+                    break
+                if time.monotonic() > job.deadline:
+                    job.cancel("timeout")
+                    break
+                if await request.is_disconnected():
+                    job.cancel("cancelled")
+                    break
+        finally:
+            started.cancel()
+        if until_started and job.started_event.is_set() and job.abort_reason is None:
+            return True
+        if isinstance(job.future.exception() if job.future.done() else None, QueueFullError):
+            metrics.rejected.inc()
+            raise _queue_full(job.future.exception())  # type: ignore[arg-type]
         if not job.future.done() or isinstance(job.future.exception(), Aborted):
             reason = job.abort_reason or "cancelled"
             metrics.aborted.labels(reason).inc()
@@ -189,7 +199,7 @@ def create_app(
         spec, _, label = spec_for(req, prompt, raw)
         rid = S.new_id("cmpl" if raw else "chatcmpl")
         if req.stream:
-            return stream(req, spec, label, rid, endpoint)
+            return await stream(request, req, spec, label, rid, endpoint)
         job = submit(lambda j: run_generation(engine, spec, j, None))
         job.endpoint = endpoint
         gen = await wait(request, job)
@@ -203,7 +213,9 @@ def create_app(
             return JSONResponse(S.completion_body(rid, model_name, text, finish, usage, kvf))
         return JSONResponse(S.chat_body(rid, model_name, gen.text, finish, usage, kvf))
 
-    def stream(req: S._GenerationRequest, spec: GenerationSpec, label: str, rid: str, endpoint: str) -> Response:
+    async def stream(
+        request: Request, req: S._GenerationRequest, spec: GenerationSpec, label: str, rid: str, endpoint: str
+    ) -> Response:
         raw = spec.raw
         deltas: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -215,6 +227,8 @@ def create_app(
 
         job = submit(work)  # a full queue is a 429 before the stream starts
         job.endpoint = endpoint
+        if await wait(request, job, until_started=True) is not True:  # queueing happens before the 200 is sent
+            return Response(status_code=499)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(delta: dict[str, Any] | None, text: str, finish: str | None) -> dict[str, Any]:
@@ -328,3 +342,9 @@ def _context_mode(opts: S.KVForgeOptions, server_kind: str, server_mode: str) ->
         return server_kind == "semantic" and server_mode == "context"
     kind = opts.reuse or server_kind
     return kind == "semantic" and (opts.semantic_mode or server_mode) == "context"
+
+
+def _queue_full(e: QueueFullError) -> APIError:
+    return APIError(
+        429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": str(e.retry_after_s)}
+    )

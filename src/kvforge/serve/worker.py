@@ -20,6 +20,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+SHED_FACTOR = 1.5  # a job starts only with this many average job times left before its deadline
+
+
 class QueueFullError(Exception):
     """The queue holds ``max_queue`` waiting jobs already."""
 
@@ -46,6 +49,7 @@ class Job:
         self.submitted = time.monotonic()
         self.deadline = self.submitted + timeout_s if timeout_s else math.inf
         self.started: float | None = None
+        self.started_event = asyncio.Event()  # set (on the loop) when the worker starts the job
         self.endpoint = ""  # for metrics labels
         self._abort: str | None = None
         # an abandoned job's result is never awaited: retrieve it so asyncio does not log it as lost
@@ -121,7 +125,7 @@ class Worker:
         Raises :class:`QueueFullError` when ``max_queue`` jobs already wait, or when the jobs ahead would take longer
         than ``timeout_s`` (refusing now beats timing out later: the client can retry elsewhere).
         """
-        if timeout_s and self.expected_wait_s() + (self.avg_job_s if self.num_done else 0.0) > timeout_s:
+        if timeout_s and self.expected_wait_s() + SHED_FACTOR * (self.avg_job_s if self.num_done else 0) > timeout_s:
             raise QueueFullError(self.retry_after_s())
         job = Job(fn, loop, timeout_s)
         try:
@@ -139,8 +143,12 @@ class Worker:
             if reason is not None:  # gone or expired while waiting: do not start it
                 job._resolve(error=Aborted(reason))
                 continue
+            if self.num_done and job.deadline - time.monotonic() < SHED_FACTOR * self.avg_job_s:
+                job._resolve(error=QueueFullError(self.retry_after_s()))  # would time out: refuse it now
+                continue
             self.running = job
             job.started = time.monotonic()
+            job.call_soon(job.started_event.set)
             try:
                 result = job.fn(job)
                 elapsed = time.monotonic() - job.started  # completed jobs only feed the estimate
