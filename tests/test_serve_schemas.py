@@ -266,3 +266,11 @@ def test_worker_refuses_jobs_that_would_time_out_in_the_queue() -> None:
     finally:
         worker.close()
         loop.close()
+
+
+def test_shutdown_stops_the_worker(engine: Engine) -> None:
+    app = create_app(engine, model_name=MODEL)
+    with TestClient(app) as c:
+        assert c.get("/health").json()["busy"] is False
+    app.state.worker._thread.join(5)
+    assert not app.state.worker._thread.is_alive()

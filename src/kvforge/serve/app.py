@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -74,11 +75,15 @@ def create_app(
         raise UserError(e.message) from e
     worker = Worker(max_queue)
     metrics = Metrics(lambda: worker.depth, features.store_stats)
-    app = FastAPI(title="kvforge", version="0.1.0")
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        worker.close()  # cancels waiting jobs, stops the running one at its next token
+
+    app = FastAPI(title="kvforge", version="0.1.0", lifespan=lifespan)
     app.state.engine, app.state.worker, app.state.metrics, app.state.features = engine, worker, metrics, features
     app.add_middleware(GuardMiddleware, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes)
     install_handlers(app)
-    app.router.add_event_handler("shutdown", worker.close)
 
     def spec_for(req: S._GenerationRequest, prompt: Any, raw: bool) -> tuple[GenerationSpec, int, str]:
         """Validate against the model (name, context, press, reuse); returns (spec, prompt tokens, reuse label)."""
