@@ -8,5 +8,6 @@ COMMAND_MODULES = [
     "kvforge.commands.generate",
     "kvforge.commands.demo",
     "kvforge.commands.cache",
+    "kvforge.commands.serve",
     "kvforge.commands.bench_reuse",
 ]
