@@ -244,7 +244,6 @@ class Engine:
         gen.info["cache_entries"] = cache.num_entries()
         return gen
 
-
     def _run_reused(
         self,
         ids: list[int],
