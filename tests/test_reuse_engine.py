@@ -93,6 +93,8 @@ def test_cli_generate_reuse_across_processes(model_dir, tmp_path, capsys):
     assert "reuse prefix hit" in err and "TTFT" in err
     assert main([*argv[:-1], "semantic", "--threshold", "3"]) == 2
     assert "threshold" in capsys.readouterr().err
+    assert main([*argv, "--press", "snapkv"]) == 2
+    assert "cannot be combined with --press" in capsys.readouterr().err
 
 
 def test_cli_bench_reuse(model_dir, tmp_path, capsys):
