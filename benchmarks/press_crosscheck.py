@@ -51,11 +51,10 @@ def gguf_model(dtype: torch.dtype = torch.float32) -> Any:
 # ------------------------------------------------------------------------------------------- kvpress side (venv)
 def _match(keys_in: torch.Tensor, keys_out: torch.Tensor) -> list[list[int]]:
     """Per head, the indices in ``keys_in`` (B, H, S, D) of the rows kept in ``keys_out`` (B, H, n, D)."""
-    direction = torch.randn(keys_in.shape[-1], dtype=keys_in.dtype, generator=torch.Generator().manual_seed(0))
     kept = []
     for h in range(keys_in.shape[1]):
-        lookup = {float(v): i for i, v in enumerate(keys_in[0, h] @ direction)}
-        kept.append(sorted(lookup[float(v)] for v in keys_out[0, h] @ direction))
+        lookup = {row.numpy().tobytes(): i for i, row in enumerate(keys_in[0, h].float())}
+        kept.append(sorted(lookup[row.numpy().tobytes()] for row in keys_out[0, h].float()))
     return kept
 
 
