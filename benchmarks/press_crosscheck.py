@@ -149,15 +149,35 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ids_path, out_path = Path(tmp) / "ids.json", Path(tmp) / "kept.json"
         ids_path.write_text(json.dumps(ids))
-        cmd = [str(python), __file__, "--kvpress-side", str(ids_path), str(out_path), "--ratios",
-               *map(str, args.ratios), "--threads", str(args.threads or torch.get_num_threads())]
+        cmd = [
+            str(python),
+            __file__,
+            "--kvpress-side",
+            str(ids_path),
+            str(out_path),
+            "--ratios",
+            *map(str, args.ratios),
+            "--threads",
+            str(args.threads or torch.get_num_threads()),
+        ]
         subprocess.run(cmd, check=True)
         theirs = json.loads(out_path.read_text())
     for name in PRESSES:
         for ratio in args.ratios:
             mean, worst = overlap(kvforge_kept(model, ids, name, ratio), theirs[name][str(ratio)])
-            print(json.dumps({"press": name, "ratio": ratio, "tokens": len(ids), "kvpress": KVPRESS_VERSION,
-                              "overlap": round(mean, 4), "worst_layer": round(worst, 4)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "press": name,
+                        "ratio": ratio,
+                        "tokens": len(ids),
+                        "kvpress": KVPRESS_VERSION,
+                        "overlap": round(mean, 4),
+                        "worst_layer": round(worst, 4),
+                    }
+                ),
+                flush=True,
+            )
     return 0
 
 

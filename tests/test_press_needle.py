@@ -48,7 +48,9 @@ def needle_prompt(tokenizer, seed: int = 0, num_tokens: int = 1900, depth: float
     start = text.index(". ", rng.randrange(0, len(text) - num_tokens * 8)) + 2
     key = rng.choice(KEYS)
     code = str(rng.randrange(1_000_000, 9_999_999))
-    hay = tokenizer.decode(tokenizer.encode(text[start : start + num_tokens * 6], add_special_tokens=False)[:num_tokens])
+    hay = tokenizer.decode(
+        tokenizer.encode(text[start : start + num_tokens * 6], add_special_tokens=False)[:num_tokens]
+    )
     cut = hay.find(". ", int(len(hay) * depth)) + 2
     context = hay[:cut] + f" The secret code for the {key} is {code}. " + hay[cut:]
     messages = [{"role": "user", "content": f"{context}\n\nWhat is the secret code for the {key}?"}]

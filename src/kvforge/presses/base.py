@@ -116,15 +116,21 @@ class LayerContext:
         probs = logits.softmax(dim=-1)
         if self.prefix_keys is not None and self.prefix_keys.shape[2] > 0:
             # renormalise over prefix + new entries: p_new * Z_new / (Z_new + Z_prefix)
-            pre = self._logits(queries, self.prefix_keys, self.prefix_positions, self.prefix_valid, query_positions, scale)
+            pre = self._logits(
+                queries, self.prefix_keys, self.prefix_positions, self.prefix_valid, query_positions, scale
+            )
             lse_new, lse_pre = logits.logsumexp(-1, keepdim=True), pre.logsumexp(-1, keepdim=True)
             probs = probs * (lse_new - torch.logaddexp(lse_new, lse_pre)).exp()
         return probs.nan_to_num_(0.0)
 
     @staticmethod
     def _logits(
-        queries: Tensor, keys: Tensor, positions: Tensor | None, valid: Tensor | None,
-        query_positions: Tensor | None, scale: float,
+        queries: Tensor,
+        keys: Tensor,
+        positions: Tensor | None,
+        valid: Tensor | None,
+        query_positions: Tensor | None,
+        scale: float,
     ) -> Tensor:
         """Masked logits ``(B, H, Q, K)`` of queries ``(B, H, Q, D)`` on keys ``(B, H_kv, K, D)``, no key copies."""
         b, h, q, d = queries.shape

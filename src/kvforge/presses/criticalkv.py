@@ -23,13 +23,11 @@ def projected_value_norms(ctx: LayerContext) -> Tensor:
     """``(B, H_kv, S)``: ``||V_i W_O^h||_1`` per query head h, averaged over each GQA group."""
     if ctx.output_weight is None:
         raise ValueError("CriticalKV needs the layer's output projection (ctx.output_weight)")
-    b, h_kv, s, d = ctx.values.shape
+    s, d = ctx.values.shape[2:]
     h = ctx.heads
     w = ctx.output_weight.reshape(-1, h, d).permute(1, 2, 0).to(ctx.values.dtype)  # (H, D, hidden)
     values = ctx.values.repeat_interleave(ctx.group_size, dim=1)  # (B, H, S, D)
-    norms = torch.cat(
-        [(values[:, :, i : i + _ROWS] @ w).abs().sum(-1) for i in range(0, s, _ROWS)], dim=2
-    )  # (B, H, S)
+    norms = torch.cat([(values[:, :, i : i + _ROWS] @ w).abs().sum(-1) for i in range(0, s, _ROWS)], dim=2)  # (B, H, S)
     return ctx.group_reduce(norms.float(), "mean")
 
 
