@@ -178,3 +178,13 @@ def test_build_press_errors():
     with pytest.raises(UserError):
         build_press("surrogatekv-local", 0.5, chunk_size=1)
     assert build_press("criticaladakv", 0.25, window_size=8).press.window_size == 8
+
+
+def test_presses_command_lists_every_name(capsys):
+    from kvforge.cli import main
+    from kvforge.presses import DESCRIPTIONS
+
+    assert set(DESCRIPTIONS) == set(PRESSES)
+    assert main(["presses"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == list(PRESSES)

@@ -8,4 +8,5 @@ COMMAND_MODULES = [
     "kvforge.commands.generate",
     "kvforge.commands.demo",
     "kvforge.commands.cache",
+    "kvforge.commands.presses",
 ]
