@@ -220,3 +220,15 @@ def test_invalid_options_raise():
         SurrogateKVPress(surrogate="median")
     with pytest.raises(ValueError):
         AdaKVPress(press=AdaKVPress(press=SnapKVPress()))  # type: ignore[arg-type]
+
+
+def test_projected_value_norms_match_explicit_heads():
+    from kvforge.presses.criticalkv import projected_value_norms
+
+    ctx = make_ctx(50)
+    w = ctx.output_weight  # (hidden, H * D)
+    want = torch.zeros(1, H_KV, 50)
+    for h in range(H):
+        v = ctx.values[0, h // (H // H_KV)]  # (S, D) of the head's KV group
+        want[0, h // (H // H_KV)] += (v @ w[:, h * D : (h + 1) * D].t()).abs().sum(-1) / (H // H_KV)
+    torch.testing.assert_close(projected_value_norms(ctx), want)
