@@ -9,4 +9,5 @@ COMMAND_MODULES = [
     "kvforge.commands.demo",
     "kvforge.commands.cache",
     "kvforge.commands.serve",
+    "kvforge.commands.presses",
 ]
