@@ -9,5 +9,6 @@ COMMAND_MODULES = [
     "kvforge.commands.demo",
     "kvforge.commands.cache",
     "kvforge.commands.serve",
+    "kvforge.commands.presses",
     "kvforge.commands.bench_reuse",
 ]
