@@ -204,3 +204,22 @@ def test_cli_end_to_end_on_jsonl(tmp_path, monkeypatch, engine, capsys):
     assert [r["new_tokens"] for r in rows] == [2, 2]
     assert (out / "report.md").read_text().startswith("# kvforge eval: tiny")
     assert "wrote" in capsys.readouterr().out
+
+
+def test_cli_tasks_interleave_and_report_only(tmp_path, monkeypatch, engine, capsys):
+    hay = tmp_path / "hay.txt"
+    hay.write_text("Once upon a time there was a fox. It ran far away. The end came soon. " * 40)
+    monkeypatch.setattr(eval_cmd, "load_engine", lambda args: engine)
+    out = tmp_path / "out"
+    common = ["--model", "tiny", "--out", str(out), "--no-progress"]
+    args = _parse([*common, "--task", "needle,ruler-vt", "--haystack", str(hay), "--lengths", "160", "--depths",
+                   "0.5", "--methods", "full", "--max-new-tokens", "1", "--limit", "2"])  # fmt: skip
+    assert args.func(args) == 0
+    assert [json.loads(x)["task"] for x in (out / "examples.jsonl").read_text().splitlines()] == ["needle", "ruler-vt"]
+    (out / "report.md").unlink()
+    args = _parse([*common, "--task", "needle", "--report-only"])
+    assert args.func(args) == 0
+    assert (out / "report.md").is_file()
+    with pytest.raises(UserError, match="no results"):
+        args = _parse(["--model", "x", "--out", str(tmp_path / "empty"), "--task", "needle", "--report-only"])
+        args.func(args)

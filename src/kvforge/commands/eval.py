@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -33,8 +34,9 @@ def register(sub: Any, bench_sub: Any) -> None:
     p = sub.add_parser("eval", help="evaluate KV-cache methods x budgets on a JSONL file or a built-in task")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", type=Path, help="JSONL examples (see docs/eval.md for the format)")
-    src.add_argument("--task", help="built-in task: needle, ruler, ruler-mk|mv|mq|vt|cwe, longbench-qa, "
-                     "longbench-summ, longbench, leval, squad, musique, hub:<name>")  # fmt: skip
+    src.add_argument("--task", help="built-in task(s), comma-separated and interleaved: needle, ruler, "
+                     "ruler-mk|mv|mq|vt|cwe, longbench-qa, longbench-summ, longbench, leval, squad, musique, "
+                     "hub:<name>")  # fmt: skip
     p.add_argument("--model", required=True, help="smollm2-135m | gemma3-270m | a model folder | a .gguf file")
     p.add_argument("--methods", type=_names, default=["full", "snapkv"], help="comma-separated press names")
     p.add_argument("--compression-ratios", type=_floats, default=[0.5, 0.75, 0.9], help="fractions removed")
@@ -54,6 +56,7 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--dtype", help="float32, bfloat16, float16")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk size (tokens)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--report-only", action="store_true", help="rebuild summary, plots and report from results.jsonl")
     p.set_defaults(func=run)
 
 
@@ -81,6 +84,7 @@ def examples_for(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
     """The examples of ``--data`` or ``--task`` (task lengths measured with ``tokenizer``), limited."""
     from kvforge.eval.data import read_examples
     from kvforge.eval.tasks import TaskConfig, build_task
+    from kvforge.eval.tasks.base import interleave
     from kvforge.paths import default_data_dir
 
     if args.data is not None:
@@ -98,35 +102,51 @@ def examples_for(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
         )
     except ValueError as e:
         raise UserError(str(e)) from e
-    examples = build_task(args.task, config)
+    examples = interleave([build_task(name, config) for name in _names(args.task)])
     return examples[: args.limit] if args.limit else examples
 
 
 def run(args: argparse.Namespace) -> int:
     from kvforge.eval.data import read_examples, write_examples
-    from kvforge.eval.report import write_all
     from kvforge.eval.runner import EvalRunner, press_trials
 
     _check(args)
+    mode = "query-agnostic" if args.query_agnostic else "query-aware"
+    if args.report_only:
+        return _report(args, mode)
     if args.data is not None:
         read_examples(args.data, limit=args.limit)  # a malformed file fails before the model loads
     trials = press_trials(args.methods, args.compression_ratios, query_aware=not args.query_agnostic)
     engine = load_engine(args)
     examples = examples_for(args, engine.tokenizer)
-    mode = "query-agnostic" if args.query_agnostic else "query-aware"
     args.out.mkdir(parents=True, exist_ok=True)
     write_examples(examples, args.out / "examples.jsonl")
     runner = EvalRunner(
         engine, trials, args.out, run_info={"model": args.model, "mode": mode},
         with_fidelity=args.fidelity, max_new_tokens=args.max_new_tokens,
     )  # fmt: skip
-    rows = runner.run(examples, progress=not args.no_progress)
-    command = "kvforge " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
-    summary = write_all(args.out, rows, args.model, mode, command)
+    runner.run(examples, progress=not args.no_progress)
+    return _report(args, mode)
+
+
+def _report(args: argparse.Namespace, mode: str) -> int:
+    from kvforge.eval.report import write_all
+    from kvforge.eval.runner import load_rows
+
+    rows = load_rows(args.out / "results.jsonl")
+    if not rows:
+        raise UserError(f"no results in {args.out}/results.jsonl")
+    info_path = args.out / "run.json"
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    is_cli = bool(sys.argv) and Path(sys.argv[0]).name in ("kvforge", "__main__.py", "cli.py")
+    command = "kvforge " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if is_cli else None
+    summary = write_all(args.out, rows, info.get("model", args.model), info.get("mode", mode), command)
+    has_all = any(r["task"] == "all" for r in summary["rows"])
     for row in summary["rows"]:
-        if row["task"] == ("all" if any(r["task"] == "all" for r in summary["rows"]) else row["task"]):
-            norm = "-" if row["normalized"] is None else f"{row['normalized']:.1f}"
+        if not has_all or row["task"] == "all":
+            num = lambda v, scale=1.0: "-" if v is None else f"{scale * v:.1f}"  # noqa: E731
             print(f"{row['task']:>14} {row['method']:>22} ratio={row['compression_ratio']:.2f} n={row['n']} "
-                  f"score={row['score']:.1f} normalized={norm} ttft={1000 * row['ttft_s']:.0f}ms")  # fmt: skip
+                  f"score={num(row['score'])} normalized={num(row['normalized'])} "
+                  f"ttft_ms={num(row['ttft_s'], 1000)}")  # fmt: skip
     print(f"wrote {args.out}/results.jsonl, summary.json, summary.csv, report.md and plots")
     return 0
