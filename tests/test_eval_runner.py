@@ -1,45 +1,18 @@
 import argparse
 import json
-import time
 
 import pytest
 import torch
 
 from kvforge.cache import KVCache
 from kvforge.commands import eval as eval_cmd
+from kvforge.engine import Engine
 from kvforge.errors import UserError
 from kvforge.eval import fidelity
 from kvforge.eval.data import Example, write_examples
 from kvforge.eval.runner import EvalRunner, Prefilled, Trial, press_trials
-from kvforge.prefill import forward, prefill
+from kvforge.prefill import forward
 from kvforge.testing import tiny_model, tiny_tokenizer
-from kvforge.types import Generation
-
-
-class TinyEngine:
-    """The engine contract's encode_qa / prefill / decode on a tiny model (greedy)."""
-
-    def __init__(self):
-        self.model, self.tokenizer = tiny_model("llama"), tiny_tokenizer()
-
-    def encode_qa(self, context, question, system=None, answer_prefix=""):
-        enc = lambda s: self.tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-        return enc(f"<u>{context}\n"), enc(f"{question}\n<a>{answer_prefix}")
-
-    def prefill(self, ids, cache=None, press=None):
-        cache = cache if cache is not None else KVCache.for_model(self.model)
-        logits = prefill(self.model, ids, cache, chunk_size=64)
-        if press is not None:
-            press(cache)
-        return cache, logits
-
-    def decode(self, cache, logits, max_new_tokens=64, **_):
-        start, ids = time.perf_counter(), []
-        for _ in range(max_new_tokens):
-            ids.append(int(logits.argmax(-1)))
-            logits = forward(self.model, [ids[-1]], cache)[:, -1]
-        text = self.tokenizer.decode(ids)
-        return Generation(text, ids, 0, 0.0, time.perf_counter() - start)
 
 
 def keep_even(cache):
@@ -55,7 +28,8 @@ def fake_trial(calls=None):
         if calls is not None:
             calls.append(example.id)
         ctx, q = engine.encode_qa(example.context, example.question, answer_prefix=example.answer_prefix)
-        cache, logits = engine.prefill(ctx + q, press=keep_even)
+        cache, logits = engine.prefill(ctx + q)
+        keep_even(cache)
         return Prefilled(cache, logits, 0.001, ctx + q)
 
     return Trial("even", 0.5, run)
@@ -71,7 +45,7 @@ def counted(trial, calls):
 
 @pytest.fixture(scope="module")
 def engine():
-    return TinyEngine()
+    return Engine(tiny_model("llama"), tiny_tokenizer(), chunk_size=64)
 
 
 def _examples():
@@ -169,6 +143,10 @@ def test_needle_positions_map_to_prompt_tokens(engine):
     assert fidelity.needle_kept(cache, list(range(7, 13))) == 1.0
     keep_even(cache)
     assert fidelity.needle_kept(cache, list(range(7, 13))) == 0.5
+    ctx, q = engine.encode_qa("abc NEEDLE def", "Where?")
+    assert fidelity.needle_positions(tok, ctx + q, ["NEEDLE"]) == [
+        ctx.index(tok.convert_tokens_to_ids("N")) + i for i in range(6)
+    ]
     assert fidelity.needle_kept(cache, []) is None
 
 
@@ -201,7 +179,7 @@ def test_cli_end_to_end_on_jsonl(tmp_path, monkeypatch, engine, capsys):
                    "--no-progress", "--max-new-tokens", "2"])  # fmt: skip
     assert args.func(args) == 0
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [r["new_tokens"] for r in rows] == [2, 2]
+    assert len(rows) == 2 and all(1 <= r["new_tokens"] <= 2 for r in rows)
     assert (out / "report.md").read_text().startswith("# kvforge eval: tiny")
     assert "wrote" in capsys.readouterr().out
 

@@ -73,6 +73,7 @@ def press_trial(method: str, compression_ratio: float, query_aware: bool = True)
         ctx_ids, q_ids = engine.encode_qa(
             example.context, example.question, system=example.system, answer_prefix=example.answer_prefix
         )
+        engine.check_length(len(ctx_ids) + len(q_ids), example.max_new_tokens)
         _sync()
         start = time.perf_counter()
         if query_aware or not q_ids:
