@@ -62,10 +62,10 @@ def register(sub: Any, bench_sub: Any) -> None:
 
 def load_engine(args: argparse.Namespace) -> Any:
     """The engine for ``--model`` (a separate function so tests can swap in a tiny one)."""
+    from kvforge.commands._common import load
     from kvforge.engine import Engine
-    from kvforge.model import load_model
 
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = load(args)
     return Engine(model, tokenizer, chunk_size=args.chunk_size)
 
 

@@ -236,7 +236,7 @@ class EvalRunner:
         if self.with_fidelity:
             if ref.logprobs is None and ref.cont_ids != []:
                 self._full_reference(example, ref, pre if is_full else None)
-            extra = self._fidelity(example, pre, ref)
+            extra = self._fidelity(example, pre, ref, is_full)
         max_new = min(example.max_new_tokens, self.max_new_tokens or example.max_new_tokens)
         gen = self.engine.decode(pre.cache, pre.logits, max_new_tokens=max_new)
         if ref.num_entries is None:  # resumed without the full row's count: rebuild it once
@@ -262,10 +262,13 @@ class EvalRunner:
             **({"info": pre.info} if pre.info else {}),
         }
 
-    def _fidelity(self, example: Example, pre: Prefilled, ref: _FullReference) -> dict[str, Any]:
+    def _fidelity(self, example: Example, pre: Prefilled, ref: _FullReference, is_full: bool) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if ref.cont_ids and ref.logprobs is not None:
-            logprobs = fidelity.teacher_forced_logprobs(self.engine.model, pre.cache, pre.logits, ref.cont_ids)
+            if is_full:  # the reference itself: no second teacher-forced pass
+                logprobs = ref.logprobs
+            else:
+                logprobs = fidelity.teacher_forced_logprobs(self.engine.model, pre.cache, pre.logits, ref.cont_ids)
             out |= fidelity.fidelity_metrics(logprobs, ref.logprobs, ref.cont_ids)
         if example.needles:
             positions = fidelity.needle_positions(self.engine.tokenizer, pre.prompt_ids, example.needles)
