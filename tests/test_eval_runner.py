@@ -201,3 +201,28 @@ def test_cli_tasks_interleave_and_report_only(tmp_path, monkeypatch, engine, cap
     with pytest.raises(UserError, match="no results"):
         args = _parse(["--model", "x", "--out", str(tmp_path / "empty"), "--task", "needle", "--report-only"])
         args.func(args)
+
+
+PRESS_METHODS = ["streaming_llm", "h2o", "snapkv", "pyramidkv", "adakv", "criticalkv", "criticaladakv",
+                 "surrogatekv-null", "surrogatekv-local", "surrogatekv-global"]  # fmt: skip
+
+
+@pytest.mark.parametrize("query_aware", [True, False])
+def test_press_methods_through_the_runner(tmp_path, engine, query_aware):
+    pytest.importorskip("kvforge.presses")
+    trials = press_trials(["full", *PRESS_METHODS], [0.5], query_aware=query_aware)
+    assert [t.key for t in trials] == [("full", 0.0)] + [(m, 0.5) for m in PRESS_METHODS]
+    rows = EvalRunner(engine, trials, tmp_path, {"model": "tiny"}, with_fidelity=True, max_new_tokens=2).run(
+        _examples()[:1], progress=False
+    )
+    by = {r["method"]: r for r in rows}
+    assert by["full"]["kept_ratio"] == 1.0
+    prompt = by["full"]["prompt_tokens"]
+    ctx, _ = engine.encode_qa(_examples()[0].context, _examples()[0].question, answer_prefix="The code is")
+    compressed = prompt if query_aware else len(ctx)
+    snap = by["snapkv"]["kept_ratio"]
+    assert snap == pytest.approx((compressed // 2 + prompt - compressed) / prompt)
+    for method in PRESS_METHODS:
+        assert 0.3 < by[method]["kept_ratio"] < 0.75, method
+        assert by[method]["cache_bytes"] <= by["full"]["cache_bytes"]
+        assert by[method]["kl"] >= 0 and 0 <= by[method]["needle_kept"] <= 1

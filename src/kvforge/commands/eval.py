@@ -109,6 +109,7 @@ def examples_for(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
 def run(args: argparse.Namespace) -> int:
     from kvforge.eval.data import read_examples, write_examples
     from kvforge.eval.runner import EvalRunner, press_trials
+    from kvforge.paths import default_data_dir
 
     _check(args)
     mode = "query-agnostic" if args.query_agnostic else "query-aware"
@@ -116,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
         return _report(args, mode)
     if args.data is not None:
         read_examples(args.data, limit=args.limit)  # a malformed file fails before the model loads
+    elif not args.task.startswith("hub:") and not (args.data_dir or default_data_dir()).is_dir():
+        raise UserError(f"data folder {args.data_dir or default_data_dir()} not found (set --data-dir)")
     trials = press_trials(args.methods, args.compression_ratios, query_aware=not args.query_agnostic)
     engine = load_engine(args)
     examples = examples_for(args, engine.tokenizer)

@@ -88,9 +88,10 @@ def press_trial(method: str, compression_ratio: float, query_aware: bool = True)
 
 
 def press_trials(methods: Sequence[str], ratios: Sequence[float], query_aware: bool = True) -> list[Trial]:
-    """The full cache once, then every other method at every ratio (presses are built now: bad names fail early)."""
+    """The full cache once, then every other method at every ratio, ratio by ratio in the given order (a time-boxed
+    run then covers every method at the first ratio). Presses are built now, so a bad name fails early."""
     trials = [press_trial(FULL, 0.0)]
-    trials += [press_trial(m, r, query_aware) for m in methods if m != FULL for r in ratios]
+    trials += [press_trial(m, r, query_aware) for r in ratios for m in methods if m != FULL]
     return trials
 
 
