@@ -114,14 +114,15 @@ def plot(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
         if column == "kl" and not any(r.get(column) is not None for r in rows):
             continue
         fig, ax = plt.subplots(figsize=(7, 4.5), dpi=90)
-        for method in methods:
+        for i, method in enumerate(methods):
             pts = sorted((100 * (1 - r["compression_ratio"]), r[column]) for r in rows
                          if r["method"] == method and r.get(column) is not None)  # fmt: skip
             if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=method)
+                ax.plot(*zip(*pts, strict=True), marker="osD^v<>ph*"[i % 10], linestyle="-" if i < 10 else "--",
+                        label=method)  # fmt: skip
         if column == "normalized":
             ax.axhline(100, color="black", linestyle="--", linewidth=1, label="full")
-        ax.set(xlabel="remaining cache (%)", ylabel=ylabel, title=title)
+        ax.set(xlabel="remaining cache (%)", ylabel=ylabel, title=title, xlim=(0, 102))
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, ncol=2)
