@@ -226,3 +226,15 @@ def test_press_methods_through_the_runner(tmp_path, engine, query_aware):
         assert 0.3 < by[method]["kept_ratio"] < 0.75, method
         assert by[method]["cache_bytes"] <= by["full"]["cache_bytes"]
         assert by[method]["kl"] >= 0 and 0 <= by[method]["needle_kept"] <= 1
+
+
+def test_cli_main_reports_a_malformed_line(tmp_path, capsys):
+    from kvforge.cli import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "context": "c", "question": "q", "answers": ["a"]}\n{oops\n')
+    assert main(["eval", "--model", "x", "--data", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert (
+        capsys.readouterr().err.strip() == f"kvforge: error: {bad}:2: invalid JSON (Expecting property name "
+        "enclosed in double quotes at column 2)"
+    )
