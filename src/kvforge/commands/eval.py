@@ -107,7 +107,7 @@ def examples_for(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvforge.eval.data import read_examples, write_examples
+    from kvforge.eval.data import read_examples
     from kvforge.eval.runner import EvalRunner, press_trials
     from kvforge.paths import default_data_dir
 
@@ -123,13 +123,22 @@ def run(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     examples = examples_for(args, engine.tokenizer)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_examples(examples, args.out / "examples.jsonl")
+    _record_examples(examples, args.out / "examples.jsonl")
     runner = EvalRunner(
         engine, trials, args.out, run_info={"model": args.model, "mode": mode},
         with_fidelity=args.fidelity, max_new_tokens=args.max_new_tokens,
     )  # fmt: skip
     runner.run(examples, progress=not args.no_progress)
     return _report(args, mode)
+
+
+def _record_examples(examples: list[Any], path: Path) -> None:
+    """Keep the exact examples run in ``path`` (a re-run adds the ones not there yet)."""
+    from kvforge.eval.data import read_examples, write_examples
+
+    old = read_examples(path) if path.is_file() and path.stat().st_size else []
+    known = {e.id for e in old}
+    write_examples(old + [e for e in examples if e.id not in known], path)
 
 
 def _report(args: argparse.Namespace, mode: str) -> int:
