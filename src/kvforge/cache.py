@@ -79,14 +79,18 @@ class KVLayer:
         if num_tokens > self.capacity:
             self._allocate(like_keys, like_values, math.ceil(num_tokens / self.block_size) * self.block_size)
 
-    def append(self, keys: Tensor, values: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def append(
+        self, keys: Tensor, values: Tensor, positions: Tensor, first_position: int | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Write new entries after the used slots; returns views of all entries (for attention).
 
         Args:
             keys, values: ``(B, H_kv, S, D)``.
             positions: ``(B, S)`` positions of the new tokens (shared by all heads).
+            first_position: ``positions.min()`` if the caller knows it (saves a device sync per layer).
         """
-        self._drop_outside_window(int(positions.min()))
+        if self.window is not None:
+            self._drop_outside_window(int(positions.min()) if first_position is None else first_position)
         s = keys.shape[2]
         if self.keys is not None and (self.keys.dtype != keys.dtype or self.keys.shape[:2] != keys.shape[:2]):
             raise ValueError(
@@ -300,6 +304,7 @@ class KVCache:
         self.native_windows = native
         self.next_position = 0  # position of the next token: tokens processed so far
         self.query_positions: Tensor | None = None  # (B, Q) positions of the forward in flight
+        self._first_position = 0
         self.token_ids: list[int] = []  # tokens processed, in order (single-sequence caches)
         self.info: dict[str, Any] = {}  # facts about how the cache was built (press, reuse), for reports
 
@@ -316,7 +321,7 @@ class KVCache:
         """Append the new keys/values of ``layer_idx`` and return all of that layer's entries."""
         if self.query_positions is None:
             raise RuntimeError("KVCache.update called outside kvforge.prefill.forward (positions unknown)")
-        return self.layers[layer_idx].append(key_states, value_states, self.query_positions)
+        return self.layers[layer_idx].append(key_states, value_states, self.query_positions, self._first_position)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens processed (NOT entries held): what models use to place the next positions."""
@@ -333,6 +338,7 @@ class KVCache:
     def begin(self, position_ids: Tensor) -> None:
         """Announce the positions ``(B, Q)`` of the forward about to run."""
         self.query_positions = position_ids
+        self._first_position = int(position_ids.min())
 
     def end(self, input_ids: Tensor) -> None:
         """Close the forward: advance the processed count, remember the tokens."""

@@ -7,3 +7,11 @@ class UserError(Exception):
 
 class ModelMismatchError(UserError):
     """A stored cache was made by another model, tokenizer, dtype or format version."""
+
+
+class CorruptSegmentError(UserError):
+    """Stored bytes are not a readable kvforge segment (truncated, bad checksum, garbled header)."""
+
+
+class StoreUnavailableError(UserError):
+    """A store backend cannot be reached (e.g. Redis connection refused)."""

@@ -7,5 +7,7 @@ A parser's ``func(args) -> int`` runs the command. Errors meant for the user are
 COMMAND_MODULES = [
     "kvforge.commands.generate",
     "kvforge.commands.demo",
+    "kvforge.commands.cache",
+    "kvforge.commands.serve",
     "kvforge.commands.eval",
 ]

@@ -1,0 +1,262 @@
+"""Press base classes and the per-layer context a press sees: tensors only, no model, so the math tests alone.
+
+A press looks at one layer's entries created by the current prefill (``LayerContext``) and returns a
+:class:`Selection`: which entries each KV head keeps, and optionally new content for kept slots (SurrogateKV puts a
+surrogate key/value in the slot of a merged chunk). :mod:`kvforge.presses.hooks` gathers the inputs (observation
+window queries, lookahead draft queries, reconstruction scores) and installs the selection in the cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def num_kept(size: int, compression_ratio: float) -> int:
+    """Entries kept out of ``size`` at ``compression_ratio`` (kvpress's ``int(S * (1 - r))``, at least 1)."""
+    if size <= 0:
+        return 0
+    kept = math.floor(size * (1.0 - compression_ratio) + 1e-9)  # 1e-9: 10 * (1 - 0.7) must give 3, not 2
+    return min(size, max(1, kept))
+
+
+def check_ratio(compression_ratio: float) -> None:
+    if not 0.0 <= compression_ratio < 1.0:
+        raise ValueError(f"compression_ratio must be in [0, 1), got {compression_ratio}")
+
+
+@dataclass
+class Needs:
+    """What a press needs the hooks to collect before it can score."""
+
+    window_size: int = 0  # last prompt tokens whose queries are kept (observation window)
+    lookahead: int = 0  # greedy draft tokens decoded with the full cache; their queries join the window
+    reconstruction: bool = False  # KVzip: max attention received while the model repeats the context
+
+    def merge(self, other: Needs) -> Needs:
+        return Needs(
+            max(self.window_size, other.window_size),
+            max(self.lookahead, other.lookahead),
+            self.reconstruction or other.reconstruction,
+        )
+
+
+@dataclass
+class Selection:
+    """A press's decision for one layer.
+
+    Args:
+        keep: ``(B, H_kv, S)`` bool, True = the entry stays.
+        keys, values: optional ``(B, H_kv, S, D)`` replacement content (only kept slots are read).
+    """
+
+    keep: Tensor
+    keys: Tensor | None = None
+    values: Tensor | None = None
+
+
+@dataclass
+class LayerContext:
+    """Everything a press may use to compress one layer's new entries.
+
+    Args:
+        keys, values: ``(B, H_kv, S, D)`` post-RoPE entries created by this prefill (the part to compress).
+        positions: ``(B, S)`` RoPE positions of those entries.
+        layer_idx, num_layers: index among the compressed layers and their number (PyramidKV budgets).
+        num_heads: query heads H (a multiple of H_kv).
+        scaling: attention scale of the layer (``head_dim ** -0.5`` unless the model says otherwise).
+        window_queries: ``(B, H, W, D)`` post-RoPE queries of the last W prompt tokens, ``window_positions`` ``(B, W)``.
+        lookahead_queries: ``(B, H, E, D)`` queries of E greedy draft tokens (they see every prompt entry).
+        reconstruction_scores: ``(B, H, S)`` max attention each entry received while the context was repeated.
+        output_weight: ``(hidden, H * D)`` the layer's output projection (CriticalKV's ``W_O``).
+        prefix_keys, prefix_positions, prefix_valid: ``(B, H_kv, P, D)``, ``(B, H_kv, P)``, ``(B, H_kv, P)`` or None:
+            entries already cached before this prefill (kept as they are; they only enter softmax denominators).
+    """
+
+    keys: Tensor
+    values: Tensor
+    positions: Tensor
+    layer_idx: int = 0
+    num_layers: int = 1
+    num_heads: int | None = None
+    scaling: float | None = None
+    window_queries: Tensor | None = None
+    window_positions: Tensor | None = None
+    lookahead_queries: Tensor | None = None
+    reconstruction_scores: Tensor | None = None
+    output_weight: Tensor | None = None
+    prefix_keys: Tensor | None = None
+    prefix_positions: Tensor | None = None
+    prefix_valid: Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def heads(self) -> int:
+        return self.num_heads if self.num_heads is not None else self.keys.shape[1]
+
+    @property
+    def group_size(self) -> int:
+        return self.heads // self.keys.shape[1]
+
+    def attention(self, queries: Tensor, query_positions: Tensor | None) -> Tensor:
+        """Softmax attention ``(B, H, Q, S)`` of ``queries`` ``(B, H, Q, D)`` to the new entries.
+
+        Causal by position (None = the queries see everything); the prefix entries enter the normalisation.
+        Only Q x (P + S) logits are built: Q is a window, never the whole prompt.
+        """
+        scale = self.scaling if self.scaling is not None else queries.shape[-1] ** -0.5
+        g = self.group_size
+        keys = self.keys.repeat_interleave(g, dim=1).to(queries.dtype)
+        logits = (queries @ keys.transpose(-1, -2)).float() * scale  # (B, H, Q, S)
+        if query_positions is not None:
+            allowed = self.positions[:, None, None, :] <= query_positions[:, None, :, None]  # (B, 1, Q, S)
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        lse = logits.logsumexp(dim=-1, keepdim=True)
+        if self.prefix_keys is not None and self.prefix_keys.shape[2] > 0:
+            pk = self.prefix_keys.repeat_interleave(g, dim=1).to(queries.dtype)
+            pl = (queries @ pk.transpose(-1, -2)).float() * scale  # (B, H, Q, P)
+            ok = torch.ones_like(pl, dtype=torch.bool)
+            if query_positions is not None and self.prefix_positions is not None:
+                pp = self.prefix_positions.repeat_interleave(g, dim=1)
+                ok &= pp[:, :, None, :] <= query_positions[:, None, :, None]
+            if self.prefix_valid is not None:
+                ok &= self.prefix_valid.repeat_interleave(g, dim=1)[:, :, None, :]
+            pl = pl.masked_fill(~ok, float("-inf"))
+            lse = torch.logaddexp(lse, pl.logsumexp(dim=-1, keepdim=True))
+        return (logits - lse).exp().nan_to_num(0.0)
+
+    def observed_attention(self, window_size: int) -> Tensor:
+        """``(B, H, S)``: mean attention of the last ``window_size`` window queries, plus the lookahead queries' mean.
+
+        Each term is a mean of attention distributions, so window and lookahead weigh the same.
+        """
+        b, _, s, _ = self.keys.shape
+        total = torch.zeros(b, self.heads, s, device=self.keys.device)
+        if self.window_queries is not None and window_size > 0:
+            assert self.window_positions is not None
+            w = min(window_size, self.window_queries.shape[2])
+            q, qp = self.window_queries[:, :, -w:], self.window_positions[:, -w:]
+            total += self.attention(q, qp).mean(dim=2)
+        if self.lookahead_queries is not None and self.lookahead_queries.shape[2] > 0:
+            total += self.attention(self.lookahead_queries, None).mean(dim=2)
+        return total
+
+    def window_mask(self, window_size: int) -> Tensor:
+        """``(B, S)`` True for the entries of the last ``window_size`` prompt tokens (the observation window)."""
+        if self.window_positions is None or window_size <= 0:
+            return torch.zeros(self.positions.shape, dtype=torch.bool, device=self.positions.device)
+        w = min(window_size, self.window_positions.shape[1])
+        first = self.window_positions[:, -w:].min(dim=1, keepdim=True).values  # (B, 1)
+        return self.positions >= first
+
+    def group_reduce(self, scores: Tensor, how: str = "sum") -> Tensor:
+        """``(B, H, S)`` per query head -> ``(B, H_kv, S)`` per KV head (GQA groups are consecutive heads)."""
+        b, h, s = scores.shape
+        grouped = scores.view(b, h // self.group_size, self.group_size, s)
+        if how == "max":
+            return grouped.amax(dim=2)
+        return grouped.mean(dim=2) if how == "mean" else grouped.sum(dim=2)
+
+
+def pool_tokens(scores: Tensor, kernel_size: int) -> Tensor:
+    """Average-pool ``(B, H, S)`` scores along the token axis (SnapKV's clustering; odd kernel keeps the length)."""
+    if kernel_size <= 1:
+        return scores
+    b, h, s = scores.shape
+    pad = kernel_size // 2
+    pooled = F.avg_pool1d(scores.reshape(b * h, 1, s), kernel_size, stride=1, padding=pad)
+    return pooled[..., :s].reshape(b, h, s)
+
+
+def topk_mask(scores: Tensor, k: int) -> Tensor:
+    """Bool mask with exactly ``k`` True per row of ``scores`` ``(..., S)``: the highest scores."""
+    mask = torch.zeros_like(scores, dtype=torch.bool)
+    if k <= 0:
+        return mask
+    idx = scores.float().nan_to_num(float("-inf")).topk(min(k, scores.shape[-1]), dim=-1).indices
+    return mask.scatter_(-1, idx, True)
+
+
+@dataclass
+class Press:
+    """Base of every press: ``compress(ctx) -> Selection`` for one layer; ``needs()`` says what to collect."""
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def needs(self) -> Needs:
+        return Needs()
+
+    def compress(self, ctx: LayerContext) -> Selection:
+        raise NotImplementedError
+
+    def ratio(self) -> float:
+        """The fraction of new entries removed per layer."""
+        return float(getattr(self, "compression_ratio", 0.0))
+
+    def config(self) -> dict[str, object]:
+        """Hyperparameters as plain values (nested presses as dicts), for reports."""
+        out: dict[str, object] = {"type": type(self).__name__}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.config() if isinstance(value, Press) else value
+        return out
+
+
+@dataclass
+class ScorerPress(Press):
+    """A press that scores entries per KV head and keeps the top ``num_kept`` of every head."""
+
+    compression_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_ratio(self.compression_ratio)
+
+    def score(self, ctx: LayerContext) -> Tensor:
+        """``(B, H_kv, S)`` importance of every new entry; higher = keep."""
+        raise NotImplementedError
+
+    def compress(self, ctx: LayerContext) -> Selection:
+        n = num_kept(ctx.size, self.compression_ratio)
+        if n >= ctx.size:
+            return Selection(keep=torch.ones(ctx.keys.shape[:3], dtype=torch.bool, device=ctx.keys.device))
+        return Selection(keep=topk_mask(self.score(ctx), n))
+
+
+@dataclass
+class WrapperPress(Press):
+    """A press that changes how an inner scorer's scores are turned into a selection (AdaKV, CriticalKV)."""
+
+    press: ScorerPress = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.press, ScorerPress):
+            raise ValueError(f"{type(self).__name__} wraps a scorer press, got {type(self.press).__name__}")
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.press.compression_ratio
+
+    @compression_ratio.setter
+    def compression_ratio(self, value: float) -> None:
+        check_ratio(value)
+        self.press.compression_ratio = value
+
+    def needs(self) -> Needs:
+        return self.press.needs()
+
+
+def topk_mask_varying(scores: Tensor, k: Tensor) -> Tensor:
+    """Bool mask keeping the ``k[..., None]`` highest of each row of ``scores`` ``(..., S)`` (k differs per row)."""
+    order = scores.float().nan_to_num(float("-inf")).argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order).contiguous())
+    return ranks < k[..., None]

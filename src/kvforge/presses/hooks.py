@@ -1,0 +1,161 @@
+"""The only module that touches attention internals: forward hooks on every decoder layer's ``self_attn``.
+
+The hooks read the attention input (``hidden_states``, ``position_embeddings``) and recompute the queries of the
+tokens that matter (observation window, lookahead drafts, reconstruction chunk) with the layer's own ``q_proj``,
+``q_norm`` (Qwen3/Gemma3) and RoPE. Attention weights are never requested from the model and the S x S attention of
+the prompt is never built: a reconstruction chunk's queries are scored in slices of ``_QUERY_SLICE``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from kvforge.cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+_QUERY_SLICE = 128  # reconstruction queries scored at once: bounds the (B, H, slice, L) temporary
+
+
+def attention_modules(model: Any) -> list[nn.Module]:
+    """The ``self_attn`` module of every decoder layer, in layer order (Llama, Qwen2/3, Mistral, Gemma3...)."""
+    roots = [model, getattr(model, "model", None)]
+    for root in roots:
+        if root is None:
+            continue
+        for path in ("layers", "model.layers", "language_model.layers", "model.language_model.layers"):
+            obj = root
+            for part in path.split("."):
+                obj = getattr(obj, part, None)
+                if obj is None:
+                    break
+            if isinstance(obj, nn.ModuleList) and len(obj) and hasattr(obj[0], "self_attn"):
+                return [layer.self_attn for layer in obj]
+    raise ValueError(f"cannot find decoder layers with self_attn in {type(model).__name__}")
+
+
+def num_query_heads(module: nn.Module) -> int:
+    return module.q_proj.out_features // module.head_dim  # type: ignore[union-attr,operator]
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def compute_queries(module: nn.Module, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> Tensor:
+    """Post-RoPE queries ``(B, H, Q, D)`` for ``hidden_states`` ``(B, Q, hidden)``, as the layer computes them."""
+    b, q, _ = hidden_states.shape
+    head_dim = module.head_dim  # type: ignore[union-attr]
+    queries = module.q_proj(hidden_states).view(b, q, -1, head_dim).transpose(1, 2)  # type: ignore[operator]
+    q_norm = getattr(module, "q_norm", None)
+    if q_norm is not None:
+        queries = q_norm(queries)
+    cos, sin = position_embeddings  # (B, Q, D)
+    return queries * cos[:, None] + rotate_half(queries) * sin[:, None]
+
+
+class Collector:
+    """Hook state: what to record for which layers, and what was recorded.
+
+    Modes: ``"window"`` keeps the last ``window_size`` queries of the forward that ends at ``final_position``;
+    ``"lookahead"`` appends every draft token's query; ``"reconstruct"`` keeps, per context entry
+    (slots ``start[l]:end[l]``), the max attention received from the forward's queries.
+    """
+
+    def __init__(self, cache: KVCache, layers: list[int], window_size: int, final_position: int) -> None:
+        self.cache = cache
+        self.layers = set(layers)
+        self.window_size = window_size
+        self.final_position = final_position
+        self.mode = "window"
+        self.window_queries: dict[int, Tensor] = {}
+        self.window_positions: Tensor | None = None
+        self.lookahead_queries: dict[int, list[Tensor]] = {}
+        self.reconstruction: dict[int, Tensor] = {}
+        self.bounds: dict[int, tuple[int, int]] = {}
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        idx = int(module.layer_idx)  # type: ignore[arg-type]
+        qpos = self.cache.query_positions
+        if idx not in self.layers or qpos is None:
+            return
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        rope = kwargs.get("position_embeddings")
+        if hidden is None or rope is None:
+            raise RuntimeError(f"layer {idx}: attention hook got no hidden_states/position_embeddings")
+        if self.mode == "window":
+            if self.window_size <= 0 or int(qpos[:, -1].max()) != self.final_position:
+                return
+            w = min(self.window_size, hidden.shape[1])
+            cos, sin = rope
+            self.window_queries[idx] = compute_queries(module, hidden[:, -w:], (cos[:, -w:], sin[:, -w:]))
+            self.window_positions = qpos[:, -w:]
+        elif self.mode == "lookahead":
+            self.lookahead_queries.setdefault(idx, []).append(compute_queries(module, hidden, rope))
+        else:
+            self._reconstruct(idx, module, compute_queries(module, hidden, rope), qpos)
+
+    def _reconstruct(self, idx: int, module: nn.Module, queries: Tensor, qpos: Tensor) -> None:
+        """Running max attention (B, H, S_ctx) of this chunk's queries to the context entries, slice by slice."""
+        keys, _, positions, valid = self.cache.layers[idx].view()
+        start, end = self.bounds[idx]
+        group = queries.shape[1] // keys.shape[1]
+        keys = keys.repeat_interleave(group, dim=1).to(queries.dtype)  # (B, H, L, D)
+        pos = positions.repeat_interleave(group, dim=1)  # (B, H, L)
+        ok_valid = None if valid is None else valid.repeat_interleave(group, dim=1)[:, :, None, :]
+        scale = float(getattr(module, "scaling", queries.shape[-1] ** -0.5))
+        best = self.reconstruction.get(idx)
+        for i in range(0, queries.shape[2], _QUERY_SLICE):
+            q, qp = queries[:, :, i : i + _QUERY_SLICE], qpos[:, i : i + _QUERY_SLICE]
+            logits = (q @ keys.transpose(-1, -2)).float() * scale  # (B, H, q, L)
+            ok = pos[:, :, None, :] <= qp[:, None, :, None]
+            if ok_valid is not None:
+                ok = ok & ok_valid
+            probs = logits.masked_fill(~ok, float("-inf")).softmax(dim=-1)[..., start:end].amax(dim=2)
+            best = probs if best is None else torch.maximum(best, probs)
+        assert best is not None
+        self.reconstruction[idx] = best
+
+
+@contextmanager
+def attention_hooks(model: Any, collector: Collector) -> Iterator[None]:
+    """Register ``collector`` on every layer's ``self_attn`` for the ``with`` block; always removed on exit."""
+    handles = []
+    try:
+        for module in attention_modules(model):
+            handles.append(module.register_forward_hook(collector, with_kwargs=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class CacheSnapshot:
+    """Remember a cache's content so extra forwards (lookahead drafts, reconstruction) can be undone exactly.
+
+    Appends write past ``length`` or into new buffers, never over held slots, so keeping references is enough.
+    """
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.layers = [
+            (layer.keys, layer.values, layer.positions, layer.valid, layer.length, layer.is_headwise)
+            for layer in cache.layers
+        ]
+        self.next_position = cache.next_position
+        self.num_tokens = len(cache.token_ids)
+
+    def restore(self) -> None:
+        for layer, (k, v, p, m, n, hw) in zip(self.cache.layers, self.layers, strict=True):
+            layer.keys, layer.values, layer.positions, layer.valid = k, v, p, m
+            layer.length, layer.is_headwise, layer.num_new = n, hw, 0
+        self.cache.next_position = self.next_position
+        del self.cache.token_ids[self.num_tokens :]
+        self.cache.query_positions = None

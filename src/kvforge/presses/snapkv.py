@@ -1,0 +1,47 @@
+"""SnapKV (Li et al., 2024, arXiv 2404.14469): keep what the observation window attends to.
+
+Score = softmax attention of the last ``window_size`` prompt queries to every entry, averaged over those queries,
+average-pooled over the token axis (``kernel_size``), summed over the query heads of a GQA group; the window's own
+entries are always kept. The window queries are recomputed from the window's hidden states (q_proj, q_norm, RoPE):
+the S x S attention is never built.
+
+``lookahead`` (kvforge addition): decode that many greedy draft tokens with the full cache first and add the mean
+attention of their queries to the window's (then drop the drafts). On small models the question's queries do not
+single out the needle, the answer's first tokens do (see docs/presses.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from kvforge.presses.base import LayerContext, Needs, ScorerPress, pool_tokens
+
+
+@dataclass
+class SnapKVPress(ScorerPress):
+    """SnapKV scores (window attention, pooled, GQA-summed); per-head top-k with the window always kept."""
+
+    window_size: int = 64
+    kernel_size: int = 5
+    lookahead: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.window_size < 1 or self.kernel_size < 1 or self.lookahead < 0:
+            raise ValueError("window_size and kernel_size must be >= 1, lookahead >= 0")
+
+    def needs(self) -> Needs:
+        return Needs(window_size=self.window_size, lookahead=self.lookahead)
+
+    def attention_scores(self, ctx: LayerContext) -> Tensor:
+        """``(B, H_kv, S)`` pooled, group-summed window (+ lookahead) attention, before the window is forced in."""
+        window = ctx.window_mask(self.window_size)[:, None, :]  # (B, 1, S)
+        scores = ctx.observed_attention(self.window_size).masked_fill(window, 0.0)  # window: zero padding (kvpress)
+        return ctx.group_reduce(pool_tokens(scores, self.kernel_size), "sum")  # (B, H_kv, S)
+
+    def score(self, ctx: LayerContext) -> Tensor:
+        scores = self.attention_scores(ctx)
+        window = ctx.window_mask(self.window_size)[:, None, :]  # (B, 1, S)
+        return scores.masked_fill(window, float("inf"))

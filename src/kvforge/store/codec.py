@@ -1,0 +1,302 @@
+"""KVSegment <-> bytes, with no pickle: a self-describing JSON header followed by a safetensors payload.
+
+Layout (all integers little-endian)::
+
+    b"KVFORGE\\n"  u64 header_len  header (UTF-8 JSON, space-padded to 8 bytes)  payload (safetensors)
+
+The header says what the segment is (format version, model/tokenizer fingerprint, dtype, per-layer shapes, token ids,
+next position, meta such as the press applied, optional int8 quantisation) and carries a checksum of the payload
+(xxh3-128, or sha256: see checksum.py), so a reader refuses a foreign segment from the header alone and detects
+truncation or bit rot before trusting any tensor.
+The payload is a plain safetensors file (``safetensors.torch.load`` reads it) holding per layer ``k.{l}``, ``v.{l}``,
+``p.{l}`` (positions), optional ``m.{l}`` (valid mask) and, when quantised, ``k.{l}.scale``/``v.{l}.scale``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvforge.errors import CorruptSegmentError, ModelMismatchError
+from kvforge.store.checksum import checksum, default_algo
+from kvforge.store.payload import read_payload, write_payload
+from kvforge.store.quant import QUANT_MODES, dequantize, quantize
+from kvforge.types import KVSegment
+
+MAGIC = b"KVFORGE\n"
+FORMAT = "kvforge-segment"
+VERSION = 1
+_PREFIX = struct.Struct("<8sQ")  # magic, header length
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` -> ``"float16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptSegmentError(f"unknown dtype {name!r} in segment header")
+    return dtype
+
+
+# ------------------------------------------------------------------------------------------------ encode
+def _layer_tensors(i: int, seg: KVSegment, quant: str | None) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The payload tensors of layer ``i`` and its header entry."""
+    k, v, p, m = (
+        t.detach().cpu() if t is not None else None
+        for t in (seg.keys[i], seg.values[i], seg.positions[i], seg.valid[i])
+    )
+    assert k is not None and v is not None and p is not None
+    info: dict[str, Any] = {
+        "k_shape": list(k.shape),
+        "v_shape": list(v.shape),
+        "dtype": dtype_name(k.dtype),
+        "v_dtype": dtype_name(v.dtype),
+        "p_dtype": dtype_name(p.dtype),
+        "valid": m is not None,
+    }
+    out: dict[str, Tensor] = {}
+    if quant is None:
+        out[f"k.{i}"], out[f"v.{i}"] = k, v
+    else:
+        out[f"k.{i}"], out[f"k.{i}.scale"] = quantize(k, QUANT_MODES[quant][0], m)
+        out[f"v.{i}"], out[f"v.{i}.scale"] = quantize(v, QUANT_MODES[quant][1], m)
+    # positions: int32 when lossless, one row when every head holds the same positions (the common case)
+    info["p_shared"] = bool(p.shape[0] > 1 and p.shape[1] > 0 and bool((p == p[:1]).all()))
+    stored = p[:1] if info["p_shared"] else p
+    if p.dtype == torch.int64 and (stored.numel() == 0 or (stored.min() >= -(2**31) and stored.max() < 2**31)):
+        stored = stored.to(torch.int32)
+    out[f"p.{i}"] = stored
+    if m is not None:
+        out[f"m.{i}"] = m.to(torch.bool)
+    return out, info
+
+
+def encode_parts(
+    segment: KVSegment, quant: str | None = None, checksum_algo: str | None = None
+) -> list[bytes | memoryview]:
+    """The encoded segment as a list of buffers (write them in order; ``b"".join`` gives :func:`encode`).
+
+    Args:
+        quant: None or an int8 mode of :data:`kvforge.store.quant.QUANT_MODES`.
+        checksum_algo: ``xxh3_128`` or ``sha256``; default xxh3_128 when ``xxhash`` is installed.
+    """
+    if quant is not None and quant not in QUANT_MODES:
+        raise ValueError(f"unknown quantisation {quant!r}; choose from {sorted(QUANT_MODES)} or None")
+    tensors: dict[str, Tensor] = {}
+    layers = []
+    for i in range(segment.num_layers):
+        layer_tensors, info = _layer_tensors(i, segment, quant)
+        tensors |= layer_tensors
+        layers.append(info)
+    payload = write_payload(tensors)
+    algo = checksum_algo or default_algo()
+    header = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model_id": segment.model_id,
+        "tokenizer_id": segment.meta.get("tokenizer_id"),
+        "dtype": layers[0]["dtype"] if layers else None,
+        "num_layers": segment.num_layers,
+        "num_tokens": segment.num_tokens,
+        "num_entries": segment.num_entries(),
+        "next_position": segment.next_position,
+        "full_bytes": segment.nbytes(),
+        "payload_bytes": sum(len(memoryview(p).cast("B")) for p in payload),
+        "checksum_algo": algo,
+        "checksum": checksum(payload, algo),
+        "quant": quant,
+        "layers": layers,
+        "token_ids": [int(t) for t in segment.token_ids],
+        "meta": segment.meta,
+    }
+    try:
+        raw = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"segment.meta must be JSON-serialisable: {e}") from e
+    raw += b" " * (-(len(raw) + _PREFIX.size) % 8)  # payload starts 8-byte aligned
+    return [_PREFIX.pack(MAGIC, len(raw)), raw, *payload]
+
+
+def encode(segment: KVSegment, quant: str | None = None, checksum_algo: str | None = None) -> bytes:
+    """Encode a segment (optionally int8-quantised: ``"int8-channel"``, ``"int8-token"`` or ``"int8-kivi"``)."""
+    return b"".join(encode_parts(segment, quant, checksum_algo))
+
+
+# ------------------------------------------------------------------------------------------------ decode
+def header_size(prefix: bytes | bytearray | memoryview) -> int:
+    """Bytes taken by magic + length + JSON header, from the first 16 bytes of an encoded segment."""
+    if len(prefix) < _PREFIX.size:
+        raise CorruptSegmentError(f"segment truncated: {len(prefix)} bytes, not even a header")
+    magic, n = _PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise CorruptSegmentError("not a kvforge segment (bad magic bytes)")
+    return int(_PREFIX.size + n)
+
+
+def read_header(data: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """Parse the JSON header of an encoded segment (the payload is not read, nor checked)."""
+    end = header_size(data)
+    if len(data) < end:
+        raise CorruptSegmentError(f"segment truncated inside its header ({len(data)} of {end} bytes)")
+    try:
+        header = json.loads(bytes(memoryview(data)[_PREFIX.size : end]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptSegmentError(f"segment header is not valid JSON: {e}") from e
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise CorruptSegmentError("segment header does not describe a kvforge segment")
+    return header
+
+
+def check_header(
+    header: dict[str, Any],
+    expect_model_id: str | None = None,
+    expect_tokenizer_id: str | None = None,
+    expect_dtype: torch.dtype | None = None,
+) -> None:
+    """Raise :class:`ModelMismatchError` when the segment is of another format version, model, tokenizer or dtype."""
+    if header.get("version") != VERSION:
+        raise ModelMismatchError(
+            f"stored segment has format version {header.get('version')}, this kvforge reads "
+            f"version {VERSION}; clear the store (kvforge cache clear) or use a matching kvforge"
+        )
+    checks = [
+        ("model", expect_model_id, header.get("model_id")),
+        ("tokenizer", expect_tokenizer_id, header.get("tokenizer_id")),
+        ("dtype", None if expect_dtype is None else dtype_name(expect_dtype), header.get("dtype")),
+    ]
+    for what, expected, found in checks:
+        if expected is not None and found != expected:
+            raise ModelMismatchError(
+                f"stored segment was made with {what} {found!r}, not {expected!r}: refusing to "
+                f"load another {what}'s KV cache"
+            )
+
+
+def check_segment(
+    segment: KVSegment,
+    expect_model_id: str | None = None,
+    expect_tokenizer_id: str | None = None,
+    expect_dtype: torch.dtype | None = None,
+) -> None:
+    """The checks of :func:`check_header`, on a segment a store returned (``store.get`` does not know the model)."""
+    dtype = dtype_name(segment.keys[0].dtype) if segment.keys else None
+    header = {"version": VERSION, "model_id": segment.model_id, "tokenizer_id": segment.meta.get("tokenizer_id")}
+    check_header(header | {"dtype": dtype}, expect_model_id, expect_tokenizer_id, expect_dtype)
+
+
+def decode(
+    data: bytes | bytearray | memoryview,
+    expect_model_id: str | None = None,
+    *,
+    expect_tokenizer_id: str | None = None,
+    expect_dtype: torch.dtype | None = None,
+    verify: bool = True,
+) -> KVSegment:
+    """Decode bytes made by :func:`encode` into a CPU segment, bit-exact (quantised ones back in their dtype).
+
+    Given a writable buffer (``bytearray``) the tensors are views into it (no copy); given ``bytes``, into a copy.
+
+    Raises:
+        ModelMismatchError: another format version, or not the expected model / tokenizer / dtype.
+        CorruptSegmentError: truncated or garbled bytes, or a payload whose checksum differs from the header's.
+    """
+    header = read_header(data)
+    check_header(header, expect_model_id, expect_tokenizer_id, expect_dtype)
+    buf = memoryview(data).cast("B")
+    payload = buf[header_size(data) :]
+    try:
+        if len(payload) != header["payload_bytes"]:
+            raise CorruptSegmentError(
+                f"segment truncated: payload is {len(payload)} bytes, header says {header['payload_bytes']}"
+            )
+        if verify and checksum([payload], header["checksum_algo"]) != header["checksum"]:
+            raise CorruptSegmentError("segment checksum mismatch (the stored bytes were altered)")
+        tensors = read_payload(payload)
+        return _segment_from(header, tensors)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        if isinstance(e, CorruptSegmentError):
+            raise
+        raise CorruptSegmentError(f"segment payload does not match its header: {e}") from e
+
+
+def _segment_from(header: dict[str, Any], tensors: dict[str, Tensor]) -> KVSegment:
+    keys, values, positions, valid = [], [], [], []
+    quant = header.get("quant")
+    for i, info in enumerate(header["layers"]):
+        dtype, v_dtype = _dtype_from_name(info["dtype"]), _dtype_from_name(info["v_dtype"])
+        m = tensors[f"m.{i}"] if info["valid"] else None
+        if quant is None:
+            k, v = tensors[f"k.{i}"], tensors[f"v.{i}"]
+        else:
+            k = dequantize(tensors[f"k.{i}"], tensors[f"k.{i}.scale"], dtype)
+            v = dequantize(tensors[f"v.{i}"], tensors[f"v.{i}.scale"], v_dtype)
+        if list(k.shape) != info["k_shape"] or list(v.shape) != info["v_shape"] or k.dtype != dtype:
+            raise CorruptSegmentError(f"layer {i}: stored tensors do not match the header")
+        p = tensors[f"p.{i}"].to(_dtype_from_name(info["p_dtype"]))
+        if info["p_shared"]:
+            p = p.expand(info["k_shape"][0], -1).contiguous()
+        keys.append(k)
+        values.append(v)
+        positions.append(p)
+        valid.append(m)
+    meta = dict(header["meta"])
+    if quant is not None:
+        meta["quant"] = quant  # the caller must know this KV is approximate
+    return KVSegment(
+        token_ids=list(header["token_ids"]),
+        keys=keys,
+        values=values,
+        positions=positions,
+        valid=valid,
+        next_position=int(header["next_position"]),
+        model_id=header["model_id"],
+        meta=meta,
+    )
+
+
+def summarize(header: dict[str, Any], stored_bytes: int | None = None) -> dict[str, Any]:
+    """A small description of a stored segment (for ``kvforge cache ls`` and stats): no token ids, no layers."""
+    meta = header.get("meta") or {}
+    return {
+        "num_tokens": header.get("num_tokens"),
+        "num_entries": header.get("num_entries"),
+        "next_position": header.get("next_position"),
+        "num_layers": header.get("num_layers"),
+        "model_id": header.get("model_id"),
+        "tokenizer_id": header.get("tokenizer_id"),
+        "dtype": header.get("dtype"),
+        "quant": header.get("quant"),
+        "press": meta.get("press"),
+        "full_bytes": header.get("full_bytes"),
+        "stored_bytes": stored_bytes,
+        "version": header.get("version"),
+    }
+
+
+def segments_equal(a: KVSegment, b: KVSegment) -> bool:
+    """Bit-exact equality of two segments (tensors with ``torch.equal``, dtypes included)."""
+
+    def same(x: Sequence[Tensor | None], y: Sequence[Tensor | None]) -> bool:
+        return len(x) == len(y) and all(
+            (s is None and t is None) or (s is not None and t is not None and s.dtype == t.dtype and torch.equal(s, t))
+            for s, t in zip(x, y, strict=True)
+        )
+
+    return (
+        a.token_ids == b.token_ids
+        and a.next_position == b.next_position
+        and a.model_id == b.model_id
+        and a.meta == b.meta
+        and same(a.keys, b.keys)
+        and same(a.values, b.values)
+        and same(a.positions, b.positions)
+        and same(a.valid, b.valid)
+    )

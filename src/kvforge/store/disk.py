@@ -1,0 +1,274 @@
+"""``file:///path?max_bytes=N``: one file per entry, atomic writes, LRU eviction by bytes, survives restarts.
+
+Layout under the root folder::
+
+    segments/<key[:2]>/<key>.kvseg   encoded segments (their mtime is the last use, for LRU)
+    blobs/<key>.blob                 opaque blobs (reuse indexes), never evicted
+    tmp/                             files being written (tmp + fsync + rename: a reader never sees a partial entry)
+
+The in-memory LRU index is rebuilt from the files on open (ordered by mtime) and re-synced from the folder when an
+eviction is due, so several processes can share one folder. Files that do not follow the layout are ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import secrets
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvforge.errors import UserError
+from kvforge.store import codec
+from kvforge.store.base import _KEY_RE, ByteStore, Kind
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DISK_BYTES = 10 * 1024**3
+SEG_SUFFIX, BLOB_SUFFIX, TMP_SUFFIX = ".kvseg", ".blob", ".tmp"
+STALE_TMP_S = 3600.0  # a tmp file older than this is a crashed write: removed on open
+
+
+class DiskStore(ByteStore):
+    """Entries as files under ``root``, least recently used evicted past ``max_bytes``.
+
+    Args:
+        root: folder (created if missing).
+        max_bytes: bound on the bytes of segment files (blobs not counted).
+        fsync: fsync each file and its folder before the write returns (durable across power loss).
+        quant: optional int8 quantisation of stored segments.
+        rescan_s: on a write, re-read the folder's listing when the last scan is older than this, so files written
+            by other processes count against ``max_bytes`` (it is always re-read before evicting).
+    """
+
+    scheme = "file"
+
+    def __init__(
+        self,
+        root: str | Path,
+        max_bytes: int = DEFAULT_DISK_BYTES,
+        fsync: bool = True,
+        quant: str | None = None,
+        rescan_s: float = 1.0,
+    ) -> None:
+        super().__init__(quant)
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+        self.root = Path(root).expanduser()
+        self.max_bytes = max_bytes
+        self.fsync = fsync
+        self.rescan_s = rescan_s
+        self._last_scan = 0.0
+        self._last_ns = 0
+        try:
+            for sub in ("segments", "blobs", "tmp"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"cannot use {self.root} as a disk store: {e}") from e
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recently used first
+        self._bytes = 0
+        self._remove_stale_tmp()
+        self._rescan()
+
+    # ------------------------------------------------------------------------------------------ paths, index
+    def path(self, key: str, kind: Kind = "seg") -> Path:
+        if kind == "blob":
+            return self.root / "blobs" / f"{key}{BLOB_SUFFIX}"
+        return self.root / "segments" / key[:2] / f"{key}{SEG_SUFFIX}"
+
+    def _scan(self, kind: Kind) -> list[tuple[int, str, int]]:
+        """(mtime, key, size) of the files of ``kind`` on disk, foreign files skipped."""
+        out = []
+        pattern = f"*/*{SEG_SUFFIX}" if kind == "seg" else f"*{BLOB_SUFFIX}"
+        for p in (self.root / ("segments" if kind == "seg" else "blobs")).glob(pattern):
+            key = p.name[: -len(p.suffix)]
+            if not _KEY_RE.match(key) or (kind == "seg" and p.parent.name != key[:2]):
+                continue
+            try:
+                st = p.stat()
+            except FileNotFoundError:  # removed meanwhile by another process
+                continue
+            out.append((st.st_mtime_ns, key, st.st_size))
+        return out
+
+    def _rescan(self) -> None:
+        """Rebuild the LRU index from the files (oldest mtime first)."""
+        with self.lock:
+            self._index = OrderedDict((key, size) for _, key, size in sorted(self._scan("seg")))
+            self._bytes = sum(self._index.values())
+            self._last_scan = time.monotonic()
+
+    def _remove_stale_tmp(self) -> None:
+        now = time.time()
+        for p in (self.root / "tmp").glob(f"*{TMP_SUFFIX}"):
+            with contextlib.suppress(FileNotFoundError):
+                if now - p.stat().st_mtime > STALE_TMP_S:
+                    p.unlink()
+                    log.info("disk store: removed a leftover partial write %s", p.name)
+
+    # ------------------------------------------------------------------------------------------ raw bytes
+    def read(self, key: str, kind: Kind = "seg") -> memoryview | None:
+        path = self.path(key, kind)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                # uninitialised (np.empty: no zeroing pass, ~3x faster than bytearray) and writable: decoded
+                # tensors are views into it, so the file's bytes are copied once, by the read itself
+                data = np.empty(size, dtype=np.uint8).data
+                n = 0
+                while n < size and (got := f.readinto(data[n:])):
+                    n += got
+        except FileNotFoundError:
+            if kind == "seg":
+                self._forget(key)
+            return None
+        data = data[:n]
+        if kind == "seg":
+            with contextlib.suppress(FileNotFoundError):
+                self._stamp(path)  # the mtime is the last use: the LRU order survives restarts
+            with self.lock:
+                if key in self._index:
+                    self._index.move_to_end(key)
+                else:  # written by another process
+                    self._index[key] = size
+                    self._bytes += size
+        return data
+
+    def write(self, key: str, data: bytes, kind: Kind = "seg") -> None:
+        self.write_parts(key, [data], kind)
+
+    def write_parts(self, key: str, parts: list[bytes | memoryview], kind: Kind = "seg") -> None:
+        size = sum(memoryview(p).nbytes for p in parts)
+        if kind == "seg" and size > self.max_bytes:
+            log.warning("disk store: entry %s (%d bytes) exceeds max_bytes=%d; not stored", key, size, self.max_bytes)
+            return
+        path = self.path(key, kind)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / "tmp" / f"{key}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with open(fd, "wb") as f:
+                for part in parts:
+                    f.write(part)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            self._stamp(tmp)
+            os.replace(tmp, path)  # atomic: readers see the old file or the new one
+        except BaseException as e:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                log.warning("disk store: no space left for %s (%s); not stored", key, e)
+                return  # a cache that cannot grow is not an error for the caller
+            raise
+        if self.fsync:
+            self._fsync_dir(path.parent)
+        if kind == "seg":
+            with self.lock:
+                self._forget(key)
+                self._index[key] = size
+                self._bytes += size
+            self._evict(keep=key)
+
+    def _stamp(self, path: Path) -> None:
+        """Set the mtime to now with ns precision, strictly increasing in this process (the kernel's own file
+        timestamps tick per jiffy: entries used within one tick would tie)."""
+        with self.lock:
+            self._last_ns = max(time.time_ns(), self._last_ns + 1)
+            os.utime(path, ns=(self._last_ns, self._last_ns))
+
+    @staticmethod
+    def _fsync_dir(folder: Path) -> None:
+        with contextlib.suppress(OSError):  # not supported everywhere (e.g. Windows)
+            fd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def _forget(self, key: str) -> None:
+        with self.lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._bytes -= size
+
+    def _evict(self, keep: str) -> None:
+        """Remove least recently used segment files until the folder holds at most ``max_bytes``."""
+        with self.lock:
+            is_stale = time.monotonic() - self._last_scan > self.rescan_s
+            if is_stale:
+                self._rescan()  # other processes may have written entries
+            if self._bytes <= self.max_bytes:
+                return
+            if not is_stale:
+                self._rescan()  # ... or used them: take the LRU order from the files' mtimes
+            if keep in self._index:
+                self._index.move_to_end(keep)
+            while self._bytes > self.max_bytes and len(self._index) > 1:
+                old = next(iter(self._index))
+                self.remove(old)
+                self.num_evicted += 1
+                log.debug("disk store: evicted %s", old)
+
+    def remove(self, key: str, kind: Kind = "seg") -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path(key, kind).unlink()
+        if kind == "seg":
+            self._forget(key)
+
+    def has(self, key: str, kind: Kind = "seg") -> bool:
+        return self.path(key, kind).is_file()
+
+    def list_keys(self, kind: Kind = "seg") -> list[str]:
+        if kind == "blob":
+            return sorted(key for _, key, _ in self._scan("blob"))
+        self._rescan()
+        with self.lock:
+            return list(self._index)
+
+    def read_header(self, key: str) -> dict[str, Any] | None:
+        try:
+            with open(self.path(key), "rb") as f:  # no mtime update: describing is not using
+                prefix = f.read(16)
+                rest = f.read(max(codec.header_size(prefix) - len(prefix), 0))
+        except FileNotFoundError:
+            return None
+        return codec.read_header(prefix + rest)
+
+    def stored_size(self, key: str) -> int | None:
+        try:
+            return self.path(key).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def touch(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._stamp(self.path(key))
+            with self.lock:
+                if key in self._index:
+                    self._index.move_to_end(key)
+
+    def clear(self) -> None:
+        super().clear()
+        self._remove_stale_tmp()
+
+    def usage(self) -> dict[str, Any]:
+        self._rescan()
+        blobs = self._scan("blob")
+        with self.lock:
+            return {
+                "url": f"file://{self.root.resolve()}?max_bytes={self.max_bytes}",
+                "entries": len(self._index),
+                "bytes": self._bytes,
+                "capacity": self.max_bytes,
+                "blobs": len(blobs),
+                "blob_bytes": sum(size for _, _, size in blobs),
+                "tmp_files": sum(1 for _ in (self.root / "tmp").glob(f"*{TMP_SUFFIX}")),
+            }

@@ -1,0 +1,85 @@
+"""The safetensors payload of a stored segment, written and read without extra copies.
+
+The writer streams tensor buffers (no concatenation); the reader returns tensors that are views into a writable
+buffer (a file read straight into memory becomes tensors with no second copy). Both follow the safetensors format
+(https://github.com/huggingface/safetensors): ``u64 header_len``, JSON index, then the raw little-endian data.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kvforge.errors import CorruptSegmentError
+
+# safetensors dtype names (https://github.com/huggingface/safetensors, format spec)
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def write_payload(tensors: dict[str, Tensor]) -> list[bytes | memoryview]:
+    """Serialise tensors in the safetensors format without concatenating them (the caller streams the parts)."""
+    header: dict[str, Any] = {}
+    buffers: list[memoryview] = []
+    offset = 0
+    # widest dtypes first: every tensor then starts aligned to its element size (as the safetensors writer does)
+    for name, t in sorted(tensors.items(), key=lambda item: -item[1].element_size()):
+        t = t.contiguous()
+        if t.dtype not in _ST_DTYPES:
+            raise ValueError(f"cannot store tensor {name} of dtype {t.dtype}")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        if nbytes:
+            buffers.append(t.view(torch.uint8).reshape(-1).numpy().data)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keeps tensor data 8-byte aligned, as the safetensors writer does
+    return [struct.pack("<Q", len(raw)), raw, *buffers]
+
+
+def read_payload(buf: memoryview) -> dict[str, Tensor]:
+    """Tensors of a safetensors payload: views into ``buf`` when it is writable, else into one copy of it."""
+    if buf.readonly:  # one allocation and one copy for the whole payload, not one per tensor
+        buf = np.frombuffer(buf, dtype=np.uint8).copy().data
+    if len(buf) < 8:
+        raise CorruptSegmentError("payload truncated")
+    (n,) = struct.unpack_from("<Q", buf)
+    try:
+        index = json.loads(bytes(buf[8 : 8 + n]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptSegmentError(f"payload header is not valid JSON: {e}") from e
+    start = 8 + n
+    out = {}
+    for name, spec in index.items():
+        if name == "__metadata__":
+            continue
+        dtype = _TORCH_DTYPES.get(spec.get("dtype"))
+        begin, end = spec["data_offsets"]
+        shape = spec["shape"]
+        count = 1
+        for s in shape:
+            count *= s
+        if dtype is None or not 0 <= begin <= end <= len(buf) - start or (end - begin) != count * dtype.itemsize:
+            raise CorruptSegmentError(f"payload entry {name} is inconsistent")
+        if count == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        t = torch.frombuffer(buf, dtype=torch.uint8, count=end - begin, offset=start + begin)
+        out[name] = t.view(dtype).reshape(shape)
+    return out

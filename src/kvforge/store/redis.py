@@ -1,0 +1,236 @@
+"""``redis://host:port/db``: entries in a Redis server, shared by every process and machine that can reach it.
+
+Keys (``P`` = ``prefix``, default ``kvforge``)::
+
+    P:seg:<key>:data:<nonce>:<i>   the encoded bytes, in chunks of at most ``chunk_bytes`` (Redis caps values)
+    P:seg:<key>:meta               JSON {nonce, chunks, bytes, summary}: written AFTER the data, removed BEFORE it
+    P:seg:sizes  P:seg:lru         hash key -> bytes, sorted set key -> last use (updated with the meta, atomically)
+    (P:blob:... likewise for blobs, without LRU)
+
+Data before metadata means a half-written entry has no meta and is a miss; a fresh nonce per write means a reader
+never mixes the chunks of two versions; chunks Redis dropped on its own (``maxmemory``) make the entry a miss and
+it is removed. With ``max_bytes`` the least recently used entries are evicted past that many bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from kvforge.errors import StoreUnavailableError
+from kvforge.store import codec
+from kvforge.store.base import ByteStore, Kind
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 64 * 1024**2
+
+
+class RedisStore(ByteStore):
+    """A store in Redis through the ``redis`` client (``pip install 'kvforge[store]'``).
+
+    Args:
+        url: ``redis://[:password@]host:port/db`` (client options of redis-py's ``from_url`` allowed).
+        max_bytes: evict least recently used entries past this many bytes; None = leave it to Redis' maxmemory.
+        chunk_bytes: largest single Redis value; bigger entries are split.
+        prefix: namespace of every Redis key, so several stores can share a database.
+        connect_timeout_s: how long to wait for a connection before declaring Redis unavailable.
+    """
+
+    scheme = "redis"
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        max_bytes: int | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        prefix: str = "kvforge",
+        quant: str | None = None,
+        connect_timeout_s: float = 2.0,
+    ) -> None:
+        super().__init__(quant)
+        try:
+            import redis
+        except ImportError as e:
+            raise StoreUnavailableError("the Redis store needs the redis client: pip install 'kvforge[store]'") from e
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+        self.url, self.max_bytes, self.chunk_bytes, self.prefix = url, max_bytes, chunk_bytes, prefix
+        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+        self._response_error = redis.exceptions.ResponseError
+        self.client = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=60)
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self.url!r})"
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        try:
+            yield
+        except self._errors as e:
+            raise StoreUnavailableError(
+                f"Redis store {self.url} is unavailable ({e}); start redis-server or use another --store"
+            ) from e
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        with self._guard():
+            return fn()
+
+    def ping(self) -> None:
+        self._call(self.client.ping)
+
+    def close(self) -> None:
+        self.client.close()
+
+    # ------------------------------------------------------------------------------------------ key names
+    def _meta_key(self, key: str, kind: Kind) -> str:
+        return f"{self.prefix}:{kind}:{key}:meta"
+
+    def _chunk_keys(self, key: str, kind: Kind, meta: dict[str, Any]) -> list[str]:
+        return [f"{self.prefix}:{kind}:{key}:data:{meta['nonce']}:{i}" for i in range(meta["chunks"])]
+
+    def _sizes(self, kind: Kind) -> str:
+        return f"{self.prefix}:{kind}:sizes"
+
+    def _lru(self) -> str:
+        return f"{self.prefix}:seg:lru"
+
+    def _meta(self, key: str, kind: Kind) -> dict[str, Any] | None:
+        raw = self._call(lambda: self.client.get(self._meta_key(key, kind)))
+        if raw is None:
+            return None
+        try:
+            meta = json.loads(raw)
+            return meta if isinstance(meta, dict) and {"nonce", "chunks", "bytes"} <= meta.keys() else None
+        except json.JSONDecodeError:
+            return None
+
+    # ------------------------------------------------------------------------------------------ raw bytes
+    def read(self, key: str, kind: Kind = "seg") -> bytearray | None:
+        meta = self._meta(key, kind)
+        if meta is None:
+            return None
+        with self._guard():
+            pipe = self.client.pipeline(transaction=False)  # one round trip: the chunks and the LRU stamp
+            for name in self._chunk_keys(key, kind, meta):
+                pipe.get(name)
+            if kind == "seg":
+                pipe.zadd(self._lru(), {key: time.time()}, xx=True)
+            replies = pipe.execute()
+        chunks = replies[: meta["chunks"]]
+        if any(c is None for c in chunks):  # Redis dropped data, or a concurrent rewrite replaced this version
+            if self._meta(key, kind) == meta:
+                log.warning("redis store: entry %s lost part of its data; treated as a miss and removed", key)
+                self.remove(key, kind)
+            return None
+        return bytearray().join(chunks)
+
+    def write(self, key: str, data: bytes, kind: Kind = "seg") -> None:
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        if kind == "seg" and self.max_bytes is not None and size > self.max_bytes:
+            log.warning("redis store: entry %s (%d bytes) exceeds max_bytes=%d; not stored", key, size, self.max_bytes)
+            return
+        old = self._meta(key, kind)
+        meta: dict[str, Any] = {
+            "nonce": secrets.token_hex(6),
+            "chunks": -(-size // self.chunk_bytes),
+            "bytes": size,
+            "time": time.time(),
+        }
+        if kind == "seg":
+            meta["summary"] = codec.summarize(codec.read_header(view), size)
+        chunk_keys = self._chunk_keys(key, kind, meta)
+        try:
+            with self._guard():
+                pipe = self.client.pipeline(transaction=False)  # 1) data
+                for i, name in enumerate(chunk_keys):
+                    pipe.set(name, view[i * self.chunk_bytes : (i + 1) * self.chunk_bytes])
+                pipe.execute()
+                pipe = self.client.pipeline(transaction=True)  # 2) metadata, sizes and LRU together
+                pipe.set(self._meta_key(key, kind), json.dumps(meta))
+                pipe.hset(self._sizes(kind), key, size)
+                if kind == "seg":
+                    pipe.zadd(self._lru(), {key: meta["time"]})
+                pipe.execute()
+        except self._response_error as e:  # e.g. OOM under maxmemory: a failed write is not fatal
+            log.warning("redis store: could not write %s (%s)", key, e)
+            self._call(lambda: self.client.delete(*chunk_keys) if chunk_keys else 0)
+            return
+        if old is not None and old["nonce"] != meta["nonce"]:
+            self._call(lambda: self.client.delete(*self._chunk_keys(key, kind, old)) if old["chunks"] else 0)
+        if kind == "seg":
+            self._evict(keep=key)
+
+    def _evict(self, keep: str) -> None:
+        if self.max_bytes is None:
+            return
+        total = sum(int(v) for v in self._call(lambda: self.client.hvals(self._sizes("seg"))))
+        if total <= self.max_bytes:
+            return
+        sizes = {k.decode(): int(v) for k, v in self._call(lambda: self.client.hgetall(self._sizes("seg"))).items()}
+        for raw in self._call(lambda: self.client.zrange(self._lru(), 0, -1)):
+            old = raw.decode()
+            if total <= self.max_bytes:
+                break
+            if old == keep:
+                continue
+            self.remove(old)
+            total -= sizes.get(old, 0)
+            self.num_evicted += 1
+            log.debug("redis store: evicted %s", old)
+
+    def remove(self, key: str, kind: Kind = "seg") -> None:
+        meta = self._meta(key, kind)
+        with self._guard():
+            pipe = self.client.pipeline(transaction=True)  # metadata first: no reader sees a partial entry
+            pipe.delete(self._meta_key(key, kind))
+            pipe.hdel(self._sizes(kind), key)
+            if kind == "seg":
+                pipe.zrem(self._lru(), key)
+            pipe.execute()
+            if meta is not None and meta["chunks"]:
+                self.client.delete(*self._chunk_keys(key, kind, meta))
+
+    def has(self, key: str, kind: Kind = "seg") -> bool:
+        return bool(self._call(lambda: self.client.exists(self._meta_key(key, kind))))
+
+    def list_keys(self, kind: Kind = "seg") -> list[str]:
+        if kind == "seg":
+            return [k.decode() for k in self._call(lambda: self.client.zrange(self._lru(), 0, -1))]
+        return sorted(k.decode() for k in self._call(lambda: self.client.hkeys(self._sizes(kind))))
+
+    def touch(self, key: str) -> None:
+        self._call(lambda: self.client.zadd(self._lru(), {key: time.time()}, xx=True))
+
+    def describe(self, key: str) -> dict[str, Any] | None:
+        meta = self._meta(key, "seg")  # the summary travels in the metadata: no data transfer
+        return None if meta is None else meta.get("summary")
+
+    def stored_size(self, key: str) -> int | None:
+        meta = self._meta(key, "seg")
+        return None if meta is None else int(meta["bytes"])
+
+    def usage(self) -> dict[str, Any]:
+        sizes = [int(v) for v in self._call(lambda: self.client.hvals(self._sizes("seg")))]
+        blob_sizes = [int(v) for v in self._call(lambda: self.client.hvals(self._sizes("blob")))]
+        info = self._call(lambda: self.client.info("memory"))
+        return {
+            "url": self.url,
+            "entries": len(sizes),
+            "bytes": sum(sizes),
+            "capacity": self.max_bytes,
+            "blobs": len(blob_sizes),
+            "blob_bytes": sum(blob_sizes),
+            "chunk_bytes": self.chunk_bytes,
+            "redis_used_memory": info.get("used_memory"),
+            "redis_maxmemory": info.get("maxmemory"),
+            "redis_maxmemory_policy": info.get("maxmemory_policy"),
+        }

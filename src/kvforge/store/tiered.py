@@ -1,0 +1,218 @@
+"""Tiered store (e.g. memory -> disk -> Redis): read the fastest tier holding a key, promote on hit, write through.
+
+Promotion into the memory tier is immediate; into slower tiers (a Redis hit copied to disk) it runs on a background
+thread, so a hit is not delayed by a disk write; ``flush()`` waits for it (``close()`` too, and so does interpreter
+exit: the worker finishes its queue).
+
+A tier that becomes unreachable (Redis down) is skipped with ONE warning; it is retried after ``retry_s`` and a
+recovery is logged. Entries move between tiers as encoded bytes (no decode/encode on promotion).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+from kvforge.errors import StoreUnavailableError
+from kvforge.store import codec
+from kvforge.store.base import ByteStore, Kind, check_key, summarize_entries, wrap_blob
+from kvforge.store.memory import MemoryStore
+from kvforge.types import KVSegment
+
+log = logging.getLogger(__name__)
+
+
+class TieredStore:
+    """Several byte stores, fastest first.
+
+    Args:
+        tiers: e.g. ``[MemoryStore(), DiskStore(path), RedisStore(url)]``.
+        retry_s: seconds before a tier found unavailable is tried again.
+    """
+
+    scheme = "tiered"
+
+    def __init__(self, tiers: list[ByteStore], retry_s: float = 30.0) -> None:
+        if not tiers:
+            raise ValueError("a tiered store needs at least one tier")
+        self.tiers = tiers
+        self.retry_s = retry_s
+        self._down_until: dict[int, float] = {}
+        self._warned: set[int] = set()
+        self.tier_hits = [0] * len(tiers)
+        self.misses = 0
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvforge-promote")
+        self._pending: list[Future] = []
+        for i, tier in enumerate(tiers):
+            self._run(i, tier.ping, None)  # warn now, at open, if a tier is already down
+
+    # ------------------------------------------------------------------------------------------ availability
+    def _available(self, i: int) -> bool:
+        return time.monotonic() >= self._down_until.get(i, 0.0)
+
+    def _run(self, i: int, fn: Callable[[], Any], default: Any) -> Any:
+        """Call ``fn`` on tier ``i``; if the tier is unavailable, mark it down and return ``default``."""
+        if not self._available(i):
+            return default
+        try:
+            out = fn()
+        except StoreUnavailableError as e:
+            self._down_until[i] = time.monotonic() + self.retry_s
+            if i not in self._warned:
+                self._warned.add(i)
+                log.warning(
+                    "tiered store: tier %d (%s) is unavailable, continuing without it: %s", i, self.tiers[i].scheme, e
+                )
+            else:
+                log.debug("tiered store: tier %d still unavailable: %s", i, e)
+            return default
+        if i in self._warned and i in self._down_until:
+            log.warning("tiered store: tier %d (%s) is available again", i, self.tiers[i].scheme)
+            self._warned.discard(i)
+        self._down_until.pop(i, None)
+        return out
+
+    def available_tiers(self) -> list[int]:
+        return [i for i in range(len(self.tiers)) if self._available(i)]
+
+    # ------------------------------------------------------------------------------------------ protocol
+    def get(self, key: str) -> KVSegment | None:
+        """The first tier holding a readable copy answers; the bytes are then copied into the faster tiers."""
+        check_key(key)
+        for i, tier in enumerate(self.tiers):
+            data = self._run(i, partial(tier.read, key), None)
+            if data is None:
+                tier.misses += 1
+                continue
+            segment = tier.decode_or_discard(key, data)
+            if segment is None:  # corrupt in this tier: try the next one
+                continue
+            tier.hits += 1
+            self.tier_hits[i] += 1
+            if i:
+                self._promote(i, key, bytes(data))  # a copy: the segment's tensors are views into ``data``
+            return segment
+        self.misses += 1
+        return None
+
+    def _promote(self, i: int, key: str, data: bytes, kind: Kind = "seg") -> None:
+        """Copy an entry found in tier ``i`` into the faster tiers (memory now, others in the background)."""
+        for j in range(i):
+            write = partial(self._run, j, partial(self.tiers[j].write, key, data, kind), None)
+            if isinstance(self.tiers[j], MemoryStore):
+                write()
+            else:
+                self._pending = [f for f in self._pending if not f.done()]
+                self._pending.append(self._background.submit(_logged, write))
+
+    def flush(self) -> None:
+        """Wait for background promotions."""
+        for future in self._pending:
+            future.result()
+        self._pending.clear()
+
+    def put(self, key: str, segment: KVSegment) -> None:
+        """Write through to every available tier (encoded once per quantisation setting)."""
+        check_key(key)
+        encoded: dict[str | None, list[bytes | memoryview]] = {}
+        for i, tier in enumerate(self.tiers):
+            if tier.quant not in encoded:
+                encoded[tier.quant] = codec.encode_parts(segment, tier.quant)
+            self._run(i, partial(tier.write_parts, key, encoded[tier.quant]), None)
+
+    def contains(self, key: str) -> bool:
+        check_key(key)
+        return any(self._run(i, partial(t.has, key), False) for i, t in enumerate(self.tiers))
+
+    def touch(self, key: str) -> None:
+        for i, t in enumerate(self.tiers):
+            self._run(i, partial(t.touch, key), None)
+
+    def delete(self, key: str) -> None:
+        check_key(key)
+        for i, t in enumerate(self.tiers):
+            self._run(i, partial(t.remove, key), None)
+
+    def keys(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for i, t in enumerate(self.tiers):
+            seen.update(dict.fromkeys(self._run(i, t.keys, [])))
+        return list(seen)
+
+    def describe(self, key: str) -> dict[str, Any] | None:
+        for i, t in enumerate(self.tiers):
+            found = self._run(i, partial(_describe, t, key), None)
+            if found is not None:
+                return found
+        return None
+
+    def clear(self) -> None:
+        for i, t in enumerate(self.tiers):
+            self._run(i, t.clear, None)
+
+    def put_blob(self, key: str, data: bytes) -> None:
+        check_key(key)
+        wrapped = wrap_blob(data)
+        for i, t in enumerate(self.tiers):
+            self._run(i, partial(t.write, key, wrapped, "blob"), None)
+
+    def get_blob(self, key: str) -> bytes | None:
+        check_key(key)
+        for i, t in enumerate(self.tiers):
+            found = self._run(i, partial(t.get_blob, key), None)
+            if found is not None:
+                self._promote(i, key, wrap_blob(found), "blob")
+                return found
+        return None
+
+    def delete_blob(self, key: str) -> None:
+        for i, t in enumerate(self.tiers):
+            self._run(i, partial(t.delete_blob, key), None)
+
+    def stats(self, deep: bool = False) -> dict[str, Any]:
+        """Overall hits/misses, plus each tier's own stats (``hits`` there = requests that tier answered)."""
+        tiers = []
+        for i, t in enumerate(self.tiers):
+            s = self._run(i, t.stats, None)
+            tiers.append(s if s is not None else {"backend": t.scheme, "available": False})
+        hits = sum(self.tier_hits)
+        total = hits + self.misses
+        out: dict[str, Any] = {
+            "backend": "tiered",
+            "entries": len(self.keys()),
+            "hits": hits,
+            "misses": self.misses,
+            "hit_rate": hits / total if total else None,
+            "tiers": tiers,
+        }
+        if deep:
+            out |= summarize_entries([d for k in self.keys() if (d := self.describe(k)) is not None])
+        return out
+
+    def close(self) -> None:
+        self.flush()
+        self._background.shutdown(wait=True)
+        for t in self.tiers:
+            t.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _describe(tier: ByteStore, key: str) -> dict[str, Any] | None:
+    return tier.describe(key) if tier.has(key) else None
+
+
+def _logged(fn: Callable[[], Any]) -> None:
+    """Run a background write; an error there is a warning (the entry is still in the tier it came from)."""
+    try:
+        fn()
+    except Exception as e:
+        log.warning("tiered store: background promotion failed: %s", e)

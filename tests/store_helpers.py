@@ -1,0 +1,97 @@
+"""Helpers for the store tests: tiny random KV segments and a real redis-server on 127.0.0.1 on a free port."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from kvforge.types import KVSegment
+
+
+def make_segment(
+    dtype: torch.dtype = torch.float32,
+    lengths: tuple[int, ...] = (7, 3, 0),
+    num_heads: int = 2,
+    head_dim: int = 8,
+    masked: bool = True,
+    seed: int = 0,
+    model_id: str = "tiny-model",
+    meta: dict | None = None,
+) -> KVSegment:
+    """A segment with ragged layers, per-head positions on one layer and a valid mask on another."""
+    g = torch.Generator().manual_seed(seed)
+    num_tokens = max(lengths) if lengths else 0
+    keys, values, positions, valid = [], [], [], []
+    for i, s in enumerate(lengths):
+        keys.append(torch.randn(num_heads, s, head_dim, generator=g).to(dtype))
+        values.append(torch.randn(num_heads, s, head_dim, generator=g).to(dtype))
+        if i == 1:  # head-wise selection: each head keeps different positions
+            pos = torch.stack([torch.randperm(num_tokens, generator=g)[:s].sort().values for _ in range(num_heads)])
+        else:
+            pos = torch.arange(s).expand(num_heads, s).clone()
+        positions.append(pos)
+        valid.append(torch.rand(num_heads, s, generator=g) > 0.3 if masked and i == 1 else None)
+    return KVSegment(
+        token_ids=list(range(10, 10 + num_tokens)),
+        keys=keys,
+        values=values,
+        positions=positions,
+        valid=valid,
+        next_position=num_tokens,
+        model_id=model_id,
+        meta={"press": {"name": "snapkv", "compression_ratio": 0.5}} if meta is None else meta,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def redis_server(workdir: Path) -> Iterator[str]:
+    """Run ``redis-server`` on 127.0.0.1 on a free port (no persistence); yields its URL."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        import pytest
+
+        pytest.skip("redis-server is not on PATH (apt-get install redis-server); Redis tests skipped")
+    port = free_port()
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_until_up(port, proc)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_until_up(port: int, proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with code {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"redis-server did not answer on port {port} within {timeout_s} s")

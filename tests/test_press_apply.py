@@ -1,0 +1,180 @@
+"""compress_prefill on tiny models of every architecture: exactness at ratio 0, budgets, hooks, decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.cache import KVCache
+from kvforge.errors import UserError
+from kvforge.prefill import forward, prefill
+from kvforge.presses import PRESSES, Press, SnapKVPress, build_press, compress_prefill, compressible_layers, num_kept
+from kvforge.presses.hooks import attention_modules
+from kvforge.testing import ARCHS, tiny_model
+
+S, CHUNK = 150, 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run 10x faster on one thread when the 2 shared cores are busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def model(request):
+    return tiny_model(request.param)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+def ids(n: int = S, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 99, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def small(name: str, ratio: float) -> Press:
+    """Registry press with windows sized for 150-token prompts."""
+    opts = {"window_size": 16} if "window_size" in _options(name) else {}
+    if "lookahead" in _options(name) and name.endswith("lookahead"):
+        opts["lookahead"] = 3
+    return build_press(name, ratio, **opts)
+
+
+def _options(name: str) -> set[str]:
+    try:
+        build_press(name, 0.0, window_size=16)
+        return {"window_size", "lookahead"}
+    except UserError:
+        return {"lookahead"}
+
+
+@pytest.mark.parametrize("name", sorted(PRESSES))
+def test_ratio_zero_changes_no_logit(model, name):
+    prompt, question = ids(), ids(7, seed=1)
+    ref_cache = KVCache.for_model(model)
+    ref = prefill(model, prompt, ref_cache, chunk_size=CHUNK)
+    ref_next = forward(model, question, ref_cache, logits_to_keep=7)
+    cache = KVCache.for_model(model)
+    logits = compress_prefill(model, prompt, cache, small(name, 0.0), chunk_size=CHUNK)
+    assert torch.equal(logits, ref)
+    assert torch.equal(forward(model, question, cache, logits_to_keep=7), ref_next)
+
+
+@pytest.mark.parametrize("name", sorted(PRESSES))
+def test_compressed_cache_decodes_on_every_arch(model, name):
+    cache = KVCache.for_model(model)
+    logits = compress_prefill(model, ids(), cache, small(name, 0.5), chunk_size=CHUNK)
+    assert cache.next_position == S and len(cache.token_ids) == S
+    for _ in range(3):
+        logits = forward(model, logits.argmax(-1, keepdim=True), cache)[:, -1]
+        assert torch.isfinite(logits).all()
+    assert cache.next_position == S + 3
+    info = cache.info["press"]
+    assert info["name"] == name and info["compressed_tokens"] == S
+    h_kv = model.config.num_key_value_heads
+    layers = compressible_layers(KVCache.for_model(model))
+    want = S if name == "full" else num_kept(S, 0.5)
+    assert [info["kept_entries_per_layer"][i] for i in layers] == [h_kv * want] * len(layers) or name == "pyramidkv"
+
+
+@pytest.mark.parametrize("name", ["streaming_llm", "snapkv", "h2o", "criticalkv", "surrogatekv-local", "kvzip"])
+@pytest.mark.parametrize("n, ratio", [(100, 0.3), (150, 0.75), (230, 0.9)])
+def test_exact_kept_count_per_layer_and_head(llama, name, n, ratio):
+    cache = KVCache.for_model(llama)
+    compress_prefill(llama, ids(n), cache, small(name, ratio), chunk_size=CHUNK)
+    for layer in cache.layers:
+        _, _, _, valid = layer.view()
+        assert valid is None and layer.length == num_kept(n, ratio)
+
+
+@pytest.mark.parametrize("name", ["adakv", "criticaladakv", "surrogatekv-ada", "kvzip-ada"])
+@pytest.mark.parametrize("ratio", [0.5, 0.8])
+def test_headwise_layer_totals_exact_and_memory_freed(llama, name, ratio):
+    n = 200
+    full = KVCache.for_model(llama)
+    prefill(llama, ids(n), full, chunk_size=CHUNK)
+    cache = KVCache.for_model(llama)
+    compress_prefill(llama, ids(n), cache, small(name, ratio), chunk_size=CHUNK)
+    h_kv = llama.config.num_key_value_heads
+    for layer in cache.layers:
+        assert layer.num_entries() == h_kv * num_kept(n, ratio)
+    assert cache.nbytes() < full.nbytes()
+    assert cache.info["press"]["nbytes"] == cache.nbytes()
+
+
+def test_pyramidkv_layers_hold_different_lengths_and_same_total(llama):
+    n, ratio = 600, 0.5  # 2 layers: budgets differ once S(1-r)/beta >= window
+    cache = KVCache.for_model(llama)
+    compress_prefill(llama, ids(n), cache, build_press("pyramidkv", ratio, window_size=8, beta=2.0), chunk_size=256)
+    lengths = cache.lengths()
+    assert lengths[0] > lengths[1] and sum(lengths) == 2 * num_kept(n, ratio)
+    assert torch.isfinite(forward(llama, ids(4), cache)).all()
+
+
+def test_reused_prefix_is_kept_as_is(llama):
+    prefix, rest = ids(60, seed=3), ids(120, seed=4)
+    cache = KVCache.for_model(llama)
+    prefill(llama, prefix, cache)
+    before = [layer.view()[0][:, :, :60].clone() for layer in cache.layers]
+    compress_prefill(llama, rest, cache, small("snapkv", 0.75), chunk_size=CHUNK)
+    for layer, keys in zip(cache.layers, before, strict=True):
+        assert layer.length == 60 + num_kept(120, 0.75)
+        assert torch.equal(layer.view()[0][:, :, :60], keys)
+        assert layer.view()[2][0, 0, :60].tolist() == list(range(60))
+    assert cache.next_position == 180
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_lookahead_and_reconstruction_are_undone(arch):
+    model = tiny_model(arch)
+    for press in (build_press("snapkv-lookahead", 0.5, window_size=16, lookahead=4), build_press("kvzip", 0.5)):
+        cache, plain = KVCache.for_model(model), KVCache.for_model(model)
+        compress_prefill(model, ids(), cache, press, chunk_size=CHUNK)
+        prefill(model, ids(), plain, chunk_size=CHUNK)
+        assert cache.next_position == S and cache.token_ids == plain.token_ids
+        for i in range(cache.num_layers):
+            if i not in compressible_layers(cache):  # sliding layers: untouched by drafts and replay
+                assert torch.equal(cache.layers[i].view()[0], plain.layers[i].view()[0])
+            assert int(cache.layers[i].view()[2].max()) < S  # no draft or replay entry left
+
+
+def test_lookahead_changes_the_selection(llama):
+    sel = []
+    for look in (0, 6):
+        cache = KVCache.for_model(llama)
+        compress_prefill(llama, ids(), cache, SnapKVPress(compression_ratio=0.75, window_size=4, lookahead=look))
+        sel.append(cache.layers[1].view()[2])
+    assert not torch.equal(sel[0], sel[1])
+
+
+def _num_hooks(model) -> int:
+    return sum(len(m._forward_hooks) for m in attention_modules(model))
+
+
+def test_hooks_removed_after_use_and_on_error(llama):
+    assert _num_hooks(llama) == 0
+    compress_prefill(llama, ids(), KVCache.for_model(llama), small("snapkv-lookahead", 0.5))
+    assert _num_hooks(llama) == 0
+    bad = ids()
+    bad[0, 100] = 10_000  # out of vocabulary: the forward fails inside the hooked prefill
+    with pytest.raises(IndexError):
+        compress_prefill(llama, bad, KVCache.for_model(llama), small("snapkv", 0.5), chunk_size=CHUNK)
+    assert _num_hooks(llama) == 0
+
+
+def test_build_press_errors():
+    with pytest.raises(UserError, match="snapkv"):
+        build_press("snapkvv", 0.5)
+    with pytest.raises(UserError, match=r"\[0, 1\)"):
+        build_press("snapkv", 1.0)
+    with pytest.raises(UserError, match="window_size"):
+        build_press("snapkv", 0.5, windw_size=3)
+    with pytest.raises(UserError):
+        build_press("surrogatekv-local", 0.5, chunk_size=1)
+    assert build_press("criticaladakv", 0.25, window_size=8).press.window_size == 8
