@@ -88,21 +88,21 @@ def write_summary(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
     return [json_path, csv_path]
 
 
-def _headline_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
+def _headline_rows(summary: dict[str, Any], task: str | None = None) -> list[dict[str, Any]]:
     tasks = {r["task"] for r in summary["rows"]}
-    task = "all" if "all" in tasks else sorted(tasks)[0]
+    task = task or ("all" if "all" in tasks else sorted(tasks)[0])
     return [r for r in summary["rows"] if r["task"] == task]
 
 
-def plot(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
+def plot(out_dir: Path, summary: dict[str, Any], task: str | None = None) -> list[Path]:
     """``score_vs_cache.png`` (normalised score vs remaining cache per method), ``ttft.png`` (TTFT per method) and,
-    with fidelity columns, ``kl_vs_cache.png``."""
+    with fidelity columns, ``kl_vs_cache.png``; for ``task`` (default: "all", or the only task)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = _headline_rows(summary)
+    rows = _headline_rows(summary, task)
     methods = sorted({r["method"] for r in rows if r["method"] != FULL})
     title = f"{summary['model']} ({summary['mode']}, task: {rows[0]['task'] if rows else '-'})"
     paths = []
