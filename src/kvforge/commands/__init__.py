@@ -11,4 +11,5 @@ COMMAND_MODULES = [
     "kvforge.commands.serve",
     "kvforge.commands.presses",
     "kvforge.commands.bench_reuse",
+    "kvforge.commands.eval",
 ]
