@@ -51,15 +51,14 @@ def gguf_model(dtype: torch.dtype = torch.float32) -> Any:
 # ------------------------------------------------------------------------------------------- kvpress side (venv)
 def _match(keys_in: torch.Tensor, keys_out: torch.Tensor) -> list[list[int]]:
     """Per head, the indices in ``keys_in`` (B, H, S, D) of the rows kept in ``keys_out`` (B, H, n, D)."""
-    direction = torch.randn(keys_in.shape[-1], dtype=keys_in.dtype, generator=torch.Generator().manual_seed(0))
     kept = []
     for h in range(keys_in.shape[1]):
-        lookup = {float(v): i for i, v in enumerate(keys_in[0, h] @ direction)}
-        kept.append(sorted(lookup[float(v)] for v in keys_out[0, h] @ direction))
+        lookup = {row.numpy().tobytes(): i for i, row in enumerate(keys_in[0, h].float())}
+        kept.append(sorted(lookup[row.numpy().tobytes()] for row in keys_out[0, h].float()))
     return kept
 
 
-def kvpress_side(ids_path: str, out_path: str, ratios: list[float]) -> None:
+def kvpress_side(ids_path: str, out_path: str, ratios: list[float], names: list[str]) -> None:
     import kvpress
     from transformers import DynamicCache
 
@@ -74,7 +73,8 @@ def kvpress_side(ids_path: str, out_path: str, ratios: list[float]) -> None:
         "criticaladakv": lambda r: kvpress.CriticalAdaKVPress(press=kvpress.SnapKVPress(compression_ratio=r)),
     }
     result: dict[str, dict[str, list[list[list[int]]]]] = {}
-    for name, make in makers.items():
+    for name in names:
+        make = makers[name]
         for ratio in ratios:
             press = make(ratio)
             kept: dict[int, list[list[int]]] = {}
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1000)
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75])
+    ap.add_argument("--presses", nargs="+", default=PRESSES, choices=PRESSES)
     ap.add_argument("--venv", type=Path, default=VENV)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--kvpress-side", nargs=2, metavar=("IDS_JSON", "OUT_JSON"), help=argparse.SUPPRESS)
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.kvpress_side:
-        kvpress_side(*args.kvpress_side, args.ratios)
+        kvpress_side(*args.kvpress_side, args.ratios, args.presses)
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -150,15 +151,37 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ids_path, out_path = Path(tmp) / "ids.json", Path(tmp) / "kept.json"
         ids_path.write_text(json.dumps(ids))
-        cmd = [str(python), __file__, "--kvpress-side", str(ids_path), str(out_path), "--ratios",
-               *map(str, args.ratios), "--threads", str(args.threads or torch.get_num_threads())]
+        cmd = [
+            str(python),
+            __file__,
+            "--kvpress-side",
+            str(ids_path),
+            str(out_path),
+            "--ratios",
+            *map(str, args.ratios),
+            "--presses",
+            *args.presses,
+            "--threads",
+            str(args.threads or torch.get_num_threads()),
+        ]
         subprocess.run(cmd, check=True)
         theirs = json.loads(out_path.read_text())
-    for name in PRESSES:
+    for name in args.presses:
         for ratio in args.ratios:
             mean, worst = overlap(kvforge_kept(model, ids, name, ratio), theirs[name][str(ratio)])
-            print(json.dumps({"press": name, "ratio": ratio, "tokens": len(ids), "kvpress": KVPRESS_VERSION,
-                              "overlap": round(mean, 4), "worst_layer": round(worst, 4)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "press": name,
+                        "ratio": ratio,
+                        "tokens": len(ids),
+                        "kvpress": KVPRESS_VERSION,
+                        "overlap": round(mean, 4),
+                        "worst_layer": round(worst, 4),
+                    }
+                ),
+                flush=True,
+            )
     return 0
 
 

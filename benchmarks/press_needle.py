@@ -20,10 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvforge.cache import KVCache  # noqa: E402
-from kvforge.paths import default_data_dir  # noqa: E402
-from kvforge.prefill import forward, prefill  # noqa: E402
-from kvforge.presses import build_press, compress_prefill  # noqa: E402
+from kvforge.cache import KVCache
+from kvforge.paths import default_data_dir
+from kvforge.prefill import forward, prefill
+from kvforge.presses import build_press, compress_prefill
 
 KEYS = ["blue harbour", "old lighthouse", "silver gate", "north tower", "iron bridge", "red cellar", "glass garden"]
 
@@ -71,8 +71,16 @@ def needle_case(tokenizer: Any, seed: int, num_tokens: int, depth: float) -> tup
 
 
 @torch.inference_mode()
-def run_case(model: Any, tokenizer: Any, press_name: str, ratio: float, ctx: list[int], q: list[int],
-             query_aware: bool, max_new_tokens: int = 10) -> tuple[str, float, int]:
+def run_case(
+    model: Any,
+    tokenizer: Any,
+    press_name: str,
+    ratio: float,
+    ctx: list[int],
+    q: list[int],
+    query_aware: bool,
+    max_new_tokens: int = 10,
+) -> tuple[str, float, int]:
     cache = KVCache.for_model(model)
     press = build_press(press_name, ratio)
     t0 = time.perf_counter()
@@ -113,9 +121,23 @@ def main(argv: list[str] | None = None) -> int:
             answer, secs, nbytes = run_case(model, tokenizer, name, args.ratio, ctx, q, not args.query_agnostic)
             ok = code in answer.replace(" ", "")
             solved += ok
-            print(json.dumps({"press": name, "ratio": args.ratio, "case": i, "tokens": len(ctx) + len(q),
-                              "query_aware": not args.query_agnostic, "ok": ok, "answer": answer, "code": code,
-                              "prefill_s": round(secs, 2), "cache_bytes": nbytes}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "press": name,
+                        "ratio": args.ratio,
+                        "case": i,
+                        "tokens": len(ctx) + len(q),
+                        "query_aware": not args.query_agnostic,
+                        "ok": ok,
+                        "answer": answer,
+                        "code": code,
+                        "prefill_s": round(secs, 2),
+                        "cache_bytes": nbytes,
+                    }
+                ),
+                flush=True,
+            )
         print(json.dumps({"press": name, "ratio": args.ratio, "solved": solved, "cases": len(case_ids)}), flush=True)
     return 0
 

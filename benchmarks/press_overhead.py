@@ -26,12 +26,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from press_needle import load_smollm2  # noqa: E402
+from press_needle import load_smollm2
 
-from kvforge.cache import KVCache  # noqa: E402
-from kvforge.paths import default_data_dir  # noqa: E402
-from kvforge.prefill import forward, prefill  # noqa: E402
-from kvforge.presses import build_press, compress_prefill  # noqa: E402
+from kvforge.cache import KVCache
+from kvforge.paths import default_data_dir
+from kvforge.prefill import forward, prefill
+from kvforge.presses import build_press, compress_prefill
 
 
 def text_ids(tokenizer: Any, n: int) -> torch.Tensor:
@@ -56,8 +56,19 @@ def timed(fn: Any) -> tuple[float, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192])
-    ap.add_argument("--presses", nargs="+", default=["streaming_llm", "snapkv", "pyramidkv", "adakv", "criticalkv",
-                                                     "surrogatekv-global", "snapkv-lookahead"])
+    ap.add_argument(
+        "--presses",
+        nargs="+",
+        default=[
+            "streaming_llm",
+            "snapkv",
+            "pyramidkv",
+            "adakv",
+            "criticalkv",
+            "surrogatekv-global",
+            "snapkv-lookahead",
+        ],
+    )
     ap.add_argument("--ratio", type=float, default=0.75)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--decode-steps", type=int, default=16)
@@ -73,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         plain_times, full_cache, full_logits = [], None, None
         for _ in range(args.repeats):
             cache = KVCache.for_model(model)
-            secs, full_logits = timed(lambda c=cache: prefill(model, ids, c, chunk_size=args.chunk_size))
+            secs, full_logits = timed(lambda c=cache, x=ids: prefill(model, x, c, chunk_size=args.chunk_size))
             plain_times.append(secs)
             full_cache = cache
         assert full_cache is not None and full_logits is not None
@@ -84,21 +95,39 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):
                 cache = KVCache.for_model(model)
                 secs, logits = timed(
-                    lambda c=cache: compress_prefill(model, ids, c, build_press(name, args.ratio), args.chunk_size)
+                    lambda c=cache, x=ids, p=name: compress_prefill(
+                        model, x, c, build_press(p, args.ratio), args.chunk_size
+                    )
                 )
                 times.append(secs)
                 stages = cache.info["press"]["seconds"]
-                overheads.append((stages["lookahead"] + stages["reconstruction"] + stages["compress"]) / stages["prefill"])
+                overheads.append(
+                    (stages["lookahead"] + stages["reconstruction"] + stages["compress"]) / stages["prefill"]
+                )
             assert cache is not None and logits is not None
             plain, press = statistics.median(plain_times), statistics.median(times)
-            print(json.dumps({
-                "git": sha, "device": "cpu", "threads": torch.get_num_threads(), "tokens": n, "press": name,
-                "ratio": args.ratio, "prefill_s": round(plain, 3), "press_s": round(press, 3),
-                "overhead": round(statistics.median(overheads), 4), "stages": stages,
-                "e2e_overhead": round(press / plain - 1, 4), "cache_bytes": cache.nbytes(), "full_bytes": full_bytes,
-                "decode_tps": round(decode_speed(model, cache, logits, args.decode_steps), 2),
-                "full_decode_tps": round(full_tps, 2),
-            }), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "git": sha,
+                        "device": "cpu",
+                        "threads": torch.get_num_threads(),
+                        "tokens": n,
+                        "press": name,
+                        "ratio": args.ratio,
+                        "prefill_s": round(plain, 3),
+                        "press_s": round(press, 3),
+                        "overhead": round(statistics.median(overheads), 4),
+                        "stages": stages,
+                        "e2e_overhead": round(press / plain - 1, 4),
+                        "cache_bytes": cache.nbytes(),
+                        "full_bytes": full_bytes,
+                        "decode_tps": round(decode_speed(model, cache, logits, args.decode_steps), 2),
+                        "full_decode_tps": round(full_tps, 2),
+                    }
+                ),
+                flush=True,
+            )
     return 0
 
 

@@ -178,3 +178,24 @@ def test_build_press_errors():
     with pytest.raises(UserError):
         build_press("surrogatekv-local", 0.5, chunk_size=1)
     assert build_press("criticaladakv", 0.25, window_size=8).press.window_size == 8
+
+
+def test_presses_command_lists_every_name(capsys):
+    from kvforge.cli import main
+    from kvforge.presses import DESCRIPTIONS
+
+    assert set(DESCRIPTIONS) == set(PRESSES)
+    assert main(["presses"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == list(PRESSES)
+
+
+def test_compress_on_top_of_a_headwise_compressed_prefix(llama):
+    cache = KVCache.for_model(llama)
+    compress_prefill(llama, ids(120, seed=5), cache, small("adakv", 0.5), chunk_size=CHUNK)
+    held = [layer.num_entries() for layer in cache.layers]
+    compress_prefill(llama, ids(100, seed=6), cache, small("snapkv", 0.75), chunk_size=CHUNK)
+    h_kv = llama.config.num_key_value_heads
+    assert [layer.num_entries() for layer in cache.layers] == [n + h_kv * num_kept(100, 0.75) for n in held]
+    assert cache.next_position == 220
+    assert torch.isfinite(forward(llama, ids(3), cache)).all()

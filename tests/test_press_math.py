@@ -133,11 +133,18 @@ def test_window_attention_matches_dense_softmax():
 
 
 def test_prefix_enters_softmax_normalisation():
-    ctx = make_ctx(30, start=10)
+    ctx = make_ctx(30, start=10, w=8)
     ctx.prefix_keys = torch.randn(1, H_KV, 10, D)
     ctx.prefix_positions = torch.arange(10)[None, None].expand(1, H_KV, 10)
-    total = ctx.attention(ctx.window_queries, ctx.window_positions).sum(-1)
-    assert (total < 1).all() and (total > 0).all()
+    ctx.prefix_valid = torch.ones(1, H_KV, 10, dtype=torch.bool)
+    ctx.prefix_valid[0, 1, 3] = False  # padding of a head-wise prefix is not attended
+    probs = ctx.attention(ctx.window_queries, ctx.window_positions)  # (1, H, 8, 30)
+    keys = torch.cat([ctx.prefix_keys, ctx.keys], dim=2).repeat_interleave(2, dim=1)
+    logits = ctx.window_queries @ keys.transpose(-1, -2) / D**0.5  # (1, H, 8, 40)
+    visible = (torch.arange(40)[None, :] <= torch.arange(32, 40)[:, None])[None, None].repeat(1, H, 1, 1)
+    visible[:, 2:4, :, 3] = False  # KV head 1 = query heads 2, 3
+    ref = logits.masked_fill(~visible, float("-inf")).softmax(-1)[..., 10:]
+    torch.testing.assert_close(probs, ref)
 
 
 def test_pyramid_budgets_decrease_and_keep_total():
@@ -213,3 +220,15 @@ def test_invalid_options_raise():
         SurrogateKVPress(surrogate="median")
     with pytest.raises(ValueError):
         AdaKVPress(press=AdaKVPress(press=SnapKVPress()))  # type: ignore[arg-type]
+
+
+def test_projected_value_norms_match_explicit_heads():
+    from kvforge.presses.criticalkv import projected_value_norms
+
+    ctx = make_ctx(50)
+    w = ctx.output_weight  # (hidden, H * D)
+    want = torch.zeros(1, H_KV, 50)
+    for h in range(H):
+        v = ctx.values[0, h // (H // H_KV)]  # (S, D) of the head's KV group
+        want[0, h // (H // H_KV)] += (v @ w[:, h * D : (h + 1) * D].t()).abs().sum(-1) / (H // H_KV)
+    torch.testing.assert_close(projected_value_norms(ctx), want)

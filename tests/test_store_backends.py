@@ -13,7 +13,7 @@ import torch
 from store_helpers import make_segment
 
 from kvforge.errors import UserError
-from kvforge.store import DiskStore, KVStore, MemoryStore, TieredStore, open_store
+from kvforge.store import DiskStore, KVStore, MemoryStore, TieredStore, default_store_url, open_store
 from kvforge.store.codec import encode, segments_equal
 
 
@@ -239,6 +239,13 @@ def test_tiered_quantises_per_tier(tmp_path: Path) -> None:
     assert "quant" not in exact.get("aa").meta and small.get("aa").meta["quant"] == "int8-channel"
 
 
+def test_default_disk_store_lives_in_the_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path))
+    assert default_store_url() == f"file://{tmp_path}/kv"
+    store = open_store("file://")
+    assert isinstance(store, DiskStore) and store.root == tmp_path / "kv"
+
+
 def test_open_store_urls(tmp_path: Path) -> None:
     mem = open_store("memory://?max_bytes=2KiB&quant=int8-token")
     assert isinstance(mem, MemoryStore) and mem.max_bytes == 2048 and mem.quant == "int8-token"
@@ -257,3 +264,29 @@ def test_open_store_urls(tmp_path: Path) -> None:
         open_store("memory://?max_bytes=lots")
     with pytest.raises(UserError, match="quantisation"):
         open_store("memory://?quant=int3")
+
+
+def test_concurrent_writers_and_readers_never_see_a_mix(tmp_path: Path) -> None:
+    import threading
+
+    versions = [make_segment(seed=s) for s in range(3)]
+    store = TieredStore([MemoryStore(max_bytes=3 * entry_size()), DiskStore(tmp_path, max_bytes=8 * entry_size())])
+    errors: list[str] = []
+
+    def work(worker: int) -> None:
+        for i in range(15):
+            key = f"k{i % 4}"
+            if (i + worker) % 2:
+                store.put(key, versions[(i + worker) % 3])
+            else:
+                got = store.get(key)
+                if got is not None and not any(segments_equal(got, v) for v in versions):
+                    errors.append(f"{key}: a segment that was never written")
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    store.close()
+    assert errors == [] and list((tmp_path / "tmp").iterdir()) == []

@@ -52,3 +52,26 @@ def test_quantised_cache_stays_close(llama: torch.nn.Module) -> None:
     expected = forward(model, ids[:, 32:], cache, logits_to_keep=8).softmax(-1)
     got = forward(model, ids[:, 32:], loaded, logits_to_keep=8).softmax(-1)
     assert (expected - got).abs().max() < 0.02
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_smollm2_cache_round_trips_through_disk(smollm2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from kvforge.errors import ModelMismatchError
+    from kvforge.model import model_fingerprint
+    from kvforge.store import check_segment, open_store
+
+    model, tokenizer = smollm2
+    fingerprint = model_fingerprint(model, tokenizer)
+    ids = torch.tensor([tokenizer("The store keeps the KV cache of this sentence, bit for bit.").input_ids])
+    cache = KVCache.for_model(model)
+    prefill(model, ids[:, :-4], cache)
+    segment = cache.to_segment(model_id=fingerprint, token_ids=ids[0, :-4].tolist())
+    assert segment.nbytes() == 2 * 30 * 3 * 64 * 4 * segment.num_tokens  # the size the throughput benchmark assumes
+    open_store(f"file://{tmp_path}").put("ab", segment)
+    loaded = open_store(f"file://{tmp_path}").get("ab")  # as another process would
+    check_segment(loaded, fingerprint, expect_dtype=model.dtype)
+    with pytest.raises(ModelMismatchError):
+        check_segment(loaded, fingerprint + "-other-model")
+    expected = forward(model, ids[:, -4:], cache, logits_to_keep=4)
+    assert torch.equal(forward(model, ids[:, -4:], KVCache.from_segment(loaded, model), logits_to_keep=4), expected)

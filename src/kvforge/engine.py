@@ -32,6 +32,8 @@ class Engine:
         model, tokenizer: from :func:`kvforge.model.load_model` (or any HF causal LM + tokenizer).
         chunk_size: prefill chunk (bounds activation memory on long prompts); None = one shot.
         window, num_sink: optional sliding-window cache (first ``num_sink`` + last ``window`` tokens kept).
+        reuse: a :class:`kvforge.reuse.ReuseStrategy`: ``generate``/``answer`` then run plan (load what is stored)
+            -> prefill the rest -> decode -> record (store the new KV, after the answer so TTFT is not delayed).
     """
 
     def __init__(
@@ -183,6 +185,9 @@ class Engine:
     ) -> Generation:
         """Tokenise (chat template unless ``raw``), prefill (under ``press``), decode."""
         ids = self.encode_chat(prompt, raw=raw)
+        if self.reuse is not None and press is None:
+            text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=True)
+            return self._run_reused(ids, max_new_tokens, sampling, stop, on_token, text=text, context=None)
         return self._run([ids], max_new_tokens, sampling, stop, [press], on_token)
 
     def answer(
@@ -203,6 +208,11 @@ class Engine:
         the press compresses the context alone, then the question is prefilled on top of the compressed cache.
         """
         ctx_ids, q_ids = self.encode_qa(context, question, system=system, answer_prefix=answer_prefix)
+        if self.reuse is not None and press is None and ctx_ids and q_ids:
+            from kvforge.reuse import PromptContext
+
+            return self._run_reused(ctx_ids + q_ids, max_new_tokens, sampling, stop, None, text=question,
+                                    context=PromptContext(context, len(ctx_ids)))
         if query_aware or not q_ids:
             return self._run([ctx_ids + q_ids], max_new_tokens, sampling, stop, [press], None)
         return self._run([ctx_ids, q_ids], max_new_tokens, sampling, stop, [press, None], None)
@@ -230,6 +240,40 @@ class Engine:
         gen.ttft_s += prefill_s
         gen.prompt_tokens = total
         gen.info.update(cache.info)
+        gen.info["prefill_s"] = prefill_s
+        gen.info["cache_entries"] = cache.num_entries()
+        return gen
+
+    def _run_reused(
+        self,
+        ids: list[int],
+        max_new_tokens: int,
+        sampling: SamplingParams | None,
+        stop: Sequence[str] | None,
+        on_token: Callable[[int], None] | None,
+        text: str | None,
+        context: Any,
+    ) -> Generation:
+        """plan (reuse stored KV) -> prefill the rest -> decode -> record; TTFT includes the plan (store reads)."""
+        if self.window is not None:
+            raise UserError("KV reuse does not support a sliding-window cache (--window)")
+        self.check_length(len(ids), max_new_tokens)
+        start = time.perf_counter()
+        plan = self.reuse.plan(ids, text=text, context=context)
+        plan_s = time.perf_counter() - start
+        self.check_length(len(plan.token_ids), max_new_tokens)
+        cache, logits = self.prefill(plan.prefill_ids, plan.cache)
+        prefill_s = time.perf_counter() - start
+        gen = self.decode(cache, logits, max_new_tokens, sampling, stop, on_token)
+        gen.ttft_s += prefill_s
+        record_start = time.perf_counter()
+        self.reuse.record(ids, cache, text=text, context=context)  # refuses caches not made of exactly ``ids``
+        gen.prompt_tokens = len(ids)
+        gen.reused_tokens = plan.reused_tokens
+        gen.info.update(cache.info)
+        gen.info["reuse"] = plan.summary() | {
+            "plan_s": round(plan_s, 6), "record_s": round(time.perf_counter() - record_start, 6)
+        }
         gen.info["prefill_s"] = prefill_s
         gen.info["cache_entries"] = cache.num_entries()
         return gen

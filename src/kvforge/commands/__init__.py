@@ -8,5 +8,9 @@ COMMAND_MODULES = [
     "kvforge.commands.generate",
     "kvforge.commands.demo",
     "kvforge.commands.cache",
+    "kvforge.commands.serve",
+    "kvforge.commands.presses",
+    "kvforge.commands.bench_reuse",
+    "kvforge.commands.eval",
     "kvforge.commands.rag",
 ]

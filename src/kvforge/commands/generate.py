@@ -29,6 +29,13 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--press", default=None, help="compression method (see `kvforge presses`)")
     p.add_argument("--compression-ratio", type=ratio, default=0.5, help="fraction of KV entries removed")
     p.add_argument("--query-agnostic", action="store_true", help="compress the prompt before the question is known")
+    p.add_argument("--store", default=None, help="KV store URL for --reuse (memory://, file:///dir, redis://host:port/db,"
+                   " comma-separated = tiers); default: the disk store in kvforge's cache folder")
+    p.add_argument("--reuse", choices=["prefix", "semantic"], default=None, help="reuse stored KV of earlier prompts")
+    p.add_argument("--semantic-mode", choices=["canonical", "context"], default="canonical",
+                   help="canonical: answer a similar stored prompt; context: reuse the document (--prompt-file), "
+                   "prefill the question (--prompt) exactly")
+    p.add_argument("--threshold", type=float, default=None, help="semantic reuse: minimum cosine similarity")
     p.set_defaults(func=run_generate)
 
     b = bench_sub.add_parser("decode", help="decode tokens/s: cached vs uncached vs transformers' generate")
@@ -59,6 +66,10 @@ def run_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer, chunk_size=args.chunk_size, window=args.window, num_sink=args.num_sink)
+    if args.reuse:
+        from kvforge.commands.bench_reuse import attach_reuse
+
+        attach_reuse(engine, args)
     ids = engine.encode_chat(text, raw=args.raw)
     engine.check_length(len(ids), args.max_new_tokens)
     if args.no_cache:
@@ -69,7 +80,14 @@ def run_generate(args: argparse.Namespace) -> int:
 
         press = build_press(args.press, compression_ratio=args.compression_ratio)
     stream = TextStream(tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    if args.query_agnostic and press is not None:
+    if engine.reuse is not None and args.semantic_mode == "context" and args.prompt and args.prompt_file:
+        gen = engine.answer(read_text_file(args.prompt_file), args.prompt, max_new_tokens=args.max_new_tokens,
+                            sampling=sampling, stop=args.stop)
+        sys.stdout.write(gen.text)
+    elif engine.reuse is not None:
+        gen = engine.generate(text, args.max_new_tokens, sampling=sampling, stop=args.stop, raw=args.raw,
+                              on_token=stream)
+    elif args.query_agnostic and press is not None:
         # the document (--prompt-file) is compressed before the question (--prompt) is seen; with one of them only,
         # its last line is the question
         if args.prompt and args.prompt_file:
@@ -85,6 +103,10 @@ def run_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     extra = f" | press {args.press} ratio {args.compression_ratio}" if press is not None else ""
+    if engine.reuse is not None:
+        from kvforge.commands.bench_reuse import describe_reuse
+
+        extra += describe_reuse(gen)
     print(
         f"[kvforge] prompt {gen.prompt_tokens} tok | TTFT {gen.ttft_s:.3f}s | {len(gen.token_ids)} tok at "
         f"{gen.tokens_per_s:.1f} tok/s | cache {gen.cache_bytes / 2**20:.1f} MiB{extra}",

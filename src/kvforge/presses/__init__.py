@@ -52,6 +52,29 @@ _SPECS: dict[str, tuple[type[Press], type[ScorerPress] | None, dict[str, Any]]] 
 }
 
 
+DESCRIPTIONS: dict[str, str] = {
+    "full": "no compression (baseline)",
+    "streaming_llm": "4 attention sinks + most recent tokens",
+    "h2o": "half newest tokens, half heavy hitters by accumulated window attention",
+    "snapkv": "observation-window attention (64 queries), pooled, per-head top-k",
+    "snapkv-lookahead": "SnapKV + queries of 12 greedy draft tokens (query-aware on small models)",
+    "pyramidkv": "SnapKV scores, per-layer budgets decreasing with depth (same total)",
+    "adakv": "SnapKV scores, head-adaptive budgets (one top-k per layer), memory really freed",
+    "adakv-lookahead": "AdaKV with lookahead draft queries",
+    "criticalkv": "SnapKV + CriticalKV two-stage selection (attention x ||V W_O||_1)",
+    "criticalkv-lookahead": "CriticalKV with lookahead draft queries",
+    "criticaladakv": "AdaKV budgets + CriticalKV two-stage selection",
+    "surrogatekv-null": "victim chunks of 32 -> one zero surrogate each",
+    "surrogatekv-local": "victim chunks of 32 -> one chunk-mean surrogate each",
+    "surrogatekv-global": "victim chunks of 32 -> the mean over all victims",
+    "surrogatekv-critical": "SurrogateKV-global with CriticalKV's value-aware token scores",
+    "surrogatekv-ada": "SurrogateKV-global with per-head victims against one layer budget (AdaKV-style)",
+    "surrogatekv-lookahead": "SurrogateKV-global with lookahead draft queries",
+    "kvzip": "context-reconstruction scoring (query-agnostic; one extra pass over the context)",
+    "kvzip-ada": "KVzip scores with AdaKV head-adaptive budgets",
+}
+
+
 def _builder(name: str) -> Callable[..., Press]:
     def build(compression_ratio: float = 0.0, **options: Any) -> Press:
         return build_press(name, compression_ratio, **options)
@@ -103,6 +126,7 @@ def build_press(name: str, compression_ratio: float = 0.0, **options: Any) -> Pr
 
 
 __all__ = [
+    "DESCRIPTIONS",
     "PRESSES",
     "AdaKVPress",
     "CriticalAdaKVPress",

@@ -87,7 +87,9 @@ def compress_prefill(
         "nbytes": cache.nbytes(),
         "seconds": {  # wall clock of each stage, for overhead reports
             stage: round(b - a, 4)
-            for stage, a, b in zip(("prefill", "lookahead", "reconstruction", "compress"), clock, clock[1:])
+            for stage, a, b in zip(
+                ("prefill", "lookahead", "reconstruction", "compress"), clock, clock[1:], strict=False
+            )
         },
     }
     return logits
@@ -107,8 +109,14 @@ def _lookahead(model: Any, cache: KVCache, logits: Tensor, steps: int, collector
 
 
 def _reconstruct(
-    model: Any, cache: KVCache, ids: Tensor, press: Press, tokenizer: Any, chunk_size: int | None,
-    collector: Collector, start: list[int],
+    model: Any,
+    cache: KVCache,
+    ids: Tensor,
+    press: Press,
+    tokenizer: Any,
+    chunk_size: int | None,
+    collector: Collector,
+    start: list[int],
 ) -> None:
     """Teacher-force "repeat the context" + the context on top; keep max attention per context entry; undo."""
     kvzip = _find(press, KVzipPress)

@@ -112,25 +112,38 @@ class LayerContext:
         Only Q x (P + S) logits are built: Q is a window, never the whole prompt.
         """
         scale = self.scaling if self.scaling is not None else queries.shape[-1] ** -0.5
-        g = self.group_size
-        keys = self.keys.repeat_interleave(g, dim=1).to(queries.dtype)
-        logits = (queries @ keys.transpose(-1, -2)).float() * scale  # (B, H, Q, S)
-        if query_positions is not None:
-            allowed = self.positions[:, None, None, :] <= query_positions[:, None, :, None]  # (B, 1, Q, S)
-            logits = logits.masked_fill(~allowed, float("-inf"))
-        lse = logits.logsumexp(dim=-1, keepdim=True)
+        logits = self._logits(queries, self.keys, self.positions[:, None, :], None, query_positions, scale)
+        probs = logits.softmax(dim=-1)
         if self.prefix_keys is not None and self.prefix_keys.shape[2] > 0:
-            pk = self.prefix_keys.repeat_interleave(g, dim=1).to(queries.dtype)
-            pl = (queries @ pk.transpose(-1, -2)).float() * scale  # (B, H, Q, P)
-            ok = torch.ones_like(pl, dtype=torch.bool)
-            if query_positions is not None and self.prefix_positions is not None:
-                pp = self.prefix_positions.repeat_interleave(g, dim=1)
-                ok &= pp[:, :, None, :] <= query_positions[:, None, :, None]
-            if self.prefix_valid is not None:
-                ok &= self.prefix_valid.repeat_interleave(g, dim=1)[:, :, None, :]
-            pl = pl.masked_fill(~ok, float("-inf"))
-            lse = torch.logaddexp(lse, pl.logsumexp(dim=-1, keepdim=True))
-        return (logits - lse).exp().nan_to_num(0.0)
+            # renormalise over prefix + new entries: p_new * Z_new / (Z_new + Z_prefix)
+            pre = self._logits(
+                queries, self.prefix_keys, self.prefix_positions, self.prefix_valid, query_positions, scale
+            )
+            lse_new, lse_pre = logits.logsumexp(-1, keepdim=True), pre.logsumexp(-1, keepdim=True)
+            probs = probs * (lse_new - torch.logaddexp(lse_new, lse_pre)).exp()
+        return probs.nan_to_num_(0.0)
+
+    @staticmethod
+    def _logits(
+        queries: Tensor,
+        keys: Tensor,
+        positions: Tensor | None,
+        valid: Tensor | None,
+        query_positions: Tensor | None,
+        scale: float,
+    ) -> Tensor:
+        """Masked logits ``(B, H, Q, K)`` of queries ``(B, H, Q, D)`` on keys ``(B, H_kv, K, D)``, no key copies."""
+        b, h, q, d = queries.shape
+        h_kv = keys.shape[1]
+        grouped = queries.reshape(b, h_kv, (h // h_kv) * q, d)
+        logits = (grouped @ keys.transpose(-1, -2).to(queries.dtype)).float().mul_(scale)
+        logits = logits.view(b, h_kv, h // h_kv, q, -1)  # (B, H_kv, g, Q, K)
+        if query_positions is not None and positions is not None:  # positions (B, 1 or H_kv, K)
+            hidden = positions[:, :, None, None, :] > query_positions[:, None, None, :, None]
+            logits.masked_fill_(hidden, float("-inf"))
+        if valid is not None:
+            logits.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
+        return logits.view(b, h, q, -1)
 
     def observed_attention(self, window_size: int) -> Tensor:
         """``(B, H, S)``: mean attention of the last ``window_size`` window queries, plus the lookahead queries' mean.

@@ -24,13 +24,16 @@ def projected_value_norms(ctx: LayerContext) -> Tensor:
     if ctx.output_weight is None:
         raise ValueError("CriticalKV needs the layer's output projection (ctx.output_weight)")
     b, h_kv, s, d = ctx.values.shape
-    h = ctx.heads
-    w = ctx.output_weight.reshape(-1, h, d).permute(1, 2, 0).to(ctx.values.dtype)  # (H, D, hidden)
-    values = ctx.values.repeat_interleave(ctx.group_size, dim=1)  # (B, H, S, D)
-    norms = torch.cat(
-        [(values[:, :, i : i + _ROWS] @ w).abs().sum(-1) for i in range(0, s, _ROWS)], dim=2
-    )  # (B, H, S)
-    return ctx.group_reduce(norms.float(), "mean")
+    g = ctx.group_size
+    hidden = ctx.output_weight.shape[0]
+    # W_O (hidden, H*D) -> per KV head (D, g*hidden): one GEMM per KV head, no copy of the values
+    w = ctx.output_weight.t().reshape(h_kv, g, d, hidden).permute(0, 2, 1, 3).reshape(h_kv, d, g * hidden)
+    w = w.to(ctx.values.dtype)
+    norms = [
+        (ctx.values[:, :, i : i + _ROWS] @ w).abs_().view(b, h_kv, -1, g, hidden).sum(-1).float().mean(-1)
+        for i in range(0, s, _ROWS)
+    ]
+    return torch.cat(norms, dim=2)  # (B, H_kv, S)
 
 
 def critical_select(scores: Tensor, norms: Tensor, budgets: Tensor, first_stage_ratio: float, eps: float) -> Tensor:

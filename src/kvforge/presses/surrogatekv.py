@@ -29,13 +29,15 @@ from kvforge.presses.criticalkv import projected_value_norms
 SURROGATES = ("null", "local", "global")
 
 
-def choose_victims(token_scores: Tensor, num_removed: int, chunk_size: int, recent_size: int) -> list[tuple[int, Tensor]]:
+def choose_victims(
+    token_scores: Tensor, num_removed: int, chunk_size: int, recent_size: int
+) -> list[tuple[int, Tensor]]:
     """Victims for one batch row: ``[(row, member slots), ...]``, each group merged into its last slot.
 
     ``token_scores`` is ``(rows, S)`` (rows = 1 shared by all heads, or one per KV head); groups are removed in
     ascending chunk score until exactly ``num_removed`` entries (summed over rows) are gone, or every chunk is merged.
     """
-    rows, s = token_scores.shape
+    s = token_scores.shape[1]
     past = max(0, s - recent_size)
     bounds = [(a, min(a + chunk_size, past)) for a in range(0, past, chunk_size)]
     if not bounds or num_removed <= 0:
@@ -115,7 +117,12 @@ class SurrogateKVPress(Press):
         return Selection(keep=keep, keys=keys, values=values)
 
     def _merge(
-        self, bi: int, victims: list[tuple[int, Tensor]], keep: Tensor, keys: Tensor, values: Tensor,
+        self,
+        bi: int,
+        victims: list[tuple[int, Tensor]],
+        keep: Tensor,
+        keys: Tensor,
+        values: Tensor,
         ctx: LayerContext,
     ) -> None:
         """Mark victims removed and write their surrogates (into the slot of each group's last member)."""
@@ -142,8 +149,7 @@ class SurrogateKVPress(Press):
                 else:
                     keys[bi, hd, slot], values[bi, hd, slot] = global_mean[hd]
 
-    def _drop_rest(
-        self, bi: int, missing: int, scores: Tensor, keep: Tensor) -> None:
+    def _drop_rest(self, bi: int, missing: int, scores: Tensor, keep: Tensor) -> None:
         """Extreme ratios: drop surrogates and leftovers by score, then the oldest suffix entries (exact budget)."""
         if missing <= 0:
             return

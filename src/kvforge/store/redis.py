@@ -117,16 +117,20 @@ class RedisStore(ByteStore):
         meta = self._meta(key, kind)
         if meta is None:
             return None
-        chunks = self._call(lambda: self.client.mget(self._chunk_keys(key, kind, meta)) if meta["chunks"] else [])
+        with self._guard():
+            pipe = self.client.pipeline(transaction=False)  # one round trip: the chunks and the LRU stamp
+            for name in self._chunk_keys(key, kind, meta):
+                pipe.get(name)
+            if kind == "seg":
+                pipe.zadd(self._lru(), {key: time.time()}, xx=True)
+            replies = pipe.execute()
+        chunks = replies[: meta["chunks"]]
         if any(c is None for c in chunks):  # Redis dropped data, or a concurrent rewrite replaced this version
             if self._meta(key, kind) == meta:
                 log.warning("redis store: entry %s lost part of its data; treated as a miss and removed", key)
                 self.remove(key, kind)
             return None
-        data = bytearray().join(chunks)
-        if kind == "seg":
-            self._call(lambda: self.client.zadd(self._lru(), {key: time.time()}, xx=True))
-        return data
+        return bytearray().join(chunks)
 
     def write(self, key: str, data: bytes, kind: Kind = "seg") -> None:
         view = memoryview(data).cast("B")

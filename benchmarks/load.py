@@ -1,0 +1,300 @@
+"""Load test for ``kvforge serve``: N concurrent streaming clients for a fixed time, one JSON line of results.
+
+Each client loops: pick a prompt (repeated: an exact earlier prompt; paraphrased: an earlier document with its
+question reworded; new: a new long document), stream a chat completion, record TTFT (first content delta), latency,
+``cached_tokens`` and the ``kvforge.reuse`` kind. A 429 is counted and the client waits ``min(Retry-After, 2 s)``;
+anything else that is not a complete answer (other status, stream error event, transport error) is an error.
+
+    python benchmarks/load.py --model tiny --duration 60                      # starts a server (subprocess)
+    python benchmarks/load.py --model smollm2-135m --reuse prefix --duration 60
+    python benchmarks/load.py --url http://127.0.0.1:8000 --served-model-name smollm2-135m
+
+Writes the JSON line to stdout and appends it to ``benchmarks/results/load.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+TOPICS = ["lighthouse", "orchard", "glacier", "harbour", "observatory", "library", "vineyard", "canyon", "foundry"]
+QUESTIONS = [
+    ("What is the code of room {r}?", "Tell me the code that room {r} has."),
+    ("Which room has the code {c}?", "The code {c} belongs to which room?"),
+    ("Who keeps the {t}?", "Name the keeper of the {t}."),
+]
+
+
+def make_document(rng: random.Random, num_facts: int) -> tuple[str, dict[str, Any]]:
+    topic = rng.choice(TOPICS)
+    keeper = rng.choice(["Ada", "Bram", "Chen", "Dara", "Emil", "Farah"]) + f" {rng.randint(10, 99)}"
+    codes = {r: f"{rng.randint(1000, 9999)}" for r in range(num_facts)}
+    lines = [f"Report on the {topic}, kept by {keeper}."] + [
+        f"Room {r} of the {topic} has code {c}." for r, c in codes.items()
+    ]
+    return " ".join(lines), {"topic": topic, "codes": codes}
+
+
+class PromptMix:
+    """Draws repeated / paraphrased / new prompts (fractions ``repeat`` and ``paraphrase``, the rest new)."""
+
+    def __init__(self, seed: int, num_facts: int, repeat: float, paraphrase: float) -> None:
+        self.rng = random.Random(seed)
+        self.num_facts, self.repeat, self.paraphrase = num_facts, repeat, paraphrase
+        self.sent: list[tuple[str, dict[str, Any], int, int]] = []  # (document, facts, question idx, room)
+
+    def next(self) -> tuple[str, str, Any]:
+        u = self.rng.random()
+        if self.sent and u < self.repeat:
+            kind, (doc, facts, q, room) = "repeated", self.rng.choice(self.sent)
+            wording = 0
+        elif self.sent and u < self.repeat + self.paraphrase:
+            kind, (doc, facts, q, room) = "paraphrased", self.rng.choice(self.sent)
+            wording = 1
+        else:
+            doc, facts = make_document(self.rng, self.num_facts)
+            kind, q, room, wording = "new", self.rng.randrange(len(QUESTIONS)), self.rng.randrange(self.num_facts), 0
+        question = QUESTIONS[q][wording].format(r=room, c=facts["codes"][room], t=facts["topic"])
+        return kind, f"{doc}\n\n{question}", (doc, facts, q, room)
+
+    def answered(self, kind: str, item: Any) -> None:
+        """Only prompts the server answered are repeated later (a refused one was never cached)."""
+        if kind == "new":
+            self.sent.append(item)
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.ok: list[dict[str, Any]] = []
+        self.rejected = 0
+        self.errors: list[str] = []
+
+
+async def one_request(http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, press: str | None) -> Any:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if press:
+        body["kvforge"] = {"press": press}
+    start = time.perf_counter()
+    ttft, usage, kvf, done = None, None, None, False
+    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code == 429:
+            await r.aread()
+            return 429, float(r.headers.get("retry-after", "1"))
+        if r.status_code != 200:
+            return "error", f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                return "error", f"stream error: {event['error'].get('message')}"
+            if event.get("usage"):
+                usage = event["usage"]
+            kvf = event.get("kvforge", kvf)
+            if ttft is None and event.get("choices") and event["choices"][0]["delta"].get("content"):
+                ttft = time.perf_counter() - start
+    latency = time.perf_counter() - start
+    if not done or usage is None:
+        return "error", "stream ended without [DONE] and usage"
+    return "ok", {
+        "ttft_s": ttft if ttft is not None else latency,
+        "latency_s": latency,
+        "usage": usage,
+        "kvforge": kvf or {},
+    }
+
+
+async def client_loop(
+    idx: int, args: argparse.Namespace, url: str, mix: PromptMix, stats: Stats, stop_at: float
+) -> None:
+    timeout = httpx.Timeout(args.request_timeout, connect=10)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, headers=headers) as http:
+        while time.perf_counter() < stop_at:
+            kind, prompt, item = mix.next()
+            try:
+                status, result = await one_request(http, args.served_model_name, prompt, args.max_tokens, args.press)
+            except (httpx.HTTPError, json.JSONDecodeError) as e:
+                status, result = "error", f"{type(e).__name__}: {e}"
+            if status == 429:
+                stats.rejected += 1
+                await asyncio.sleep(min(result, 2.0) * (0.5 + mix.rng.random()))
+            elif status == "error":
+                stats.errors.append(result)
+            else:
+                result["kind"] = kind
+                stats.ok.append(result)
+                mix.answered(kind, item)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(q * len(values)))], 4)
+
+
+def summarize(stats: Stats, elapsed: float, args: argparse.Namespace) -> dict[str, Any]:
+    ok = stats.ok
+    hit = [r for r in ok if r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) > 0]
+    by_kind = {}
+    for kind in ("repeated", "paraphrased", "new"):
+        rows = [r for r in ok if r["kind"] == kind]
+        hits = [r for r in rows if r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) > 0]
+        by_kind[kind] = {
+            "requests": len(rows),
+            "hit_rate": round(len(hits) / len(rows), 3) if rows else None,
+            "server_ttft_p50_s": percentile([r["kvforge"]["ttft_s"] for r in rows if "ttft_s" in r["kvforge"]], 0.5),
+        }
+    prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in ok)
+    cached = sum(r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) for r in ok)
+    return {
+        "bench": "serve_load",
+        "config": {k: v for k, v in vars(args).items() if k not in ("api_key",)},
+        "duration_s": round(elapsed, 1),
+        "completed": len(ok),
+        "rejected_429": stats.rejected,
+        "errors": len(stats.errors),
+        "error_samples": stats.errors[:3],
+        "throughput_rps": round(len(ok) / elapsed, 3),
+        "completion_tokens_per_s": round(sum(r["usage"]["completion_tokens"] for r in ok) / elapsed, 2),
+        "ttft_p50_s": percentile([r["ttft_s"] for r in ok], 0.5),
+        "ttft_p99_s": percentile([r["ttft_s"] for r in ok], 0.99),
+        "server_ttft_p50_s": percentile([r["kvforge"]["ttft_s"] for r in ok if "ttft_s" in r["kvforge"]], 0.5),
+        "server_ttft_p99_s": percentile([r["kvforge"]["ttft_s"] for r in ok if "ttft_s" in r["kvforge"]], 0.99),
+        "latency_p50_s": percentile([r["latency_s"] for r in ok], 0.5),
+        "latency_p99_s": percentile([r["latency_s"] for r in ok], 0.99),
+        "hit_rate": round(len(hit) / len(ok), 3) if ok else None,
+        "cached_token_fraction": round(cached / prompt_tokens, 3) if prompt_tokens else None,
+        "by_kind": by_kind,
+        "approximate_answers": sum(1 for r in ok if r["kvforge"].get("approximate")),
+    }
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    model = args.model
+    if model == "tiny":  # save the tiny random model so the server loads it like any folder
+        sys.path.insert(0, str(ROOT / "src"))
+        from kvforge.testing import tiny_model, tiny_tokenizer
+
+        model = tempfile.mkdtemp(prefix="kvforge-tiny-")
+        tiny_model("llama").save_pretrained(model)
+        tiny_tokenizer().save_pretrained(model)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvforge.cli",
+        "serve",
+        "--model",
+        model,
+        "--served-model-name",
+        args.served_model_name,
+        "--port",
+        str(port),
+        "--reuse",
+        args.reuse,
+        "--max-queue",
+        str(args.max_queue),
+        "--device",
+        "cpu",
+        "--timeout",
+        str(args.request_timeout),
+    ]
+    if args.store:
+        cmd += ["--store", args.store]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=sys.stderr)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.5)
+    proc.terminate()
+    raise SystemExit("server did not start in 300 s")
+
+
+async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    mix, stats = PromptMix(args.seed, args.num_facts, args.repeat, args.paraphrase), Stats()
+    start = time.perf_counter()
+    await asyncio.gather(*(client_loop(i, args, url, mix, stats, start + args.duration) for i in range(args.clients)))
+    result = summarize(stats, time.perf_counter() - start, args)
+    async with httpx.AsyncClient(base_url=url) as http:
+        metrics = (await http.get("/metrics")).text
+    result["server_aborted"] = sum(
+        float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("kvforge_aborted_total")
+    )
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--url", default=None, help="an already running server (default: start one)")
+    p.add_argument("--model", default="tiny", help="tiny | smollm2-135m | folder (when starting a server)")
+    p.add_argument("--served-model-name", default="kvforge-load")
+    p.add_argument("--reuse", default="none", choices=["none", "prefix", "semantic"])
+    p.add_argument("--store", default=None)
+    p.add_argument("--press", default=None, help="per-request press")
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-queue", type=int, default=16)
+    p.add_argument("--num-facts", type=int, default=20, help="facts per document (sets the prompt length)")
+    p.add_argument("--repeat", type=float, default=0.3, help="fraction of exact repeats")
+    p.add_argument("--paraphrase", type=float, default=0.3, help="fraction of reworded questions on a seen document")
+    p.add_argument("--request-timeout", type=float, default=120.0)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    proc = None
+    url = args.url
+    if url is None:
+        proc, url = start_server(args)
+    try:
+        result = asyncio.run(run(args, url.rstrip("/")))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    line = json.dumps(result)
+    print(line)
+    out = ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "load.jsonl", "a") as f:
+        f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

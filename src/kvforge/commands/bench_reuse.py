@@ -1,0 +1,90 @@
+"""``kvforge bench reuse`` (cold vs warm TTFT per store tier) and the ``--reuse`` plumbing of ``kvforge generate``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from kvforge.commands._common import add_model_args, load, positive_int
+from kvforge.errors import UserError
+
+
+def register(sub: Any, bench_sub: Any) -> None:
+    b = bench_sub.add_parser("reuse", help="TTFT cold vs warm (prefix reuse) per store: one JSON line per length/store")
+    add_model_args(b)
+    b.add_argument(
+        "--store",
+        action="append",
+        default=None,
+        help="store URL (repeatable: one row per store; comma-separated = one tiered store); default memory://",
+    )
+    b.add_argument("--lengths", default="1024,2048,4096,8192", help="prompt lengths in tokens, comma-separated")
+    b.add_argument("--repeats", type=positive_int, default=3, help="warm runs per configuration (median)")
+    b.add_argument("--block-size", type=positive_int, default=256)
+    b.add_argument("--chunk-size", type=positive_int, default=512, help="prefill chunk size in tokens")
+    b.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    b.set_defaults(func=run_bench_reuse)
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--lengths must be comma-separated integers, got {text!r}") from None
+    if not lengths or min(lengths) < 2:
+        raise UserError("--lengths must hold integers >= 2")
+    return lengths
+
+
+def run_bench_reuse(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvforge.bench import _git_sha
+    from kvforge.engine import Engine
+    from kvforge.reuse.ttft import measure_reuse_ttft
+
+    lengths = _lengths(args.lengths)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load(args)
+    engine = Engine(model, tokenizer, chunk_size=args.chunk_size)
+    for row in measure_reuse_ttft(
+        engine, args.store or ["memory://"], lengths, repeats=args.repeats, block_size=args.block_size
+    ):
+        row |= {"model": args.model, "device": str(model.device), "dtype": str(model.dtype), "git_sha": _git_sha()}
+        row["threads"] = torch.get_num_threads()
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+def attach_reuse(engine: Any, args: argparse.Namespace) -> None:
+    """Give ``engine`` the reuse strategy named by ``--reuse`` over the store of ``--store``."""
+    from kvforge.reuse import build_reuse
+    from kvforge.store import default_store_url, open_store
+
+    if getattr(args, "press", None):
+        raise UserError("--reuse cannot be combined with --press (a compressed cache is not an exact prefix)")
+    if getattr(args, "window", None):
+        raise UserError("--reuse cannot be combined with --window")
+    if args.threshold is not None and not -1 <= args.threshold <= 1:
+        raise UserError(f"--threshold is a cosine similarity in [-1, 1], got {args.threshold}")
+    store = open_store(args.store or default_store_url())
+    engine.reuse = build_reuse(
+        args.reuse,
+        store,
+        engine.model_id,
+        semantic_mode=args.semantic_mode,
+        threshold=args.threshold,
+        device=engine.model.device,
+    )
+
+
+def describe_reuse(gen: Any) -> str:
+    """The ``| reuse ...`` part of generate's stderr line: hit/miss, reused tokens, similarity."""
+    info = gen.info.get("reuse", {})
+    kind = info.get("kind", "miss")
+    text = f" | reuse {'miss' if kind == 'miss' else kind + ' hit'}: {gen.reused_tokens}/{gen.prompt_tokens} tok"
+    if info.get("approximate"):
+        text += f" (approximate, similarity {info.get('similarity', 0):.3f})"
+    return text

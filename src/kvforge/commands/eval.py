@@ -1,0 +1,164 @@
+"""``kvforge eval``: score methods x compression ratios on a JSONL file or a built-in task; write results + report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvforge.errors import UserError
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from e
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def register(sub: Any, bench_sub: Any) -> None:
+    p = sub.add_parser("eval", help="evaluate KV-cache methods x budgets on a JSONL file or a built-in task")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", type=Path, help="JSONL examples (see docs/eval.md for the format)")
+    src.add_argument("--task", help="built-in task(s), comma-separated and interleaved: needle, ruler, "
+                     "ruler-mk|mv|mq|vt|cwe, longbench-qa, longbench-summ, longbench, leval, squad, musique, "
+                     "hub:<name>")  # fmt: skip
+    p.add_argument("--model", required=True, help="smollm2-135m | gemma3-270m | a model folder | a .gguf file")
+    p.add_argument("--methods", type=_names, default=["full", "snapkv"], help="comma-separated press names")
+    p.add_argument("--compression-ratios", type=_floats, default=[0.5, 0.75, 0.9], help="fractions removed")
+    p.add_argument("--query-agnostic", action="store_true", help="compress the context alone, question on top")
+    p.add_argument("--out", type=Path, required=True, help="output folder (a re-run resumes it)")
+    p.add_argument("--limit", type=int, help="first N examples only")
+    p.add_argument("--fidelity", action="store_true", help="add answer NLL, KL, top-1 agreement, needle kept")
+    p.add_argument("--max-new-tokens", type=int, help="cap on every example's answer length")
+    p.add_argument("--data-dir", type=Path, help="shared evaluation data (default: kvforge.paths.default_data_dir())")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated tasks")
+    p.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096], help="needle/RULER context sizes (tokens)")
+    p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
+    p.add_argument("--num-samples", type=int, default=1, help="needle/RULER samples per length x depth")
+    p.add_argument("--haystack", type=Path, action="append", help="haystack text/JSONL file (repeatable)")
+    p.add_argument("--max-context", type=int, help="converted tasks: cut the middle of longer contexts (tokens)")
+    p.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
+    p.add_argument("--dtype", help="float32, bfloat16, float16")
+    p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk size (tokens)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--report-only", action="store_true", help="rebuild summary, plots and report from results.jsonl")
+    p.set_defaults(func=run)
+
+
+def load_engine(args: argparse.Namespace) -> Any:
+    """The engine for ``--model`` (a separate function so tests can swap in a tiny one)."""
+    from kvforge.commands._common import load
+    from kvforge.engine import Engine
+
+    model, tokenizer = load(args)
+    return Engine(model, tokenizer, chunk_size=args.chunk_size)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.limit is not None and args.limit < 1:
+        raise UserError("--limit must be >= 1")
+    if any(not 0.0 < r < 1.0 for r in args.compression_ratios) or not args.compression_ratios:
+        raise UserError(f"--compression-ratios must lie in (0, 1), got {args.compression_ratios}")
+    if not args.methods:
+        raise UserError("--methods is empty")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be >= 1")
+
+
+def examples_for(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
+    """The examples of ``--data`` or ``--task`` (task lengths measured with ``tokenizer``), limited."""
+    from kvforge.eval.data import read_examples
+    from kvforge.eval.tasks import TaskConfig, build_task
+    from kvforge.eval.tasks.base import interleave
+    from kvforge.paths import default_data_dir
+
+    if args.data is not None:
+        return read_examples(args.data, limit=args.limit)
+    try:
+        config = TaskConfig(
+            data_dir=args.data_dir or default_data_dir(),
+            tokenizer=tokenizer,
+            seed=args.seed,
+            lengths=tuple(args.lengths),
+            depths=tuple(args.depths),
+            num_samples=args.num_samples,
+            haystack=tuple(args.haystack) if args.haystack else None,
+            max_context_size=args.max_context,
+        )
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    examples = interleave([build_task(name, config) for name in _names(args.task)])
+    return examples[: args.limit] if args.limit else examples
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvforge.eval.data import read_examples
+    from kvforge.eval.runner import EvalRunner, press_trials
+    from kvforge.paths import default_data_dir
+
+    _check(args)
+    mode = "query-agnostic" if args.query_agnostic else "query-aware"
+    if args.report_only:
+        return _report(args, mode)
+    if args.data is not None:
+        read_examples(args.data, limit=args.limit)  # a malformed file fails before the model loads
+    elif not args.task.startswith("hub:") and not (args.data_dir or default_data_dir()).is_dir():
+        raise UserError(f"data folder {args.data_dir or default_data_dir()} not found (set --data-dir)")
+    trials = press_trials(args.methods, args.compression_ratios, query_aware=not args.query_agnostic)
+    engine = load_engine(args)
+    examples = examples_for(args, engine.tokenizer)
+    args.out.mkdir(parents=True, exist_ok=True)
+    _record_examples(examples, args.out / "examples.jsonl")
+    runner = EvalRunner(
+        engine, trials, args.out, run_info={"model": args.model, "mode": mode},
+        with_fidelity=args.fidelity, max_new_tokens=args.max_new_tokens,
+    )  # fmt: skip
+    runner.run(examples, progress=not args.no_progress)
+    return _report(args, mode)
+
+
+def _record_examples(examples: list[Any], path: Path) -> None:
+    """Keep the exact examples run in ``path`` (a re-run adds the ones not there yet)."""
+    from kvforge.eval.data import read_examples, write_examples
+
+    old = read_examples(path) if path.is_file() and path.stat().st_size else []
+    known = {e.id for e in old}
+    write_examples(old + [e for e in examples if e.id not in known], path)
+
+
+def _report(args: argparse.Namespace, mode: str) -> int:
+    from kvforge.eval.report import write_all
+    from kvforge.eval.runner import load_rows
+
+    rows = load_rows(args.out / "results.jsonl")
+    if not rows:
+        raise UserError(f"no results in {args.out}/results.jsonl")
+    info_path = args.out / "run.json"
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    is_cli = bool(sys.argv) and Path(sys.argv[0]).name in ("kvforge", "__main__.py", "cli.py")
+    command = "kvforge " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if is_cli else None
+    summary = write_all(args.out, rows, info.get("model", args.model), info.get("mode", mode), command)
+    has_all = any(r["task"] == "all" for r in summary["rows"])
+    for row in summary["rows"]:
+        if not has_all or row["task"] == "all":
+            num = lambda v, scale=1.0: "-" if v is None else f"{scale * v:.1f}"  # noqa: E731
+            print(f"{row['task']:>14} {row['method']:>22} ratio={row['compression_ratio']:.2f} n={row['n']} "
+                  f"score={num(row['score'])} normalized={num(row['normalized'])} "
+                  f"ttft_ms={num(row['ttft_s'], 1000)}")  # fmt: skip
+    print(f"wrote {args.out}/results.jsonl, summary.json, summary.csv, report.md and plots")
+    return 0

@@ -1,0 +1,67 @@
+"""``kvforge serve``: the OpenAI-compatible server (FastAPI + uvicorn) on one model."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from kvforge.commands._common import add_model_args, load, positive_int, ratio
+from kvforge.errors import UserError
+
+
+def register(sub: Any, bench_sub: Any) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, KV reuse, metrics)")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: local only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    p.add_argument("--store", default=None, help="KV store URL (memory://, file:///dir, redis://host:port/db)")
+    p.add_argument("--reuse", choices=["prefix", "semantic", "none"], default="none", help="KV reuse strategy")
+    p.add_argument("--semantic-mode", choices=["canonical", "context"], default="canonical")
+    p.add_argument("--press", default=None, help="default compression method (see `kvforge presses`)")
+    p.add_argument("--compression-ratio", type=ratio, default=0.5, help="fraction of KV entries removed")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("KVFORGE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $KVFORGE_API_KEY; none = open)",
+    )
+    p.add_argument("--max-queue", type=positive_int, default=16, help="waiting requests before 429s")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request (queueing included)")
+    p.add_argument("--max-body-bytes", type=positive_int, default=8 * 2**20)
+    p.add_argument("--chunk-size", type=positive_int, default=512, help="prefill chunk size in tokens")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from kvforge.serve import create_app
+    except ImportError as e:
+        raise UserError(f"the server needs the serve extra: pip install 'kvforge[serve]' ({e})") from e
+    from kvforge.engine import Engine
+
+    if not 0 < args.port < 65536:
+        raise UserError(f"port must be in 1..65535, got {args.port}")
+    if args.timeout <= 0:
+        raise UserError(f"--timeout must be > 0, got {args.timeout}")
+    model, tokenizer = load(args)
+    engine = Engine(model, tokenizer, chunk_size=args.chunk_size)
+    app = create_app(
+        engine,
+        model_name=args.served_model_name or args.model,
+        store_url=args.store,
+        reuse=args.reuse,
+        semantic_mode=args.semantic_mode,
+        press=args.press,
+        compression_ratio=args.compression_ratio,
+        max_queue=args.max_queue,
+        request_timeout_s=args.timeout,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+    )
+    print(f"kvforge: serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,194 @@
+"""Summaries of ``results.jsonl``: ``summary.json``, ``summary.csv``, PNG plots and ``report.md``.
+
+Per (task, method, ratio): ``n`` examples, ``score`` = 100 x mean metric, ``normalized`` = 100 x mean score / mean
+score of the full cache on the same examples (SurrogateKV's measure), mean TTFT, cache bytes, kept ratio and, when
+present, the fidelity columns. Task ``"all"`` averages the per-task values (each task weighs the same).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from kvforge.eval.metrics import normalized_score
+
+FULL = "full"
+FIDELITY = ("answer_nll", "kl", "top1_agreement", "needle_kept")
+COLUMNS = ["method", "compression_ratio", "kept_ratio", "task", "n", "score", "normalized", "ttft_s", "cache_bytes"]
+
+
+def _mean(values: list[Any]) -> float | None:
+    nums = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(nums) / len(nums) if nums else None
+
+
+def summarize(rows: list[dict[str, Any]], model: str, mode: str) -> dict[str, Any]:
+    """The ``summary.json`` object: ``{"model", "mode", "rows": [...]}`` (full first, then by method and ratio)."""
+    full_score = {r["id"]: r["score"] for r in rows if r["method"] == FULL}
+    groups: dict[tuple[str, str, float], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        groups[(r["task"], r["method"], float(r["compression_ratio"]))].append(r)
+    out: list[dict[str, Any]] = []
+    for (task, method, ratio), group in groups.items():
+        paired = [r for r in group if r["id"] in full_score]
+        score = _mean([r["score"] for r in group])
+        full = _mean([full_score[r["id"]] for r in paired])
+        row = {
+            "method": method,
+            "compression_ratio": ratio,
+            "kept_ratio": _mean([r.get("kept_ratio") for r in group]),
+            "task": task,
+            "n": len(group),
+            "score": None if score is None else 100.0 * score,
+            "normalized": None if full is None else normalized_score(_mean([r["score"] for r in paired]) or 0.0, full),
+            "ttft_s": _mean([r["ttft_s"] for r in group]),
+            "cache_bytes": _mean([r["cache_bytes"] for r in group]),
+            "peak_memory_bytes": max((r.get("peak_memory_bytes") or 0) for r in group),
+        }
+        for name in FIDELITY:
+            if any(name in r for r in group):
+                row[name] = _mean([r.get(name) for r in group])
+        out.append(row)
+    out += _overall(out)
+    out.sort(key=lambda r: (r["task"] == "all", r["task"], r["method"] != FULL, r["method"], r["compression_ratio"]))
+    return {"model": model, "mode": mode, "rows": out}
+
+
+def _overall(task_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Task "all": per (method, ratio) the mean over tasks of every column (``n`` summed)."""
+    if len({r["task"] for r in task_rows}) < 2:
+        return []
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = defaultdict(list)
+    for r in task_rows:
+        groups[(r["method"], r["compression_ratio"])].append(r)
+    out = []
+    for (method, ratio), group in groups.items():
+        row: dict[str, Any] = {"method": method, "compression_ratio": ratio, "task": "all"}
+        row["n"] = sum(r["n"] for r in group)
+        for key in group[0]:
+            if key not in row:
+                row[key] = _mean([r.get(key) for r in group])
+        out.append(row)
+    return out
+
+
+def write_summary(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
+    """Write ``summary.json`` and ``summary.csv``; returns their paths."""
+    json_path, csv_path = out_dir / "summary.json", out_dir / "summary.csv"
+    json_path.write_text(json.dumps(summary, indent=2) + "\n")
+    extra = [k for k in (*FIDELITY, "peak_memory_bytes") if any(k in r for r in summary["rows"])]
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*COLUMNS, *extra], extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(summary["rows"])
+    return [json_path, csv_path]
+
+
+def _headline_rows(summary: dict[str, Any], task: str | None = None) -> list[dict[str, Any]]:
+    tasks = {r["task"] for r in summary["rows"]}
+    task = task or ("all" if "all" in tasks else sorted(tasks)[0])
+    return [r for r in summary["rows"] if r["task"] == task]
+
+
+def plot(out_dir: Path, summary: dict[str, Any], task: str | None = None) -> list[Path]:
+    """``score_vs_cache.png`` (normalised score vs remaining cache per method), ``ttft.png`` (TTFT per method) and,
+    with fidelity columns, ``kl_vs_cache.png``; for ``task`` (default: "all", or the only task)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _headline_rows(summary, task)
+    methods = sorted({r["method"] for r in rows if r["method"] != FULL})
+    title = f"{summary['model']} ({summary['mode']}, task: {rows[0]['task'] if rows else '-'})"
+    paths = []
+    has_norm = any(r.get("normalized") is not None for r in rows)
+    curves = [("normalized", "score (full cache = 100)", "score_vs_cache.png")] if has_norm else [
+        ("score", "score (not normalised: the full cache scored 0)", "score_vs_cache.png")]  # fmt: skip
+    curves.append(("kl", "KL(full || method), nats/token", "kl_vs_cache.png"))
+    for column, ylabel, name in curves:
+        if column == "kl" and not any(r.get(column) is not None for r in rows):
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=90)
+        for i, method in enumerate(methods):
+            pts = sorted((100 * (1 - r["compression_ratio"]), r[column]) for r in rows
+                         if r["method"] == method and r.get(column) is not None)  # fmt: skip
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="osD^v<>ph*"[i % 10], linestyle="-" if i < 10 else "--",
+                        label=method)  # fmt: skip
+        if column == "normalized":
+            ax.axhline(100, color="black", linestyle="--", linewidth=1, label="full")
+        ax.set(xlabel="remaining cache (%)", ylabel=ylabel, title=title, xlim=(0, 102))
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        fig.savefig(out_dir / name)
+        plt.close(fig)
+        paths.append(out_dir / name)
+    ratios = sorted({r["compression_ratio"] for r in rows if r["method"] != FULL})
+    all_methods = [FULL, *methods]
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(all_methods) + 2), 4), dpi=90)
+    width = 0.8 / max(1, len(ratios))
+    for j, ratio in enumerate(ratios):
+        ys = [next((r["ttft_s"] for r in rows if r["method"] == m and r["compression_ratio"] in (ratio, 0.0)), 0)
+              for m in all_methods]  # fmt: skip
+        ax.bar([i + j * width for i in range(len(all_methods))], ys, width, label=f"{100 * (1 - ratio):g}% kept")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(all_methods))], all_methods, rotation=45, ha="right")
+    ax.set(ylabel="TTFT (s), mean", title=title)
+    if ratios:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "ttft.png")
+    plt.close(fig)
+    return [*paths, out_dir / "ttft.png"]
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of summary rows (remaining cache in %, scores, TTFT in ms, cache in MiB)."""
+    fid = [k for k in FIDELITY if any(k in r for r in rows)]
+    head = ["task", "method", "remaining %", "kept %", "n", "score", "normalized", "TTFT ms", "cache MiB", *fid]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["task"], r["method"], _fmt(100 * (1 - r["compression_ratio"]), 0),
+                 _fmt(None if r.get("kept_ratio") is None else 100 * r["kept_ratio"]), str(r["n"]),
+                 _fmt(r["score"]), _fmt(r["normalized"]), _fmt(None if r["ttft_s"] is None else 1000 * r["ttft_s"], 0),
+                 _fmt(None if r["cache_bytes"] is None else r["cache_bytes"] / 2**20, 2),
+                 *[_fmt(r.get(k), 3) for k in fid]]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_report(out_dir: Path, summary: dict[str, Any], plots: list[Path], command: str | None = None) -> Path:
+    """``report.md``: settings, the plots and the summary tables (overall first, then per task)."""
+    parts = [f"# kvforge eval: {summary['model']}", "", f"- mode: {summary['mode']}"]
+    if command:
+        parts.append(f"- command: `{command}`")
+    parts += ["- score: 100 x mean metric; normalized: 100 x score / full-cache score on the same examples", ""]
+    parts += [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    tasks = sorted({r["task"] for r in summary["rows"]}, key=lambda t: (t != "all", t))
+    for task in tasks:
+        parts += [f"## {task}", "", markdown_table([r for r in summary["rows"] if r["task"] == task]), ""]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(parts))
+    return path
+
+
+def write_all(out_dir: Path, rows: list[dict[str, Any]], model: str, mode: str, command: str | None = None) -> dict:
+    """Summary files, plots and report for ``rows``; returns the summary."""
+    summary = summarize(rows, model, mode)
+    write_summary(out_dir, summary)
+    write_report(out_dir, summary, plot(out_dir, summary), command)
+    return summary

@@ -1,0 +1,277 @@
+"""Run examples x methods x compression ratios on an engine; append one JSON row per run to ``results.jsonl``.
+
+A :class:`Trial` is one row kind: a method at a ratio, with a ``prefill(engine, example)`` that builds the cache the
+answer is decoded from (a press during prefill here; RAG strategies add their own trials). Per example the full
+cache trial runs first: its cache size is the reference for ``kept_ratio`` and its teacher-forced distributions the
+reference for the fidelity metrics, computed once per example and shared by every method and ratio. Decoding is
+greedy, so runs are deterministic; rows are keyed by (example id, method, ratio) and a re-run skips finished rows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvforge.cache import KVCache
+from kvforge.errors import UserError
+from kvforge.eval import fidelity
+from kvforge.eval.data import Example
+from kvforge.eval.metrics import score_prediction
+
+logger = logging.getLogger(__name__)
+FULL = "full"
+
+
+@dataclass
+class Prefilled:
+    """A prompt's cache, ready to decode: the last prompt token's logits ``(1, V)`` and what building it cost."""
+
+    cache: KVCache
+    logits: Tensor
+    ttft_s: float
+    prompt_ids: list[int]
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One row kind of the sweep: ``method`` at ``compression_ratio``, and how it prefills an example."""
+
+    method: str
+    compression_ratio: float
+    prefill: Callable[[Any, Example], Prefilled]
+
+    @property
+    def key(self) -> tuple[str, float]:
+        return self.method, round(self.compression_ratio, 6)
+
+
+def press_trial(method: str, compression_ratio: float, query_aware: bool = True) -> Trial:
+    """A trial that prefills under the press ``method`` (``full``: no press).
+
+    Query-aware: the press sees context and question (the question ends the observation window). Query-agnostic:
+    the press compresses the context alone, the question is prefilled on top, uncompressed (the cache could be
+    reused for any question). TTFT covers prefill, compression and picking the first token.
+    """
+    press = None
+    if method != FULL:
+        from kvforge.presses import build_press
+
+        press = build_press(method, compression_ratio=compression_ratio)
+
+    def prefill(engine: Any, example: Example) -> Prefilled:
+        ctx_ids, q_ids = engine.encode_qa(
+            example.context, example.question, system=example.system, answer_prefix=example.answer_prefix
+        )
+        engine.check_length(len(ctx_ids) + len(q_ids), example.max_new_tokens)
+        _sync()
+        start = time.perf_counter()
+        if query_aware or not q_ids:
+            cache, logits = engine.prefill(ctx_ids + q_ids, press=press)
+        else:
+            cache, _ = engine.prefill(ctx_ids, press=press)
+            cache, logits = engine.prefill(q_ids, cache=cache)
+        logits.argmax(-1).tolist()  # the first token: forces the computation (and a GPU sync)
+        return Prefilled(cache, logits, time.perf_counter() - start, list(ctx_ids) + list(q_ids))
+
+    return Trial(method, 0.0 if method == FULL else compression_ratio, prefill)
+
+
+def press_trials(methods: Sequence[str], ratios: Sequence[float], query_aware: bool = True) -> list[Trial]:
+    """The full cache once, then every other method at every ratio, ratio by ratio in the given order (a time-boxed
+    run then covers every method at the first ratio). Presses are built now, so a bad name fails early."""
+    trials = [press_trial(FULL, 0.0)]
+    trials += [press_trial(m, r, query_aware) for r in ratios for m in methods if m != FULL]
+    return trials
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_memory() -> int:
+    """Peak GPU memory allocated since the last reset, or else the process's resident-set high-water mark."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def row_key(row: dict[str, Any]) -> tuple[str, str, float]:
+    return str(row["id"]), str(row["method"]), round(float(row["compression_ratio"]), 6)
+
+
+def load_rows(path: Path, repair: bool = False) -> list[dict[str, Any]]:
+    """Rows already written; a torn line from an interrupted run is dropped (and, with ``repair``, removed from the
+    file so that appending starts on a fresh line)."""
+    if not path.is_file():
+        return []
+    text = path.read_text(encoding="utf-8")
+    rows, is_torn = [], bool(text) and not text.endswith("\n")
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            logger.warning("%s:%d: unreadable row dropped (interrupted write?)", path, line_no)
+            is_torn = True
+    if repair and is_torn:
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return rows
+
+
+@dataclass
+class _FullReference:
+    """What every trial of one example compares against."""
+
+    num_entries: int | None = None
+    cont_ids: list[int] | None = None
+    logprobs: Tensor | None = None
+
+
+class EvalRunner:
+    """Runs trials over examples on ``engine`` and appends rows to ``out_dir/results.jsonl``.
+
+    Args:
+        engine: an :class:`kvforge.engine.Engine` (``encode_qa``, ``prefill``, ``decode``, ``model``, ``tokenizer``).
+        trials: row kinds; the first must be the full cache (``press_trials`` does this).
+        run_info: model name, mode... saved in ``out_dir/run.json``; a re-run must match it.
+        with_fidelity: add ``answer_nll``, ``kl``, ``top1_agreement`` and ``needle_kept`` columns.
+        max_new_tokens: cap on each example's ``max_new_tokens``.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        trials: Sequence[Trial],
+        out_dir: str | Path,
+        run_info: dict[str, Any],
+        with_fidelity: bool = False,
+        max_new_tokens: int | None = None,
+        fidelity_tokens: int = 64,
+    ) -> None:
+        if not trials or trials[0].method != FULL:
+            raise ValueError("the first trial must be the full cache (the reference of every other row)")
+        self.engine, self.trials, self.out_dir = engine, list(trials), Path(out_dir)
+        self.run_info = run_info | {"fidelity": with_fidelity}
+        self.with_fidelity, self.max_new_tokens, self.fidelity_tokens = with_fidelity, max_new_tokens, fidelity_tokens
+        self.results_path = self.out_dir / "results.jsonl"
+
+    def _check_run_info(self) -> None:
+        info_path = self.out_dir / "run.json"
+        if info_path.is_file():
+            old = json.loads(info_path.read_text())
+            diff = {k: (old.get(k), v) for k, v in self.run_info.items() if old.get(k) != v}
+            if diff:
+                raise UserError(f"{self.out_dir} holds a run with other settings {diff}; use another --out")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        info_path.write_text(json.dumps(self.run_info, indent=2) + "\n")
+
+    def run(self, examples: Sequence[Example], progress: bool = True) -> list[dict[str, Any]]:
+        """Run every unfinished (example, trial) pair; returns all rows of ``results.jsonl``."""
+        from tqdm.auto import tqdm
+
+        self._check_run_info()
+        done = {row_key(r): r for r in load_rows(self.results_path, repair=True)}
+        total = len(examples) * len(self.trials)
+        finished = sum((e.id, *t.key) in done for e in examples for t in self.trials)
+        logger.info("%d of %d rows already in %s", finished, total, self.results_path)
+        with (
+            self.results_path.open("a", encoding="utf-8") as out,
+            tqdm(total=total, initial=finished, disable=not progress, desc="eval", unit="run", file=sys.stderr) as bar,
+        ):
+            for example in examples:
+                if all((example.id, *t.key) in done for t in self.trials):
+                    continue
+                ref = _FullReference()
+                full_row = done.get((example.id, FULL, 0.0))
+                if full_row is not None:
+                    ref.num_entries = full_row.get("num_entries")
+                for trial in self.trials:
+                    if (example.id, *trial.key) in done:
+                        continue
+                    bar.set_postfix_str(f"{example.id} {trial.method}@{trial.compression_ratio:g}", refresh=False)
+                    row = self.run_one(example, trial, ref)
+                    out.write(json.dumps(row, ensure_ascii=False) + "\n")
+                    out.flush()
+                    done[row_key(row)] = row
+                    bar.update(1)
+        return load_rows(self.results_path)
+
+    def _full_reference(self, example: Example, ref: _FullReference, pre: Prefilled | None) -> None:
+        """Fill in the full cache's teacher-forced distributions (re-prefilling it when resuming)."""
+        if pre is None:
+            pre = self.trials[0].prefill(self.engine, example)
+        if ref.num_entries is None:
+            ref.num_entries = pre.cache.num_entries()
+        ref.cont_ids = fidelity.continuation_ids(self.engine.tokenizer, example, self.fidelity_tokens)
+        if ref.cont_ids:
+            ref.logprobs = fidelity.teacher_forced_logprobs(self.engine.model, pre.cache, pre.logits, ref.cont_ids)
+
+    def run_one(self, example: Example, trial: Trial, ref: _FullReference) -> dict[str, Any]:
+        """Prefill, measure, decode and score one (example, trial) pair."""
+        _reset_peak()
+        pre = trial.prefill(self.engine, example)
+        cache_bytes, num_entries = pre.cache.nbytes(), pre.cache.num_entries()
+        is_full = trial.method == FULL
+        if is_full:
+            ref.num_entries = num_entries
+        extra: dict[str, Any] = {}
+        if self.with_fidelity:
+            if ref.logprobs is None and ref.cont_ids != []:
+                self._full_reference(example, ref, pre if is_full else None)
+            extra = self._fidelity(example, pre, ref, is_full)
+        max_new = min(example.max_new_tokens, self.max_new_tokens or example.max_new_tokens)
+        gen = self.engine.decode(pre.cache, pre.logits, max_new_tokens=max_new)
+        if ref.num_entries is None:  # resumed without the full row's count: rebuild it once
+            ref.num_entries = self.trials[0].prefill(self.engine, example).cache.num_entries()
+        return {
+            "id": example.id,
+            "task": example.task,
+            "metric": example.metric,
+            "method": trial.method,
+            "compression_ratio": trial.compression_ratio,
+            "prediction": gen.text,
+            "answers": example.answers,
+            "score": score_prediction(gen.text, example.answers, example.metric),
+            "ttft_s": pre.ttft_s,
+            "decode_s": gen.decode_s,
+            "prompt_tokens": len(pre.prompt_ids),
+            "new_tokens": len(gen.token_ids),
+            "cache_bytes": cache_bytes,
+            "num_entries": num_entries,
+            "kept_ratio": num_entries / ref.num_entries if ref.num_entries else None,
+            "peak_memory_bytes": _peak_memory(),
+            **extra,
+            **({"info": pre.info} if pre.info else {}),
+        }
+
+    def _fidelity(self, example: Example, pre: Prefilled, ref: _FullReference, is_full: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if ref.cont_ids and ref.logprobs is not None:
+            if is_full:  # the reference itself: no second teacher-forced pass
+                logprobs = ref.logprobs
+            else:
+                logprobs = fidelity.teacher_forced_logprobs(self.engine.model, pre.cache, pre.logits, ref.cont_ids)
+            out |= fidelity.fidelity_metrics(logprobs, ref.logprobs, ref.cont_ids)
+        if example.needles:
+            positions = fidelity.needle_positions(self.engine.tokenizer, pre.prompt_ids, example.needles)
+            out["needle_kept"] = fidelity.needle_kept(pre.cache, positions)
+        return out

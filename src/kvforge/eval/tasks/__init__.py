@@ -1,0 +1,49 @@
+"""Built-in tasks: ``TASKS[name](config) -> list[Example]``, generated from a seed or converted from the shared data.
+
+``build_task("needle", TaskConfig(data_dir, tokenizer=tok))``; ``hub:...`` names load the original datasets
+(:mod:`kvforge.eval.tasks.hub`, network needed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+from kvforge.errors import UserError
+from kvforge.eval.data import Example
+from kvforge.eval.tasks.base import Measure, TaskConfig
+from kvforge.eval.tasks.longbench import QA_SETS, SUMM_SETS, leval_task, longbench_task
+from kvforge.eval.tasks.musique import musique_task
+from kvforge.eval.tasks.needle import needle_task
+from kvforge.eval.tasks.ruler import common_words_task, ruler_mix, variable_tracking_task
+from kvforge.eval.tasks.squad import squad_task
+
+TASKS: dict[str, Callable[[TaskConfig], list[Example]]] = {
+    "needle": needle_task,
+    "ruler-mk": partial(needle_task, variant="mk"),
+    "ruler-mv": partial(needle_task, variant="mv"),
+    "ruler-mq": partial(needle_task, variant="mq"),
+    "ruler-vt": variable_tracking_task,
+    "ruler-cwe": common_words_task,
+    "ruler": ruler_mix,
+    "longbench-qa": longbench_task,
+    "longbench-summ": partial(longbench_task, datasets=SUMM_SETS),
+    "longbench": partial(longbench_task, datasets=QA_SETS + SUMM_SETS),
+    "leval": leval_task,
+    "squad": squad_task,
+    "musique": musique_task,
+}
+
+
+def build_task(name: str, config: TaskConfig) -> list[Example]:
+    """The examples of task ``name`` (a key of :data:`TASKS`, or ``hub:...``)."""
+    if name.startswith("hub:"):
+        from kvforge.eval.tasks.hub import hub_task
+
+        return hub_task(config, name[4:])
+    if name not in TASKS:
+        raise UserError(f"unknown task {name!r}; choose from {', '.join(TASKS)} or hub:...")
+    return TASKS[name](config)
+
+
+__all__ = ["TASKS", "Measure", "TaskConfig", "build_task"]

@@ -1,0 +1,166 @@
+"""Needle in a haystack over lengths x depths, with RULER's variants (single, multi-key, multi-value, multi-query).
+
+A needle is RULER's sentence "One of the special magic numbers for {key} is: {value}." inserted into natural text
+(by default the Paul Graham essays, then the Gutenberg novels, of ``data_dir/haystack_*``). The context is
+``length`` units long (model tokens with a tokenizer, else characters, see :class:`~.base.Measure`); the queried
+needle starts ``depth`` of the way through the haystack, moved to the nearest sentence boundary (at most
+``SNAP_WINDOW`` characters away) so no sentence is cut. Everything is drawn from ``TaskConfig.seed``.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+from kvforge.errors import UserError
+from kvforge.eval.data import Example
+from kvforge.eval.tasks.base import Measure, TaskConfig
+
+SNAP_WINDOW = 200
+ADJECTIVES = tuple(
+    str.split(
+        "ancient brave calm damp eager faint gentle hollow icy jolly keen lively mellow noisy odd proud quiet rapid "
+        "shiny tidy upbeat vivid wary young zesty bitter crimson dusty elegant fierce golden humble"
+    )
+)
+NOUNS = tuple(
+    str.split(
+        "anchor badger candle dolphin engine falcon garden harbor island jacket kettle lantern meadow needle orchard "
+        "pepper quarry river saddle tunnel umbrella valley walrus yacht zebra beacon canyon fossil glacier hammock"
+    )
+)
+VARIANTS = {"single": (1, 1, 1), "mk": (4, 1, 1), "mv": (1, 4, 1), "mq": (4, 1, 4)}  # (keys, values/key, queried)
+
+
+def haystack_files(data_dir: Path) -> list[Path]:
+    """The default haystack: every ``haystack_*`` folder's files, RULER's Paul Graham essays first."""
+    folders = sorted(data_dir.glob("haystack_*"), key=lambda p: (p.name != "haystack_paul_graham", p.name))
+    return [f for d in folders for f in sorted(d.iterdir()) if f.suffix in (".jsonl", ".txt")]
+
+
+@lru_cache(maxsize=4)
+def _read_haystack(files: tuple[Path, ...]) -> str:
+    texts: list[str] = []
+    for path in files:
+        if path.suffix == ".jsonl":
+            with path.open(encoding="utf-8") as f:
+                texts.extend(json.loads(line)["text"] for line in f if line.strip())
+        else:
+            texts.append(path.read_text(encoding="utf-8"))
+    return "\n\n".join(t.strip() for t in texts)
+
+
+def load_haystack(cfg: TaskConfig) -> str:
+    """All haystack text, concatenated in a fixed order."""
+    files = tuple(cfg.haystack) if cfg.haystack else tuple(haystack_files(cfg.data_dir))
+    if not files:
+        raise UserError(f"no haystack files under {cfg.data_dir}/haystack_* (set --data-dir or --haystack)")
+    missing = [str(f) for f in files if not Path(f).is_file()]
+    if missing:
+        raise UserError(f"haystack file(s) not found: {', '.join(missing)}")
+    text = _read_haystack(files)
+    if len(text) < 1000:
+        raise UserError("the haystack text is too short (< 1000 characters)")
+    return text
+
+
+def filler_text(haystack: str, size: int, measure: Measure, rng_offset: float) -> str:
+    """``size`` units of haystack starting at a paragraph picked by ``rng_offset`` in [0, 1), wrapping around."""
+    start = int(rng_offset * len(haystack))
+    paragraph = haystack.find("\n", start)
+    start = 0 if paragraph < 0 else paragraph + 1
+    text = haystack[start:]
+    while len(text) < size * 16 + 64 and measure.size(text) < size:
+        text = text + "\n\n" + haystack
+    return measure.head(text, size)
+
+
+def _boundaries_near(text: str, pos: int) -> int:
+    """The sentence boundary (after '. ', '? ', '! ' or a newline) closest to ``pos``; else the nearest space."""
+    if pos <= 0 or pos >= len(text):
+        return max(0, min(pos, len(text)))
+    lo, hi = max(0, pos - SNAP_WINDOW), min(len(text), pos + SNAP_WINDOW)
+    best = None
+    for p in range(lo + 2, hi + 1):
+        is_boundary = text[p - 1] == "\n" or text[p - 2 : p] in (". ", "? ", "! ")
+        if is_boundary and (best is None or abs(p - pos) < abs(best - pos)):
+            best = p
+    if best is not None:
+        return best
+    space = text.rfind(" ", 0, pos)
+    return space + 1 if space >= 0 else pos
+
+
+def insert_needles(
+    hay: str, needles: list[str], depths: list[float], measure: Measure, snap: bool = True
+) -> tuple[str, list[int]]:
+    """Insert each needle at its depth (a fraction of the haystack's units); returns the context and start chars."""
+    num_units = measure.size(hay)
+    positions = []
+    for depth in depths:
+        pos = measure.prefix_chars(hay, round(depth * num_units))
+        positions.append(_boundaries_near(hay, pos) if snap else pos)
+    order = sorted(range(len(needles)), key=lambda i: positions[i])
+    parts, starts, cursor, offset = [], [0] * len(needles), 0, 0
+    for i in order:
+        pos = positions[i]
+        parts.append(hay[cursor:pos])
+        offset += pos - cursor
+        left = "" if pos == 0 or hay[pos - 1].isspace() else " "
+        right = "" if pos == len(hay) or hay[pos].isspace() else " "
+        starts[i] = offset + len(left)
+        parts.append(left + needles[i] + right)
+        offset += len(left + needles[i] + right)
+        cursor = pos
+    parts.append(hay[cursor:])
+    return "".join(parts), starts
+
+
+def make_needle_example(cfg: TaskConfig, variant: str, length: int, depth: float, index: int) -> Example:
+    """One needle example of a RULER ``variant`` with ``length`` units of context, queried needle at ``depth``."""
+    num_keys, num_values, num_queries = VARIANTS[variant]
+    rng = cfg.rng("needle", variant, length, depth, index)
+    measure = Measure(cfg.tokenizer)
+    pairs = rng.sample([(a, n) for a in ADJECTIVES for n in NOUNS], num_keys)
+    keys = [f"{a}-{n}" for a, n in pairs]
+    values = {k: [str(rng.randint(1_000_000, 9_999_999)) for _ in range(num_values)] for k in keys}
+    needles = [f"One of the special magic numbers for {k} is: {v}." for k in keys for v in values[k]]
+    depths = [depth] + [rng.random() for _ in needles[1:]]
+    needle_size = sum(measure.size(" " + n + " ") for n in needles)
+    if needle_size >= length:
+        raise UserError(f"needle length {length} is too short for {len(needles)} needle(s) ({needle_size} units)")
+    hay = filler_text(load_haystack(cfg), length - needle_size, measure, rng.random())
+    context, _ = insert_needles(hay, needles, depths, measure)
+    queried = keys[:num_queries]
+    answers = [v for k in queried for v in values[k]]
+    if num_values == 1 and num_queries == 1:
+        question = f"What is the special magic number for {queried[0]} mentioned in the provided text?"
+        prefix = f"The special magic number for {queried[0]} mentioned in the provided text is"
+    else:
+        names = queried[0] if len(queried) == 1 else ", ".join(queried[:-1]) + f" and {queried[-1]}"
+        question = f"What are all the special magic numbers for {names} mentioned in the provided text?"
+        prefix = f"The special magic numbers for {names} mentioned in the provided text are"
+    return Example(
+        id=f"{'needle' if variant == 'single' else 'ruler-' + variant}-L{length}-d{depth:.2f}-{index}",
+        context=context,
+        question=question,
+        answers=answers,
+        metric="contains" if len(answers) == 1 else "contains_all",
+        task="needle" if variant == "single" else f"ruler-{variant}",
+        max_new_tokens=16 + 12 * len(answers),
+        answer_prefix=prefix,
+        needles=[n for n in needles if any(v in n for v in answers)],
+    )
+
+
+def needle_task(cfg: TaskConfig, variant: str = "single") -> list[Example]:
+    """The lengths x depths x samples grid of one variant."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown needle variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    return [
+        make_needle_example(cfg, variant, length, depth, i)
+        for length in cfg.lengths
+        for depth in cfg.depths
+        for i in range(cfg.num_samples)
+    ]

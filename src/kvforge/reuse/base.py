@@ -1,0 +1,234 @@
+"""The reuse seam: a strategy turns a prompt into a :class:`ReusePlan` (what is cached, what is left to prefill).
+
+Strategies own a store (anything with the ``KVStore`` methods they use) and know nothing of the engine; the engine
+runs ``plan -> prefill plan.prefill_ids on plan.cache -> record -> decode``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from kvforge.cache import KVCache
+from kvforge.types import KVSegment
+
+logger = logging.getLogger(__name__)
+
+ReuseKind = Literal["miss", "prefix", "semantic"]
+
+
+@dataclass(frozen=True)
+class PromptContext:
+    """The reusable document part of a prompt: its text and how many leading prompt tokens encode it.
+
+    ``token_ids[:num_tokens]`` is the context (system + user header + document), the rest is the question, as
+    returned by ``Engine.encode_qa``.
+    """
+
+    text: str
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError(f"a prompt context needs at least one token, got num_tokens={self.num_tokens}")
+
+
+@dataclass
+class ReusePlan:
+    """What reuse found for a prompt.
+
+    Args:
+        cache: the reused entries loaded into a cache ready to prefill on top (None on a miss).
+        reused_tokens: tokens covered by ``cache`` (its ``next_position``).
+        prefill_ids: tokens still to run through the model, on top of ``cache``; never empty (logits come from them).
+        kind: "miss", "prefix" (exact token match) or "semantic" (a similar, not identical, prompt was matched).
+        approximate: True when the model will not see exactly the prompt that was asked (canonical semantic mode
+            answers the donor prompt; context mode reuses a slightly different document).
+        similarity: cosine similarity of the semantic match (None for exact reuse and misses).
+        donor_prompt: the text of the matched stored prompt (semantic hits).
+        info: extra facts for reports (keys, number of blocks loaded, load time...).
+    """
+
+    cache: KVCache | None
+    reused_tokens: int
+    prefill_ids: list[int]
+    kind: ReuseKind = "miss"
+    approximate: bool = False
+    similarity: float | None = None
+    donor_prompt: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.prefill_ids:
+            raise ValueError("a reuse plan must leave at least one token to prefill (its logits start decoding)")
+        if (self.cache is None) != (self.reused_tokens == 0):
+            raise ValueError("reused_tokens must be > 0 exactly when a cache is given")
+
+    @property
+    def is_hit(self) -> bool:
+        return self.kind != "miss"
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The prompt the model actually sees: reused tokens + prefilled ones (the donor's in canonical mode)."""
+        reused = [] if self.cache is None else list(self.cache.token_ids[: self.reused_tokens])
+        return reused + list(self.prefill_ids)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-able description (what the engine puts in ``Generation.info["reuse"]``)."""
+        out: dict[str, Any] = {"kind": self.kind, "reused_tokens": self.reused_tokens, "approximate": self.approximate}
+        if self.similarity is not None:
+            out["similarity"] = round(float(self.similarity), 4)
+        if self.donor_prompt is not None:
+            out["donor_prompt"] = self.donor_prompt
+        return out | {k: v for k, v in self.info.items() if isinstance(v, (str, int, float, bool))}
+
+
+@runtime_checkable
+class ReuseStrategy(Protocol):
+    """Finds reusable KV for a prompt and records the KV of prompts just computed."""
+
+    def plan(
+        self, token_ids: Sequence[int], *, text: str | None = None, context: PromptContext | None = None
+    ) -> ReusePlan: ...
+
+    def record(
+        self,
+        token_ids: Sequence[int],
+        cache: KVCache,
+        *,
+        text: str | None = None,
+        context: PromptContext | None = None,
+    ) -> None: ...
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """Text -> L2-normalised float32 vectors ``(N, dim)``."""
+
+    @property
+    def dim(self) -> int: ...
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray: ...
+
+
+def miss_plan(token_ids: Sequence[int], **info: Any) -> ReusePlan:
+    """The plan that reuses nothing: prefill everything."""
+    if not token_ids:
+        raise ValueError("empty prompt: nothing to prefill")
+    return ReusePlan(cache=None, reused_tokens=0, prefill_ids=list(token_ids), info=dict(info))
+
+
+def encode_ids(token_ids: Sequence[int]) -> bytes:
+    """Canonical byte encoding of token ids: little-endian uint32 (independent of tensor dtype and process)."""
+    arr = np.asarray(list(token_ids), dtype=np.int64)
+    if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
+        raise ValueError("token ids must be in [0, 2**32)")
+    return arr.astype("<u4").tobytes()
+
+
+def digest(*parts: bytes | str) -> str:
+    """sha256 hex digest over length-prefixed parts (so part boundaries cannot be shifted into a collision)."""
+    h = hashlib.sha256()
+    for part in parts:
+        data = part.encode("utf-8") if isinstance(part, str) else part
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+def segment_slice(cache: KVCache, start: int, end: int, model_id: str, token_ids: Sequence[int]) -> KVSegment:
+    """The cache entries at positions ``[start, end)`` as a segment (per layer; heads share positions).
+
+    Raises ValueError when the cache is head-wise (compressed per head): such a cache is not a reusable prefix.
+    """
+    keys, values, positions, valid = [], [], [], []
+    for layer in cache.layers:
+        k, v, p, m = layer.view()
+        if m is not None or layer.is_headwise:
+            raise ValueError("head-wise compressed caches cannot be stored as exact prefixes")
+        sel = (p[0, 0] >= start) & (p[0, 0] < end)  # (S,)
+        keys.append(k[0][:, sel].clone())
+        values.append(v[0][:, sel].clone())
+        positions.append(p[0][:, sel].clone())
+        valid.append(None)
+    return KVSegment(
+        token_ids=list(token_ids),
+        keys=keys,
+        values=values,
+        positions=positions,
+        valid=valid,
+        next_position=end,
+        model_id=model_id,
+        meta={},
+    )
+
+
+def cache_from_segments(
+    segments: Sequence[KVSegment],
+    token_ids: Sequence[int],
+    end: int,
+    layer_windows: Sequence[int | None] | None,
+    device: torch.device | str | None = None,
+) -> KVCache:
+    """Concatenate segments (in position order) into a cache holding the entries at positions ``< end``."""
+    num_layers = segments[0].num_layers
+    cache = KVCache(num_layers, layer_windows=None if layer_windows is None else list(layer_windows))
+    for i, layer in enumerate(cache.layers):
+        k = torch.cat([s.keys[i] for s in segments], dim=1)  # (H_kv, S, D)
+        v = torch.cat([s.values[i] for s in segments], dim=1)
+        p = torch.cat([s.positions[i] for s in segments], dim=1)  # (H_kv, S)
+        keep = p[0] < end  # (S,)
+        count = int(keep.sum())
+        if bool(keep[:count].all()):  # positions ascending: a slice, no gather copy
+            k, v, p = k[:, :count], v[:, :count], p[:, :count]
+        else:
+            k, v, p = k[:, keep], v[:, keep], p[:, keep]
+        layer.replace(k[None].to(device), v[None].to(device), p[None].to(device))
+    cache.next_position = end
+    cache.token_ids = list(token_ids[:end])
+    return cache
+
+
+def covers(segments: Sequence[KVSegment], end: int) -> bool:
+    """True when the segments' entries below ``end`` are all that a query at position ``end`` can attend to.
+
+    Full-attention layers need every position ``< end``; sliding-window layers (``meta["layer_windows"]``) only
+    the last ``window - 1`` ones (they may have compacted older entries away).
+    """
+    windows = segments[0].meta.get("layer_windows") or [None] * segments[0].num_layers
+    for i, window in enumerate(windows):
+        lo = 0 if window is None else max(0, end - window + 1)
+        held = sum(int(((s.positions[i][0] >= lo) & (s.positions[i][0] < end)).sum()) for s in segments)
+        if held != end - lo:
+            return False
+    return True
+
+
+def holds_exactly(cache: KVCache, ids: Sequence[int]) -> bool:
+    """True when ``cache`` was computed from exactly ``ids`` (its first tokens), with no approximate reuse inside.
+
+    Guards ``record``: the KV of a donor prompt must never be stored under another prompt's key.
+    """
+    ids = list(ids)
+    if cache.token_ids and cache.token_ids[: len(ids)] != ids:
+        logger.debug("cache tokens differ from the prompt (donor KV?): not recorded")
+        return False
+    if cache.next_position < len(ids):
+        logger.debug("cache covers %d of %d prompt tokens: not recorded", cache.next_position, len(ids))
+        return False
+    if (cache.info.get("reuse") or {}).get("approximate"):
+        logger.debug("cache was built on approximate (semantic) reuse: not recorded")
+        return False
+    return True
+
+
+def full_layers_complete(segment: KVSegment, windows: Sequence[int | None], num_tokens: int) -> bool:
+    """Every full-attention layer holds one entry per token (no compression dropped any)."""
+    return all(k.shape[1] == num_tokens for k, w in zip(segment.keys, windows, strict=True) if w is None)

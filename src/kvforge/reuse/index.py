@@ -1,0 +1,96 @@
+"""A FAISS inner-product index over unit vectors (= cosine), with the entries' store keys, saved as one store blob."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvforge.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"KVFSEMIDX1\n"
+
+
+@dataclass
+class IndexEntry:
+    """What a vector stands for: the store key of its KV, the text embedded and a namespace that must match."""
+
+    key: str
+    text: str
+    namespace: str = ""
+
+
+def _faiss() -> Any:
+    try:
+        import faiss
+    except ImportError as e:
+        raise UserError("semantic reuse needs faiss: pip install 'kvforge[semantic]' (faiss-cpu)") from e
+    return faiss
+
+
+class SemanticIndex:
+    """``IndexIDMap2(IndexFlatIP)``: exact top-k cosine search; entries removable by id (evictions)."""
+
+    def __init__(self, dim: int) -> None:
+        faiss = _faiss()
+        self.dim = dim
+        self.index = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+        self.entries: dict[int, IndexEntry] = {}
+        self.next_id = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def has(self, key: str, text: str) -> bool:
+        """Whether ``key`` is indexed with this exact text."""
+        return any(e.key == key and e.text == text for e in self.entries.values())
+
+    def add(self, vector: np.ndarray, entry: IndexEntry) -> int:
+        """Add one unit vector ``(dim,)``; returns its id (an entry with the same key is replaced)."""
+        self.remove([i for i, e in self.entries.items() if e.key == entry.key])
+        vid = self.next_id
+        self.next_id += 1
+        self.index.add_with_ids(np.asarray(vector, dtype=np.float32).reshape(1, self.dim), np.array([vid], np.int64))
+        self.entries[vid] = entry
+        return vid
+
+    def remove(self, ids: list[int]) -> None:
+        if ids:
+            self.index.remove_ids(np.asarray(ids, dtype=np.int64))
+            for i in ids:
+                self.entries.pop(i, None)
+
+    def search(self, vector: np.ndarray, k: int = 8) -> list[tuple[float, int]]:
+        """Top ``k`` ``(cosine, id)``, best first."""
+        if not self.entries:
+            return []
+        sims, ids = self.index.search(np.asarray(vector, dtype=np.float32).reshape(1, self.dim), min(k, len(self)))
+        return [(float(s), int(i)) for s, i in zip(sims[0], ids[0], strict=True) if i >= 0]
+
+    # ---------------------------------------------------------------------------------------- persistence
+    def to_bytes(self) -> bytes:
+        header = json.dumps(
+            {"dim": self.dim, "next_id": self.next_id, "entries": {str(i): vars(e) for i, e in self.entries.items()}}
+        ).encode()
+        body = _faiss().serialize_index(self.index).tobytes()
+        return MAGIC + len(header).to_bytes(8, "little") + header + body
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> SemanticIndex:
+        if not data.startswith(MAGIC):
+            raise ValueError("not a kvforge semantic index blob")
+        n = int.from_bytes(data[len(MAGIC) : len(MAGIC) + 8], "little")
+        start = len(MAGIC) + 8
+        header = json.loads(data[start : start + n])
+        out = cls(int(header["dim"]))
+        out.index = _faiss().deserialize_index(np.frombuffer(data[start + n :], dtype=np.uint8).copy())
+        out.entries = {int(i): IndexEntry(**e) for i, e in header["entries"].items()}
+        out.next_id = int(header["next_id"])
+        if out.index.ntotal != len(out.entries):
+            raise ValueError(f"index holds {out.index.ntotal} vectors for {len(out.entries)} entries")
+        return out

@@ -1,0 +1,270 @@
+"""Semantic prompt reuse: a similar stored prompt's KV, made safe.
+
+After C. Lee (Samsung Electronics), "A Study on the Caching Strategies for Semantically Similar Prompts in KV Cache
+Storage Offloading" (embedding -> FAISS top-1 -> cosine >= 0.7 -> the matched prompt's tokens and KV); kvforge adds
+lexical guards, a measured default threshold, approximate flags and a context mode.
+
+Modes:
+    ``canonical`` (the paper): the prompt text is embedded, the top-1 stored prompt with cosine >= threshold that
+        passes the lexical guards is the donor, and the model is run on the donor's tokens with its KV (only the
+        donor's last token is recomputed). The answer is to the donor's prompt: the plan is flagged approximate with
+        the similarity. With a :class:`PromptContext`, the question is embedded and only prompts with byte-identical
+        context tokens are candidates.
+    ``context`` (ours): only the long document part is reused, exactly (same context tokens) or from a donor
+        document that differs only slightly (cosine >= threshold, word-level edit ratio >= ``min_text_ratio``, and
+        the guards: same numbers, negations, entities). The user's question is always prefilled exactly.
+
+The donor's KV is never stored under the new prompt's key (``record`` refuses a cache that does not hold exactly the
+prompt's tokens, or that was built on approximate reuse). Index entries whose KV the store evicted are dropped from
+the FAISS index when met (and all at once on open), and the index is saved with the store (``put_blob``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from kvforge.cache import KVCache
+from kvforge.reuse.base import (
+    Embedder,
+    PromptContext,
+    ReusePlan,
+    cache_from_segments,
+    covers,
+    digest,
+    encode_ids,
+    full_layers_complete,
+    holds_exactly,
+    miss_plan,
+    segment_slice,
+)
+from kvforge.reuse.guards import DEFAULT_GUARDS, check, words
+from kvforge.reuse.index import IndexEntry, SemanticIndex
+from kvforge.types import KVSegment
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = "semantic-v1-"
+MODES = ("canonical", "context")
+DEFAULT_THRESHOLD = 0.9
+
+
+def accept(query: str, donor: str, similarity: float, threshold: float, guards: Sequence[str]) -> str | None:
+    """Why ``query`` may not reuse ``donor`` (None = it may): similarity below threshold or a guard tripped."""
+    if similarity < threshold:
+        return f"similarity {similarity:.3f} < threshold {threshold}"
+    return check(query, donor, guards)
+
+
+def text_ratio(a: str, b: str) -> float:
+    """Word-level similarity ratio in [0, 1] (difflib): 1.0 = same words in the same order."""
+    return difflib.SequenceMatcher(a=words(a), b=words(b), autojunk=False).ratio()
+
+
+@dataclass
+class SemanticReuse:
+    """Reuse the KV of the nearest stored prompt (or document) by embedding.
+
+    Args:
+        store: a ``KVStore`` (get/put/contains/delete, put_blob/get_blob).
+        model_id: model + tokenizer fingerprint; part of every key.
+        embedder: an :class:`Embedder` (``MiniLMEmbedder`` in production, ``FakeEmbedder`` in tests).
+        mode: "canonical" or "context" (see the module docstring).
+        threshold: minimum cosine similarity for a semantic hit.
+        guards: names from :data:`kvforge.reuse.guards.GUARDS`; any difference they find is a miss. None = all of
+            them in canonical mode, all but the question-word guard in context mode (documents are not questions).
+        min_text_ratio: context mode: minimum word-level edit ratio between the documents.
+        device: where loaded entries go.
+    """
+
+    store: Any
+    model_id: str
+    embedder: Embedder
+    mode: Literal["canonical", "context"] = "canonical"
+    threshold: float = DEFAULT_THRESHOLD
+    guards: Sequence[str] | None = None
+    min_text_ratio: float = 0.9
+    device: Any = None
+    index: SemanticIndex = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown semantic mode {self.mode!r}; choose from {list(MODES)}")
+        if not -1.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold is a cosine similarity in [-1, 1], got {self.threshold}")
+        if not self.model_id:
+            raise ValueError("model_id must name the model and tokenizer")
+        if self.guards is None:
+            self.guards = DEFAULT_GUARDS if self.mode == "canonical" else tuple(g for g in DEFAULT_GUARDS if g != "wh")
+        check("", "", self.guards)  # validates the guard names
+        self.namespace = digest("kvforge-semantic-v1", self.model_id)
+        self.index_key = f"{KEY_PREFIX}index-{digest(self.namespace, self.mode)}"
+        self.index = self._open_index()
+
+    # ------------------------------------------------------------------------------------------------ keys
+    def entry_key(self, token_ids: Sequence[int]) -> str:
+        """Store key of the KV of exactly ``token_ids`` (a whole prompt, or a context part)."""
+        return f"{KEY_PREFIX}{self.mode}-{digest(self.namespace, encode_ids(token_ids))}"
+
+    def _split(self, ids: list[int], context: PromptContext | None) -> tuple[list[int], str]:
+        """(tokens whose KV is stored/reused, namespace the candidates must share) for this mode."""
+        if self.mode == "context" and context is not None:
+            if context.num_tokens > len(ids):
+                raise ValueError(f"context has {context.num_tokens} tokens, the prompt only {len(ids)}")
+            return ids[: context.num_tokens], ""
+        namespace = "" if context is None else digest(encode_ids(ids[: context.num_tokens]))
+        return ids, namespace
+
+    # ------------------------------------------------------------------------------------------------ plan
+    def plan(
+        self, token_ids: Sequence[int], *, text: str | None = None, context: PromptContext | None = None
+    ) -> ReusePlan:
+        ids = list(token_ids)
+        if not ids:
+            raise ValueError("empty prompt: nothing to prefill")
+        t0 = time.perf_counter()
+        reused_ids, namespace = self._split(ids, context)
+        tail = ids[len(reused_ids) :]  # context mode: the question, always prefilled; canonical: nothing
+        exact = self._load(self.entry_key(reused_ids), reused_ids)
+        if exact is not None:
+            return self._plan(exact, ids, tail, t0, kind="prefix")
+        query = context.text if (self.mode == "context" and context is not None) else text
+        if query is None or (self.mode == "context" and context is None):
+            return miss_plan(ids, reason="no text to match")
+        found = self._find(query, namespace)
+        if isinstance(found, str):
+            return miss_plan(ids, reason=found)
+        similarity, entry, segment = found
+        plan = self._plan(segment, ids, tail, t0, kind="semantic")
+        plan.approximate, plan.similarity, plan.donor_prompt = True, similarity, entry.text
+        assert plan.cache is not None
+        plan.cache.info["reuse"] |= {"approximate": True, "similarity": similarity}
+        return plan
+
+    def _plan(self, segment: KVSegment, ids: list[int], tail: list[int], t0: float, kind: str) -> ReusePlan:
+        """Cache from ``segment`` then ``tail`` to prefill (or, with no tail, the segment's last token again)."""
+        reused_ids = segment.token_ids
+        end = len(reused_ids) if tail else len(reused_ids) - 1
+        prefill_ids = tail if tail else reused_ids[-1:]
+        if end == 0 or not covers([segment], end):
+            return miss_plan(ids, reason="stored KV does not cover the reused part")
+        cache = cache_from_segments([segment], reused_ids, end, segment.meta.get("layer_windows"), self.device)
+        cache.info["reuse"] = {"kind": kind, "reused_tokens": end, "approximate": False}
+        return ReusePlan(
+            cache=cache,
+            reused_tokens=end,
+            prefill_ids=prefill_ids,
+            kind=kind,  # type: ignore[arg-type]
+            info={"load_s": time.perf_counter() - t0, "mode": self.mode},
+        )
+
+    def _find(self, query: str, namespace: str) -> tuple[float, IndexEntry, KVSegment] | str:
+        """Top-1 stored entry in ``namespace`` that passes the threshold and guards, with its KV; or why none."""
+        vector = self.embedder.embed([query])[0]
+        stale = []
+        try:
+            for similarity, vid in self._candidates(vector, namespace):
+                entry = self.index.entries[vid]
+                reason = accept(query, entry.text, similarity, self.threshold, self.guards or ())
+                if reason is None and self.mode == "context" and text_ratio(query, entry.text) < self.min_text_ratio:
+                    reason = f"documents differ by more than {1 - self.min_text_ratio:.0%} of their words"
+                if reason is not None:
+                    return reason  # top-1 only: a worse candidate is never tried after a better one was refused
+                segment = self.store.get(entry.key)
+                if segment is None:
+                    stale.append(vid)  # evicted: drop it from the index and look further
+                    continue
+                if segment.model_id != self.model_id:
+                    return "stored KV made by another model"
+                return similarity, entry, segment
+            return "no similar prompt stored"
+        finally:
+            if stale:
+                self.index.remove(stale)
+                self._save_index()
+
+    def _candidates(self, vector: np.ndarray, namespace: str) -> list[tuple[float, int]]:
+        """Search results in ``namespace``, best first (widening the search until one is found or all are seen)."""
+        k = 16
+        while True:
+            found = self.index.search(vector, k=k)
+            inside = [(s, i) for s, i in found if self.index.entries[i].namespace == namespace]
+            if inside or k >= len(self.index):
+                return inside
+            k *= 8
+
+    def _load(self, key: str, ids: list[int]) -> KVSegment | None:
+        if not self.store.contains(key):
+            return None
+        segment = self.store.get(key)
+        if segment is None or segment.token_ids != ids or segment.model_id != self.model_id:
+            return None
+        return segment
+
+    # ------------------------------------------------------------------------------------------------ record
+    def record(
+        self,
+        token_ids: Sequence[int],
+        cache: KVCache,
+        *,
+        text: str | None = None,
+        context: PromptContext | None = None,
+    ) -> None:
+        """Store the KV of the prompt (canonical) or of its context (context mode) and index its text."""
+        ids = list(token_ids)
+        if not ids or (self.mode == "context" and context is None):
+            return
+        stored_ids, namespace = self._split(ids, context)
+        if not holds_exactly(cache, stored_ids):
+            return
+        key = self.entry_key(stored_ids)
+        query = context.text if self.mode == "context" and context is not None else text
+        if not self.store.contains(key):
+            try:
+                segment = segment_slice(cache, 0, len(stored_ids), self.model_id, stored_ids)
+            except ValueError as e:
+                logger.debug("not recording: %s", e)
+                return
+            windows = list(cache.native_windows)
+            if not full_layers_complete(segment, windows, len(stored_ids)):
+                logger.debug("cache lacks entries of the prompt (compressed?): not recorded")
+                return
+            segment.meta = {"layer_windows": windows, "text": query or "", "format": KEY_PREFIX + self.mode}
+            self.store.put(key, segment)
+        if query and not self.index.has(key, query):  # a repeated prompt changes nothing: no index rewrite
+            self.index.add(self.embedder.embed([query])[0], IndexEntry(key=key, text=query, namespace=namespace))
+            self._save_index()
+
+    # ------------------------------------------------------------------------------------------------ index
+    def _open_index(self) -> SemanticIndex:
+        blob = self.store.get_blob(self.index_key)
+        if blob is not None:
+            try:
+                index = SemanticIndex.from_bytes(blob)
+                if index.dim == self.embedder.dim:
+                    self.index = index
+                    self.sync()
+                    return index
+                logger.warning(
+                    "stored semantic index has dim %d, embedder %d: starting empty", index.dim, self.embedder.dim
+                )
+            except (ValueError, KeyError) as e:
+                logger.warning("unreadable semantic index (%s): starting empty", e)
+        return SemanticIndex(self.embedder.dim)
+
+    def sync(self) -> int:
+        """Drop index entries whose KV is no longer stored (evicted); returns how many were dropped."""
+        stale = [vid for vid, e in self.index.entries.items() if not self.store.contains(e.key)]
+        if stale:
+            self.index.remove(stale)
+            self._save_index()
+        return len(stale)
+
+    def _save_index(self) -> None:
+        self.store.put_blob(self.index_key, self.index.to_bytes())

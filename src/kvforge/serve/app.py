@@ -1,0 +1,355 @@
+"""``create_app(engine)``: the OpenAI-compatible FastAPI app around one :class:`~kvforge.engine.Engine`.
+
+Routes only translate OpenAI schemas into :class:`GenerationSpec` s; one worker thread runs them in order
+(:mod:`kvforge.serve.worker`), so the model is never used by two requests at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvforge.decode import SamplingParams
+from kvforge.errors import UserError
+from kvforge.serve import schemas as S
+from kvforge.serve.errors import APIError, install_handlers, timeout_error, user_error
+from kvforge.serve.features import Features
+from kvforge.serve.metrics import Metrics
+from kvforge.serve.middleware import GuardMiddleware
+from kvforge.serve.runner import KEEP, GenerationSpec, run_generation, split_context_question
+from kvforge.serve.worker import Aborted, Job, QueueFullError, Worker
+from kvforge.types import Generation
+
+logger = logging.getLogger(__name__)
+
+_DONE = object()
+_POLL_S = 0.25  # how often a waiting non-streaming request checks for a client disconnect
+
+
+def create_app(
+    engine: Any,
+    *,
+    model_name: str = "kvforge",
+    store_url: str | None = None,
+    reuse: Any = None,
+    semantic_mode: str = "canonical",
+    press: str | None = None,
+    compression_ratio: float = 0.5,
+    max_queue: int = 16,
+    request_timeout_s: float = 300.0,
+    api_key: str | None = None,
+    max_body_bytes: int = 8 * 2**20,
+    default_max_tokens: int = 256,
+    embedder: Any = None,
+) -> FastAPI:
+    """The server app.
+
+    Args:
+        engine: the model to serve; its ``reuse`` strategy is set from ``reuse``.
+        model_name: the id clients send as ``model`` (and ``/v1/models`` lists).
+        store_url: where reuse keeps KV (``kvforge.store.open_store`` URL; None = in memory).
+        reuse: default reuse: "prefix" | "semantic" | "none"/None, or a strategy object.
+        press, compression_ratio: default compression (requests may override both in their ``kvforge`` field).
+        max_queue: requests waiting behind the running one before 429s start.
+        request_timeout_s: queueing + generation time allowed (504 after it).
+        api_key: Bearer key required on ``/v1/*`` when set.
+        max_body_bytes: request bodies above it get a 413.
+        default_max_tokens: chat completions without ``max_tokens`` (capped at what the context has left).
+        embedder: semantic reuse's embedder (None = MiniLM).
+    """
+    if not 0 <= compression_ratio < 1:
+        raise UserError(f"compression ratio must be in [0, 1), got {compression_ratio}")
+    features = Features(engine, store_url=store_url, embedder=embedder)
+    reuse_kind = reuse if isinstance(reuse, str) else ("custom" if reuse is not None else "none")
+    try:  # fail at startup on an unknown default press or reuse strategy
+        features.press(press, compression_ratio)
+        engine.reuse = features.reuse(reuse, semantic_mode) if isinstance(reuse, str) else reuse
+    except APIError as e:
+        raise UserError(e.message) from e
+    worker = Worker(max_queue)
+    metrics = Metrics(lambda: worker.depth, features.store_stats)
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        worker.close()  # cancels waiting jobs, stops the running one at its next token
+
+    app = FastAPI(title="kvforge", version="0.1.0", lifespan=lifespan)
+    app.state.engine, app.state.worker, app.state.metrics, app.state.features = engine, worker, metrics, features
+    app.add_middleware(GuardMiddleware, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes)
+    install_handlers(app)
+
+    def spec_for(req: S._GenerationRequest, prompt: Any, raw: bool) -> tuple[GenerationSpec, int, str]:
+        """Validate against the model (name, context, press, reuse); returns (spec, prompt tokens, reuse label)."""
+        if req.model != model_name:
+            raise APIError(
+                404,
+                f"model {req.model!r} not found; this server serves {model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        opts = req.kvforge or S.KVForgeOptions()
+        ratio = opts.compression_ratio if opts.compression_ratio is not None else compression_ratio
+        press_obj = features.press(opts.press if opts.press is not None else press, ratio)
+        spec_reuse, label = KEEP, reuse_kind
+        if opts.reuse is not None or opts.semantic_mode is not None:
+            label = opts.reuse or reuse_kind
+            if opts.semantic_mode is not None and label != "semantic":
+                raise APIError(400, "kvforge.semantic_mode needs semantic reuse", param="kvforge.semantic_mode")
+            spec_reuse = features.reuse(label, opts.semantic_mode or semantic_mode)
+        try:
+            num_prompt = len(engine.encode_chat(prompt, raw=raw))
+        except (ValueError, TypeError) as e:
+            raise APIError(400, f"cannot tokenize the prompt: {e}", param="prompt") from e
+        room = engine.max_positions - num_prompt
+        default = 16 if raw else min(default_max_tokens, room)
+        max_tokens = req.max_tokens if req.max_tokens is not None else default
+        try:
+            engine.check_length(num_prompt, max(max_tokens, 1))
+            sampling = SamplingParams(
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                seed=req.seed,
+            )
+        except UserError as e:
+            raise user_error(e, param="messages" if not raw else "prompt") from e
+        qa = None
+        if opts.query_aware is False and press_obj is not None:
+            qa = split_context_question(prompt)
+        elif press_obj is None and not raw and _context_mode(opts, reuse_kind, semantic_mode):
+            try:  # semantic reuse of the document part: needs a 'document\n\nquestion' message
+                qa = split_context_question(prompt)
+            except APIError:
+                qa = None  # a plain chat: ordinary generation (a miss for context mode)
+        spec = GenerationSpec(prompt, raw, max_tokens, sampling, req.stop_list, press_obj, spec_reuse, qa)
+        return spec, num_prompt, label
+
+    def submit(fn: Callable[[Job], Any]) -> Job:
+        try:
+            return worker.submit(fn, asyncio.get_running_loop(), request_timeout_s)
+        except QueueFullError as e:
+            metrics.rejected.inc()
+            raise _queue_full(e) from e
+
+    def kvforge_field(gen: Generation, job: Job, label: str, opts: S.KVForgeOptions | None) -> dict[str, Any]:
+        info = gen.info.get("reuse") or {}
+        kind = info.get("kind", "none")  # "none": the engine did not look (no strategy, or a press was active)
+        if info and label != "none":
+            metrics.observe_reuse(label, kind)
+        metrics.ttft.labels(job.endpoint).observe(gen.ttft_s)
+        metrics.queue_wait.observe((job.started or job.submitted) - job.submitted)
+        metrics.prompt_tokens.inc(gen.prompt_tokens)
+        metrics.reused_tokens.inc(gen.reused_tokens)
+        metrics.completion_tokens.inc(len(gen.token_ids))
+        ratio = opts.compression_ratio if opts and opts.compression_ratio is not None else compression_ratio
+        press_name = opts.press if opts and opts.press is not None else press
+        return {
+            "reuse": kind,
+            "reused_tokens": gen.reused_tokens,
+            "recomputed_tokens": gen.prompt_tokens - gen.reused_tokens,
+            "approximate": bool(info.get("approximate", False)),
+            "similarity": info.get("similarity"),
+            "miss_reason": info.get("reason"),
+            "ttft_s": round(gen.ttft_s, 6),
+            "queue_s": round((job.started or job.submitted) - job.submitted, 6),
+            "press": press_name,
+            "compression_ratio": ratio if press_name else None,
+            "cache_bytes": gen.cache_bytes,
+        }
+
+    async def wait(request: Request, job: Job, until_started: bool = False) -> Any:
+        """The job's result (with ``until_started``: True once it runs).
+
+        A client that goes away or a deadline that passes cancels the job; one the worker refused as too late is a 429.
+        """
+        started = asyncio.ensure_future(job.started_event.wait())
+        try:
+            while True:
+                done, _ = await asyncio.wait({job.future, started} if until_started else {job.future}, timeout=_POLL_S)
+                if job.future in done or (until_started and started in done):
+                    break
+                if time.monotonic() > job.deadline:
+                    job.cancel("timeout")
+                    break
+                if await request.is_disconnected():
+                    job.cancel("cancelled")
+                    break
+        finally:
+            started.cancel()
+        if until_started and job.started_event.is_set() and job.abort_reason is None:
+            return True
+        if isinstance(job.future.exception() if job.future.done() else None, QueueFullError):
+            metrics.rejected.inc()
+            raise _queue_full(job.future.exception())  # type: ignore[arg-type]
+        if not job.future.done() or isinstance(job.future.exception(), Aborted):
+            reason = job.abort_reason or "cancelled"
+            metrics.aborted.labels(reason).inc()
+            if reason == "timeout":
+                raise timeout_error(request_timeout_s)
+            return None  # type: ignore[return-value]  # client gone: nobody reads the answer
+        exc = job.future.exception()
+        if isinstance(exc, UserError):
+            raise user_error(exc) from exc
+        if exc is not None:
+            raise exc
+        return job.future.result()  # type: ignore[no-any-return]
+
+    async def generate(request: Request, req: S._GenerationRequest, prompt: Any, raw: bool, endpoint: str) -> Response:
+        spec, _, label = spec_for(req, prompt, raw)
+        rid = S.new_id("cmpl" if raw else "chatcmpl")
+        if req.stream:
+            return await stream(request, req, spec, label, rid, endpoint)
+        job = submit(lambda j: run_generation(engine, spec, j, None))
+        job.endpoint = endpoint
+        gen = await wait(request, job)
+        if gen is None:
+            return Response(status_code=499)
+        kvf = kvforge_field(gen, job, label, req.kvforge)
+        usage = S.usage(gen.prompt_tokens, len(gen.token_ids), gen.reused_tokens)
+        finish = gen.finish_reason
+        if raw:
+            text = (prompt if isinstance(prompt, str) and getattr(req, "echo", False) else "") + gen.text
+            return JSONResponse(S.completion_body(rid, model_name, text, finish, usage, kvf))
+        return JSONResponse(S.chat_body(rid, model_name, gen.text, finish, usage, kvf))
+
+    async def stream(
+        request: Request, req: S._GenerationRequest, spec: GenerationSpec, label: str, rid: str, endpoint: str
+    ) -> Response:
+        raw = spec.raw
+        deltas: asyncio.Queue[Any] = asyncio.Queue()
+
+        def work(job: Job) -> Generation:
+            try:
+                return run_generation(engine, spec, job, lambda d: job.call_soon(deltas.put_nowait, d))
+            finally:
+                job.call_soon(deltas.put_nowait, _DONE)
+
+        job = submit(work)  # a full queue is a 429 before the stream starts
+        job.endpoint = endpoint
+        if await wait(request, job, until_started=True) is not True:  # queueing happens before the 200 is sent
+            return Response(status_code=499)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(delta: dict[str, Any] | None, text: str, finish: str | None) -> dict[str, Any]:
+            if raw:
+                return S.completion_body(rid, model_name, text, finish, None, None, chunk=True)
+            return S.chat_chunk(rid, model_name, delta, finish)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                if not raw:
+                    yield S.sse(chunk({"role": "assistant", "content": ""}, "", None))
+                while True:
+                    remaining = job.deadline - time.monotonic()
+                    try:
+                        item = await asyncio.wait_for(deltas.get(), timeout=max(remaining, 0.001))
+                    except asyncio.TimeoutError:
+                        job.cancel("timeout")
+                        metrics.aborted.labels("timeout").inc()
+                        yield S.sse(timeout_error(request_timeout_s).body())
+                        return
+                    if item is _DONE:
+                        break
+                    yield S.sse(chunk({"content": item}, item, None))
+                try:
+                    gen: Generation = await asyncio.wait_for(asyncio.shield(job.future), timeout=30.0)
+                except Aborted as e:
+                    metrics.aborted.labels(e.reason).inc()
+                    yield S.sse(timeout_error(request_timeout_s).body())
+                    return
+                except UserError as e:
+                    yield S.sse(user_error(e).body())
+                    return
+                except Exception as e:  # already streaming: the error travels as an event
+                    logger.exception("generation failed")
+                    yield S.sse(APIError(500, f"internal error: {type(e).__name__}", type="server_error").body())
+                    return
+                kvf = kvforge_field(gen, job, label, req.kvforge)
+                usage = S.usage(gen.prompt_tokens, len(gen.token_ids), gen.reused_tokens)
+                last = chunk({}, "", gen.finish_reason)
+                last["kvforge"] = kvf
+                yield S.sse(last)
+                if include_usage:
+                    final = S.completion_body(rid, model_name, "", None, usage, None) if raw else chunk(None, "", None)
+                    if raw:
+                        final["choices"] = []
+                    final["usage"] = usage
+                    yield S.sse(final)
+                yield "data: [DONE]\n\n"
+            finally:
+                if not job.future.done() and job.abort_reason is None:  # the client went away mid-stream
+                    job.cancel("cancelled")
+                    metrics.aborted.labels("cancelled").inc()
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    # ------------------------------------------------------------------------------------------ routes
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": model_name,
+            "queue_depth": worker.depth,
+            "busy": worker.busy,
+            "reuse": reuse_kind,
+            "press": press,
+            "store": features.has_store,
+        }
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [S.model_card(model_name)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict[str, Any]:
+        if name != model_name:
+            raise APIError(404, f"model {name!r} not found", param="model", code="model_not_found")
+        return S.model_card(model_name)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, req: S.CompletionRequest) -> Response:
+        return await generate(request, req, req.prompt, True, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, req: S.ChatCompletionRequest) -> Response:
+        return await generate(request, req, req.chat(), False, "/v1/chat/completions")
+
+    @app.post("/v1/kv/documents")
+    async def documents(request: Request, req: S.DocumentsRequest) -> Response:
+        if req.model is not None and req.model != model_name:
+            raise APIError(404, f"model {req.model!r} not found", param="model", code="model_not_found")
+        strategy = engine.reuse if req.mode == "prefix" and reuse_kind == "prefix" else None
+        if req.mode == "prefix" and strategy is None:
+            strategy = features.reuse("prefix")
+        job = submit(lambda j: features.precompute_documents(req.documents, req.mode, req.system, strategy))
+        job.endpoint = "/v1/kv/documents"
+        result = await wait(request, job)
+        if result is None:
+            return Response(status_code=499)
+        return JSONResponse({"object": "list", "data": result})
+
+    return app
+
+
+def _context_mode(opts: S.KVForgeOptions, server_kind: str, server_mode: str) -> bool:
+    """Whether this request's reuse is semantic in context mode."""
+    if opts.reuse is None and opts.semantic_mode is None:
+        return server_kind == "semantic" and server_mode == "context"
+    kind = opts.reuse or server_kind
+    return kind == "semantic" and (opts.semantic_mode or server_mode) == "context"
+
+
+def _queue_full(e: QueueFullError) -> APIError:
+    return APIError(
+        429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": str(e.retry_after_s)}
+    )

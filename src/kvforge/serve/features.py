@@ -1,0 +1,163 @@
+"""Optional kvforge features behind the server: presses, the KV store, reuse strategies, document precompute.
+
+Each feature's module is imported when first used, so the server runs on an installation without it; a request that
+asks for a missing feature or an unknown name gets a 400 (never a 500).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import logging
+import threading
+from typing import Any
+
+from kvforge.errors import UserError
+from kvforge.serve.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+
+def _import(module: str, feature: str, param: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise APIError(
+            400, f"{feature} is not available on this server ({module}: {e})", param=param, code="feature_unavailable"
+        ) from e
+
+
+def _bad(e: Exception, param: str) -> APIError:
+    return APIError(400, str(e), param=param, code="invalid_value")
+
+
+class Features:
+    """Builds and caches the optional components of one server (one store shared by every reuse strategy).
+
+    Args:
+        engine: the :class:`~kvforge.engine.Engine` (its model id keys the store).
+        store_url: ``kvforge.store.open_store`` URL; None = an in-memory store, opened when reuse first needs it.
+        embedder: the semantic strategies' embedder (None = the reuse package's MiniLM one).
+    """
+
+    def __init__(self, engine: Any, store_url: str | None = None, embedder: Any = None) -> None:
+        self.engine = engine
+        self.store_url = store_url
+        self.embedder = embedder
+        self._store: Any = None
+        self._strategies: dict[tuple[str, str], Any] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------------ press
+    def press(self, name: str | None, compression_ratio: float) -> Any:
+        """The press ``name`` at ``compression_ratio`` (None when no press is asked for)."""
+        if name is None or name == "none":
+            return None
+        presses = _import("kvforge.presses", "KV compression (presses)", "kvforge.press")
+        try:
+            return presses.build_press(name, compression_ratio=compression_ratio)
+        except (UserError, ValueError, TypeError) as e:
+            raise _bad(e, "kvforge.press") from e
+
+    # ------------------------------------------------------------------------------------------ store
+    @property
+    def store(self) -> Any:
+        with self._lock:
+            if self._store is None:
+                store_mod = _import("kvforge.store", "the KV store", "kvforge.reuse")
+                try:
+                    self._store = store_mod.open_store(self.store_url or "memory://")
+                except (UserError, ValueError) as e:
+                    raise _bad(e, "store") from e
+            return self._store
+
+    @property
+    def has_store(self) -> bool:
+        return self._store is not None
+
+    def store_stats(self) -> dict[str, Any] | None:
+        return self._store.stats() if self._store is not None else None
+
+    # ------------------------------------------------------------------------------------------ reuse
+    def reuse(self, kind: str | None, semantic_mode: str | None = None) -> Any:
+        """The strategy for ``kind`` ("prefix" | "semantic"; "none"/None -> None), built once per (kind, mode)."""
+        if kind is None or kind == "none":
+            return None
+        mode = semantic_mode or "canonical"
+        key = (kind, mode if kind == "semantic" else "")
+        if key in self._strategies:
+            return self._strategies[key]
+        reuse_mod = _import("kvforge.reuse", "KV reuse", "kvforge.reuse")
+        registry = getattr(reuse_mod, "REUSE", {})
+        if kind not in registry:
+            raise APIError(
+                400,
+                f"unknown reuse strategy {kind!r}; choose from: none, {', '.join(sorted(registry))}",
+                param="kvforge.reuse",
+                code="invalid_value",
+            )
+        store = self.store
+        device = getattr(self.engine.model, "device", None)
+        try:
+            if hasattr(reuse_mod, "build_reuse"):
+                strategy = reuse_mod.build_reuse(
+                    kind, store, self.engine.model_id, semantic_mode=mode, embedder=self.embedder, device=device
+                )
+            elif kind == "semantic":
+                embedder = self.embedder if self.embedder is not None else reuse_mod.EMBEDDERS["minilm"]()
+                strategy = registry[kind](store, self.engine.model_id, embedder, mode=mode, device=device)
+            else:
+                strategy = registry[kind](store, self.engine.model_id, device=device)
+        except (UserError, ValueError, TypeError) as e:
+            raise _bad(e, "kvforge.reuse") from e
+        self._strategies[key] = strategy
+        return strategy
+
+    # ------------------------------------------------------------------------------------------ documents
+    def precompute_documents(
+        self, documents: list[str], mode: str, system: str | None, strategy: Any
+    ) -> list[dict[str, Any]]:
+        """Compute and store the KV of each document; returns one ``{"id", "tokens", ...}`` per document.
+
+        ``prefix`` mode stores the document as the context part of a chat prompt (system + user header + document +
+        separator, :meth:`Engine.encode_qa`) through ``strategy`` (a prefix reuse strategy), so a later chat request
+        whose user message is ``document + "\\n\\n" + question`` reuses it. ``chunks`` mode stores each document
+        as a RAG chunk (``kvforge.rag``), keyed by the rag package's chunk key. Runs on the worker thread.
+        """
+        if mode == "chunks":
+            return self._precompute_chunks(documents, system)
+        if strategy is None:
+            raise APIError(
+                400,
+                "prefix documents need a reuse strategy: start the server with --reuse prefix or send kvforge.reuse",
+                param="mode",
+                code="feature_unavailable",
+            )
+        out = []
+        for doc in documents:
+            ctx_ids, _ = self.engine.encode_qa(doc, "?", system=system)
+            self.engine.check_length(len(ctx_ids))
+            cache, _ = self.engine.prefill(ctx_ids)
+            strategy.record(ctx_ids, cache, text=doc)
+            digest = hashlib.sha256(repr((self.engine.model_id, ctx_ids)).encode()).hexdigest()[:32]
+            out.append({"id": f"kvdoc-{digest}", "object": "kv.document", "mode": "prefix", "tokens": len(ctx_ids)})
+        return out
+
+    def _precompute_chunks(self, documents: list[str], system: str | None) -> list[dict[str, Any]]:
+        rag = _import("kvforge.rag", "RAG chunk reuse", "mode")
+        model = rag.RagModel(self.engine.model, self.engine.tokenizer, store=self.store, model_id=self.engine.model_id)
+        try:
+            prompt = model.build_prompt(documents, "?", system=system)
+        except ValueError as e:
+            raise _bad(e, "documents") from e
+        self.engine.check_length(len(prompt.ids()))
+        model.warm(prompt)
+        return [
+            {
+                "id": rag.chunk_key(model.model_id, prompt.prefix_ids, chunk),
+                "object": "kv.document",
+                "mode": "chunks",
+                "tokens": len(chunk),
+            }
+            for chunk in prompt.chunk_ids
+        ]

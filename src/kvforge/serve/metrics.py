@@ -1,0 +1,107 @@
+"""Prometheus metrics of one app (its own registry, so several apps can live in one process, as in tests)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
+
+_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    """Requests, errors, TTFT/latency histograms, reuse hits per kind, tokens, queue depth and store bytes."""
+
+    def __init__(self, queue_depth: Callable[[], int], store_stats: Callable[[], dict[str, Any] | None]) -> None:
+        disable_created_metrics()  # no *_created series: they double the output and no dashboard reads them
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvforge_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.errors = Counter("kvforge_errors", "Requests answered with an error", ["endpoint", "status"], registry=r)
+        self.rejected = Counter("kvforge_rejected", "Requests refused with 429 (queue full)", registry=r)
+        self.aborted = Counter("kvforge_aborted", "Generations stopped early", ["reason"], registry=r)
+        self.ttft = Histogram(
+            "kvforge_ttft_seconds",
+            "Time to first token (prefill + first pick)",
+            ["endpoint"],
+            buckets=_TIME_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "kvforge_request_latency_seconds",
+            "Request latency including queueing",
+            ["endpoint"],
+            buckets=_TIME_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "kvforge_queue_wait_seconds", "Time spent waiting for the model", buckets=_TIME_BUCKETS, registry=r
+        )
+        self.reuse = Counter(
+            "kvforge_reuse_lookups",
+            "Reuse lookups by strategy and outcome (miss, prefix, semantic)",
+            ["strategy", "outcome"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("kvforge_prompt_tokens", "Prompt tokens received", registry=r)
+        self.reused_tokens = Counter("kvforge_reused_tokens", "Prompt tokens served from reused KV", registry=r)
+        self.completion_tokens = Counter("kvforge_completion_tokens", "Tokens generated", registry=r)
+        self.queue_depth = Gauge("kvforge_queue_depth", "Requests waiting for the model", registry=r)
+        self.queue_depth.set_function(lambda: float(queue_depth()))
+        self._hits: dict[str, list[int]] = {}  # strategy -> [hits, lookups]
+        r.register(_DerivedCollector(self._hits, store_stats))
+
+    def observe_reuse(self, strategy: str, outcome: str) -> None:
+        self.reuse.labels(strategy, outcome).inc()
+        counts = self._hits.setdefault(strategy, [0, 0])
+        counts[0] += outcome != "miss"
+        counts[1] += 1
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _DerivedCollector(Collector):
+    """Values computed at scrape time: hit rate per reuse strategy, bytes and entries per store tier."""
+
+    def __init__(self, hits: dict[str, list[int]], store_stats: Callable[[], dict[str, Any] | None]) -> None:
+        self.hits = hits
+        self.store_stats = store_stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        rate = GaugeMetricFamily(
+            "kvforge_reuse_hit_rate", "Fraction of lookups that hit, per strategy", labels=["strategy"]
+        )
+        for strategy, (num_hits, num) in sorted(self.hits.items()):
+            rate.add_metric([strategy], num_hits / num if num else 0.0)
+        yield rate
+        size = GaugeMetricFamily("kvforge_store_bytes", "Bytes held by each store tier", labels=["tier"])
+        entries = GaugeMetricFamily("kvforge_store_entries", "Entries held by each store tier", labels=["tier"])
+        try:
+            stats = self.store_stats()
+        except Exception as e:  # a store that cannot answer must not break the scrape
+            logger.warning("store stats unavailable: %s", e)
+            stats = None
+        for tier, s in store_tiers(stats):
+            if isinstance(s.get("bytes"), (int, float)):
+                size.add_metric([tier], float(s["bytes"]))
+            if isinstance(s.get("entries"), (int, float)):
+                entries.add_metric([tier], float(s["entries"]))
+        yield size
+        yield entries
+
+
+def store_tiers(stats: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:
+    """``[(tier label, stats)]``: one per tier of a tiered store (``"0:memory"``), else the store itself."""
+    if not stats:
+        return []
+    tiers = stats.get("tiers")
+    if isinstance(tiers, list):
+        return [(f"{i}:{t.get('backend', '?')}", t) for i, t in enumerate(tiers) if isinstance(t, dict)]
+    return [(f"0:{stats.get('backend', '?')}", stats)]

@@ -1,0 +1,161 @@
+"""What the worker thread runs for one request: a generation (with its press and reuse strategy) and its text deltas."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvforge.decode import SamplingParams, trim_at_stop
+from kvforge.serve.errors import APIError
+from kvforge.serve.worker import Job
+from kvforge.types import Generation
+
+KEEP = object()  # reuse: leave the engine's own strategy in place
+
+
+@dataclass
+class GenerationSpec:
+    """One request, translated from the OpenAI schema into Engine arguments.
+
+    Args:
+        prompt: text (raw or one user message), chat messages, or token ids, as :meth:`Engine.generate` takes.
+        raw: no chat template (``/v1/completions``).
+        reuse: the reuse strategy for this request, None for no reuse, or :data:`KEEP` for the engine's own.
+        qa: ``(context, question, system)`` of a ``document\n\nquestion`` chat: with a press, query-agnostic
+            compression (the press sees the context only); without, :meth:`Engine.answer` (semantic reuse in
+            context mode matches the document and prefills the question exactly; no per-token streaming there).
+    """
+
+    prompt: Any
+    raw: bool
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    press: Any = None
+    reuse: Any = KEEP
+    qa: tuple[str, str, str | None] | None = None
+
+
+class DeltaStream:
+    """Token ids -> text deltas that never show a stop string (text that might start one is held back)."""
+
+    def __init__(self, tokenizer: Any, stop: list[str], emit: Callable[[str], None] | None) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.emit = emit
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.tokens: list[int] = []
+        self.sent = ""
+
+    def __call__(self, token: int) -> None:
+        self.tokens.append(token)
+        if self.emit is None:
+            return
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return  # half of a multi-byte character
+        safe = trim_at_stop(text, self.stop) if self.stop else text
+        end = len(safe) if len(safe) < len(text) else len(safe) - self.hold
+        if end > len(self.sent) and safe.startswith(self.sent):
+            self._send(safe[len(self.sent) : end])
+
+    def finish(self, text: str) -> None:
+        """Send what is left of the final ``text`` (the generation's, trimmed at its stop string)."""
+        if self.emit is not None and text.startswith(self.sent) and len(text) > len(self.sent):
+            self._send(text[len(self.sent) :])
+
+    def _send(self, delta: str) -> None:
+        self.sent += delta
+        assert self.emit is not None
+        self.emit(delta)
+
+
+@contextmanager
+def engine_reuse(engine: Any, strategy: Any) -> Iterator[None]:
+    """Use ``strategy`` for the generations inside (the worker runs one at a time, so swapping is safe)."""
+    if strategy is KEEP:
+        yield
+        return
+    previous = engine.reuse
+    engine.reuse = strategy
+    try:
+        yield
+    finally:
+        engine.reuse = previous
+
+
+def run_generation(engine: Any, spec: GenerationSpec, job: Job, emit: Callable[[str], None] | None) -> Generation:
+    """Run ``spec`` on ``engine`` in the worker thread; ``job.check()`` on every token aborts a cancelled job."""
+    stream = DeltaStream(engine.tokenizer, spec.stop, emit)
+
+    def on_token(token: int) -> None:
+        job.check()
+        stream(token)
+
+    job.check()
+    with engine_reuse(engine, spec.reuse):
+        if spec.qa is not None and spec.press is not None:
+            gen = _query_agnostic(engine, spec, on_token)
+        elif spec.qa is not None:
+            context, question, system = spec.qa
+            gen = engine.answer(
+                context,
+                question,
+                system=system,
+                max_new_tokens=spec.max_tokens,
+                sampling=spec.sampling,
+                stop=spec.stop or None,
+            )
+        else:
+            gen = engine.generate(
+                spec.prompt,
+                spec.max_tokens,
+                sampling=spec.sampling,
+                stop=spec.stop or None,
+                raw=spec.raw,
+                press=spec.press,
+                on_token=on_token,
+            )
+    stream.finish(gen.text)
+    return gen
+
+
+def _query_agnostic(engine: Any, spec: GenerationSpec, on_token: Callable[[int], None]) -> Generation:
+    """Compress the context before the question is seen, prefill the question on top, decode (as Engine.answer)."""
+    assert spec.qa is not None
+    context, question, system = spec.qa
+    ctx_ids, q_ids = engine.encode_qa(context, question, system=system)
+    engine.check_length(len(ctx_ids) + len(q_ids), spec.max_tokens)
+    start = time.perf_counter()
+    cache, logits = engine.prefill(ctx_ids, press=spec.press)
+    if q_ids:
+        cache, logits = engine.prefill(q_ids, cache)
+    prefill_s = time.perf_counter() - start
+    gen: Generation = engine.decode(cache, logits, spec.max_tokens, spec.sampling, spec.stop or None, on_token)
+    gen.ttft_s += prefill_s
+    gen.prompt_tokens = len(ctx_ids) + len(q_ids)
+    gen.info.update(cache.info)
+    gen.info["prefill_s"] = prefill_s
+    return gen
+
+
+def split_context_question(messages: Any) -> tuple[str, str, str | None]:
+    """(context, question, system) of a ``[system?, user]`` chat whose user message is ``context\\n\\nquestion``."""
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise APIError(400, "kvforge.query_aware=false needs a chat request", param="kvforge.query_aware")
+    roles = [m["role"] for m in messages]
+    if roles not in (["user"], ["system", "user"]):
+        raise APIError(
+            400,
+            "kvforge.query_aware=false takes one user message (and an optional system one)",
+            param="kvforge.query_aware",
+        )
+    context, sep, question = messages[-1]["content"].rpartition("\n\n")
+    if not sep or not context.strip() or not question.strip():
+        raise APIError(
+            400, "kvforge.query_aware=false needs a user message 'context\\n\\nquestion'", param="kvforge.query_aware"
+        )
+    return context, question, messages[0]["content"] if roles[0] == "system" else None

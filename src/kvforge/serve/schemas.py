@@ -1,0 +1,201 @@
+"""OpenAI request and response bodies (pydantic), plus the namespaced ``kvforge`` options field.
+
+Requests ignore OpenAI fields kvforge does not use (``user``, ``logit_bias``...) like the OpenAI API ignores unknown
+ones; the ``kvforge`` object forbids unknown keys so a typo is a 400, not a silent no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
+
+REUSE_KINDS = ("prefix", "semantic", "none")
+SEMANTIC_MODES = ("canonical", "context")
+
+
+class KVForgeOptions(BaseModel):
+    """Per-request kvforge options: compression, reuse strategy, semantic mode, query-aware compression."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    press: StrictStr | None = None
+    compression_ratio: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
+    reuse: Literal["prefix", "semantic", "none"] | None = None
+    semantic_mode: Literal["canonical", "context"] | None = None
+    query_aware: StrictBool | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: int | None = None
+    n: Annotated[int, Field(ge=1, le=1)] | None = None  # one choice per request
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    kvforge: KVForgeOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else list(v)
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return stops
+
+    @property
+    def stop_list(self) -> list[str]:
+        return list(self.stop or [])  # type: ignore[arg-type]
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``: one raw prompt (text, or token ids), no chat template."""
+
+    prompt: StrictStr | list[StrictStr] | list[int] | list[list[int]]
+    echo: StrictBool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("batched prompts are not supported: send one prompt per request")
+            v = v[0]
+        if not v:
+            raise ValueError("the prompt is empty")
+        return v  # type: ignore[no-any-return]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+
+    def chat(self) -> list[dict[str, str]]:
+        """Messages as the tokenizer's chat template wants them (``developer`` is OpenAI's new ``system``)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class DocumentsRequest(BaseModel):
+    """``POST /v1/kv/documents``: precompute the KV of documents (prefix reuse) or of RAG chunks."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    documents: Annotated[list[StrictStr], Field(min_length=1, max_length=256)]
+    mode: Literal["prefix", "chunks"] = "prefix"
+    system: StrictStr | None = None
+
+    @field_validator("documents")
+    @classmethod
+    def _non_empty(cls, v: list[str]) -> list[str]:
+        if any(not d.strip() for d in v):
+            raise ValueError("documents must be non-empty")
+        return v
+
+
+# ------------------------------------------------------------------------------------------------ responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_body(
+    rid: str, model: str, text: str, finish: str | None, usage_: dict | None, kvf: dict | None, chunk: bool = False
+) -> dict[str, Any]:
+    """A ``text_completion`` object (a whole one, or one SSE chunk of a stream)."""
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": "text_completion",
+        "created": now(),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+    }
+    if usage_ is not None:
+        body["usage"] = usage_
+    if kvf is not None:
+        body["kvforge"] = kvf
+    return body
+
+
+def chat_body(rid: str, model: str, text: str, finish: str, usage_: dict, kvf: dict) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": now(),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+        ],
+        "usage": usage_,
+        "kvforge": kvf,
+    }
+
+
+def chat_chunk(rid: str, model: str, delta: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
+    """One ``chat.completion.chunk``; ``delta=None`` gives the usage-only final chunk (empty choices)."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": choices}
+
+
+def model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kvforge"}
+
+
+def sse(body: dict[str, Any]) -> str:
+    """One server-sent event carrying ``body`` as JSON."""
+    return f"data: {json.dumps(body)}\n\n"

@@ -1,0 +1,65 @@
+import csv
+import json
+
+import pytest
+
+from kvforge.eval.report import markdown_table, summarize, write_all
+
+
+def _row(id_, task, method, ratio, score, ttft=1.0, kept=1.0, **extra):
+    return {"id": id_, "task": task, "method": method, "compression_ratio": ratio, "score": score, "ttft_s": ttft,
+            "cache_bytes": 1000 * kept, "kept_ratio": kept, "peak_memory_bytes": 5, **extra}  # fmt: skip
+
+
+ROWS = [
+    _row("a", "t1", "full", 0.0, 1.0, ttft=2.0, kl=0.0),
+    _row("b", "t1", "full", 0.0, 0.5, ttft=4.0, kl=0.0),
+    _row("a", "t1", "snapkv", 0.75, 0.5, kept=0.25, kl=1.0),
+    _row("b", "t1", "snapkv", 0.75, 0.25, kept=0.25, kl=3.0),
+    _row("c", "t2", "full", 0.0, 0.0),
+    _row("c", "t2", "snapkv", 0.75, 1.0, kept=0.25),
+    _row("d", "t2", "full", 0.0, 1.0),
+    _row("d", "t2", "snapkv", 0.75, 0.0, kept=0.25),
+]
+
+
+def test_summary_by_hand():
+    s = summarize(ROWS, "m", "query-aware")
+    assert (s["model"], s["mode"]) == ("m", "query-aware")
+    by = {(r["task"], r["method"]): r for r in s["rows"]}
+    t1 = by[("t1", "snapkv")]
+    # mean 0.375 vs full mean 0.75 on the same two examples -> 50
+    assert (t1["n"], t1["score"], t1["normalized"], t1["kl"], t1["kept_ratio"]) == (2, 37.5, 50.0, 2.0, 0.25)
+    assert by[("t1", "full")]["normalized"] == 100.0 and by[("t1", "full")]["ttft_s"] == 3.0
+    assert by[("t2", "snapkv")]["normalized"] == 100.0  # 0.5 / 0.5
+    # "all": mean over tasks of each column
+    overall = by[("all", "snapkv")]
+    assert (
+        overall["n"] == 4 and overall["normalized"] == pytest.approx(75.0) and overall["score"] == pytest.approx(43.75)
+    )
+    assert [r["task"] for r in s["rows"]][-2:] == ["all", "all"] and s["rows"][0]["method"] == "full"
+
+
+def test_normalized_only_on_paired_examples_and_none_when_full_scores_zero():
+    rows = [_row("a", "t", "full", 0.0, 0.0), _row("a", "t", "x", 0.5, 1.0), _row("b", "t", "x", 0.5, 1.0)]
+    by = {r["method"]: r for r in summarize(rows, "m", "q")["rows"]}
+    assert by["x"]["normalized"] is None and by["x"]["score"] == 100.0
+    rows = [_row("a", "t", "full", 0.0, 0.5), _row("a", "t", "x", 0.5, 0.25), _row("b", "t", "x", 0.5, 1.0)]
+    by = {r["method"]: r for r in summarize(rows, "m", "q")["rows"]}
+    assert by["x"]["normalized"] == 50.0  # example b has no full row: left out of the ratio
+
+
+def test_files_and_table(tmp_path):
+    summary = write_all(tmp_path, ROWS, "m", "query-aware", command="kvforge eval ...")
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    with (tmp_path / "summary.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == len(summary["rows"])
+    assert list(table[0])[:9] == ["method", "compression_ratio", "kept_ratio", "task", "n", "score", "normalized",
+                                  "ttft_s", "cache_bytes"]  # fmt: skip
+    report = (tmp_path / "report.md").read_text()
+    assert "![score_vs_cache](score_vs_cache.png)" in report and "`kvforge eval ...`" in report
+    for name in ("score_vs_cache.png", "ttft.png", "kl_vs_cache.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    md = markdown_table([r for r in summary["rows"] if r["task"] == "t1"])
+    assert "| t1 | snapkv | 25 | 25.0 | 2 | 37.5 | 50.0 | 1000 | 0.00 |" in md

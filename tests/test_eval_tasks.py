@@ -1,0 +1,145 @@
+import json
+
+import pytest
+
+from kvforge.errors import UserError
+from kvforge.eval.data import example_from_json, read_examples, write_examples
+from kvforge.eval.tasks import TASKS, TaskConfig, build_task
+from kvforge.eval.tasks.base import Measure, truncate_middle
+from kvforge.eval.tasks.longbench import longbench_example
+from kvforge.eval.tasks.musique import musique_example
+from kvforge.eval.tasks.needle import insert_needles
+from kvforge.eval.tasks.squad import squad_examples
+from kvforge.paths import default_data_dir
+from kvforge.testing import tiny_tokenizer
+
+DATA = default_data_dir()
+needs_data = pytest.mark.skipif(not (DATA / "haystack_paul_graham").is_dir(), reason="shared data not found")
+SYNTHETIC = ["needle", "ruler-mk", "ruler-mv", "ruler-mq", "ruler-vt", "ruler-cwe"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def _cfg(tok, **kw):
+    return TaskConfig(DATA, tokenizer=tok, **({"lengths": (512,), "depths": (0.0, 0.5, 1.0)} | kw))
+
+
+@needs_data
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_synthetic_tasks_are_deterministic_for_a_seed(tok, name):
+    first, again = build_task(name, _cfg(tok)), build_task(name, _cfg(tok))
+    assert first == again
+    other = build_task(name, _cfg(tok, seed=1))
+    assert [e.id for e in other] == [e.id for e in first]
+    assert [e.context for e in other] != [e.context for e in first]
+
+
+@needs_data
+@pytest.mark.parametrize("name", SYNTHETIC)
+def test_synthetic_answers_are_in_context_and_length_is_close(tok, name):
+    measure = Measure(tok)
+    for ex in build_task(name, _cfg(tok)):
+        for answer in ex.answers:
+            assert answer in ex.context
+        for needle in ex.needles:
+            assert needle in ex.context
+        assert abs(measure.size(ex.context) - 512) <= 20, ex.id
+
+
+@needs_data
+@pytest.mark.parametrize("depth", [0.0, 0.1, 0.33, 0.5, 0.9, 1.0])
+def test_needle_sits_at_requested_depth_in_tokens(tok, depth):
+    measure = Measure(tok)
+    (ex,) = build_task("needle", _cfg(tok, lengths=(2000,), depths=(depth,)))
+    (needle,) = ex.needles
+    start = ex.context.index(needle)
+    hay_size = measure.size(ex.context) - measure.size(needle)
+    # snapped to the nearest sentence boundary: within SNAP_WINDOW (200) characters of 2000 = 0.1, usually far less
+    assert abs(measure.size(ex.context[:start]) / hay_size - depth) <= 0.1
+
+
+def test_insert_needles_exact_depth_without_snapping(tok):
+    measure = Measure(tok)
+    hay = "abcdefghij" * 40  # 400 units with the character tokenizer
+    for depth in (0.0, 0.25, 0.5, 0.8, 1.0):
+        context, (start,) = insert_needles(hay, ["NEEDLE"], [depth], measure, snap=False)
+        assert context[start : start + 6] == "NEEDLE"
+        assert context.replace(" NEEDLE ", "").replace("NEEDLE ", "").replace(" NEEDLE", "") == hay
+        assert len(context[:start].rstrip(" ")) == round(depth * 400)
+
+
+def test_insert_needles_snaps_to_sentence_and_keeps_order(tok):
+    measure = Measure(tok)
+    hay = "One two three. Four five six. Seven eight nine. "
+    context, starts = insert_needles(hay, ["X.", "Y."], [0.55, 0.2], measure)
+    assert context == "One two three. Y. Four five six. X. Seven eight nine. "
+    assert [context[s : s + 2] for s in starts] == ["X.", "Y."]
+
+
+@needs_data
+def test_lengths_in_characters_without_tokenizer():
+    (ex,) = build_task("needle", TaskConfig(DATA, lengths=(800,), depths=(0.5,)))
+    assert abs(len(ex.context) - 800) <= 2
+
+
+@needs_data
+def test_ruler_mix_interleaves_all_tasks(tok):
+    examples = build_task("ruler", _cfg(tok, depths=(0.5,)))
+    assert [e.task for e in examples] == SYNTHETIC
+
+
+@needs_data
+@pytest.mark.parametrize("name", ["longbench-qa", "longbench-summ", "leval", "squad", "musique"])
+def test_converters_write_valid_rows(tmp_path, tok, name):
+    examples = build_task(name, TaskConfig(DATA, tokenizer=tok, max_context_size=300))[:20]
+    assert examples
+    assert len({e.id for e in examples}) == len(examples)
+    assert read_examples(write_examples(examples, tmp_path / "x.jsonl")) == examples
+    for e in examples:
+        assert e.question and e.answers and e.task.startswith(name.split("-")[0])
+
+
+def test_longbench_row_keeps_prompt_and_truncates_middle(tok):
+    row = {"_id": "x", "dataset": "hotpotqa", "input": "Who?", "context": "A" * 100 + "B" * 100, "answers": ["Bob"]}
+    ex = longbench_example(row, Measure(tok), max_context_size=20)
+    assert ex.context.endswith("The following are given passages.\n" + "A" * 10 + "B" * 10)
+    assert ex.question.startswith("Answer the question based on the given passages.")
+    assert ex.question.endswith("Question: Who?\nAnswer:")
+    assert (ex.metric, ex.max_new_tokens, ex.task) == ("f1", 32, "longbench-qa")
+    assert longbench_example(row | {"dataset": "gov_report"}, Measure(tok)).metric == "rouge_l"
+
+
+def test_truncate_middle(tok):
+    assert truncate_middle("0123456789", 4, Measure(tok)) == "0189"
+    assert truncate_middle("0123456789", 4, Measure(None)) == "0189"
+    assert truncate_middle("0123", 4, Measure(tok)) == "0123"
+
+
+def test_squad_and_musique_rows():
+    para = {"context": "Paris is in France.", "qas": [
+        {"id": "1", "question": "Where?", "answers": ["France"], "is_impossible": False},
+        {"id": "2", "question": "Why?", "answers": [], "is_impossible": True}]}  # fmt: skip
+    (ex,) = squad_examples(para)
+    assert (ex.id, ex.context, ex.answers, ex.metric) == ("1", "Paris is in France.", ["France"], "f1")
+    row = {
+        "id": "m",
+        "question": "Q?",
+        "answers": ["a"],
+        "ctxs": [{"title": "T", "text": "x"}, {"title": "", "text": "y"}],
+    }
+    ex = musique_example(row)
+    assert ex.chunks == ["Title: T\nx", "y"]
+    assert example_from_json(json.loads(json.dumps(ex.to_json()))) == ex
+
+
+def test_unknown_task_and_missing_data(tmp_path):
+    with pytest.raises(UserError, match="unknown task"):
+        build_task("nope", TaskConfig(tmp_path))
+    with pytest.raises(UserError, match="not found"):
+        build_task("squad", TaskConfig(tmp_path))
+    with pytest.raises(UserError, match="haystack"):
+        build_task("needle", TaskConfig(tmp_path))
+    assert set(SYNTHETIC) <= set(TASKS)

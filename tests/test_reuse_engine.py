@@ -1,0 +1,131 @@
+"""Engine + reuse: generate/answer plan -> prefill the rest -> decode -> record; the CLI flags; bench reuse."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_reuse_prefix import DictStore
+
+from kvforge.engine import Engine
+from kvforge.reuse import FakeEmbedder, PrefixReuse, SemanticReuse
+from kvforge.testing import tiny_model, tiny_tokenizer
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(tiny_model("llama"), tiny_tokenizer(), chunk_size=32)
+
+
+def test_generate_reuses_prefix_and_gives_the_same_answer(engine):
+    baseline = engine.generate(PROMPT, max_new_tokens=4)
+    store = DictStore()
+    engine.reuse = PrefixReuse(store, engine.model_id, block_size=16)
+    try:
+        first = engine.generate(PROMPT, max_new_tokens=4)
+        second = engine.generate(PROMPT, max_new_tokens=4)
+        longer = engine.generate(PROMPT + "And then?", max_new_tokens=4)
+    finally:
+        engine.reuse = None
+    assert first.reused_tokens == 0 and first.info["reuse"]["kind"] == "miss"
+    n = first.prompt_tokens
+    assert second.reused_tokens == n - 1 and second.info["reuse"]["kind"] == "prefix"
+    assert first.token_ids == second.token_ids == baseline.token_ids
+    a, b = engine.encode_chat(PROMPT), engine.encode_chat(PROMPT + "And then?")
+    common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)  # template end differs
+    assert longer.reused_tokens == (common // 16) * 16
+    assert second.ttft_s > 0 and "plan_s" in second.info["reuse"]
+
+
+def test_answer_context_mode_prefills_the_question(engine):
+    doc = "Rouen is the capital of Normandy. It lies on the Seine. " * 3
+    engine.reuse = SemanticReuse(DictStore(), engine.model_id, FakeEmbedder(), mode="context", threshold=0.8)
+    try:
+        base = engine.answer(doc, "Where is Rouen?", max_new_tokens=6)
+        other = engine.answer(doc, "What river?", max_new_tokens=6)
+    finally:
+        engine.reuse = None
+    plain = engine.answer(doc, "What river?", max_new_tokens=6)
+    assert base.reused_tokens == 0 and other.info["reuse"]["kind"] == "prefix" and other.reused_tokens > 50
+    assert other.token_ids == plain.token_ids
+
+
+def test_reuse_rejects_sliding_window_engine():
+    from kvforge.errors import UserError
+
+    engine = Engine(tiny_model("llama"), tiny_tokenizer(), window=16, reuse=PrefixReuse(DictStore(), "x"))
+    with pytest.raises(UserError, match="sliding-window"):
+        engine.generate(PROMPT, max_new_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model("llama").save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_cli_generate_reuse_across_processes(model_dir, tmp_path, capsys):
+    pytest.importorskip("kvforge.store")
+    from kvforge.cli import main
+
+    store = f"file://{tmp_path}/kv"
+    argv = [
+        "generate",
+        "--model",
+        str(model_dir),
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        "4",
+        "--store",
+        store,
+        "--reuse",
+        "prefix",
+    ]
+    assert main(argv) == 0
+    assert "reuse miss: 0/" in capsys.readouterr().err
+    assert main(argv) == 0  # a new Engine and a reopened store: as a second process would
+    err = capsys.readouterr().err
+    assert "reuse prefix hit" in err and "TTFT" in err
+    assert main([*argv[:-1], "semantic", "--threshold", "3"]) == 2
+    assert "threshold" in capsys.readouterr().err
+    assert main([*argv, "--press", "snapkv"]) == 2
+    assert "cannot be combined with --press" in capsys.readouterr().err
+
+
+def test_cli_bench_reuse(model_dir, tmp_path, capsys):
+    pytest.importorskip("kvforge.store")
+    from kvforge.cli import main
+
+    argv = [
+        "bench",
+        "reuse",
+        "--model",
+        str(model_dir),
+        "--lengths",
+        "40,80",
+        "--repeats",
+        "1",
+        "--block-size",
+        "16",
+        "--store",
+        "memory://",
+        "--store",
+        f"file://{tmp_path}/kv",
+    ]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["prompt_tokens"], r["store"].split(":")[0]) for r in rows] == [
+        (40, "memory"),
+        (40, "file"),
+        (80, "memory"),
+        (80, "file"),
+    ]
+    for r in rows:
+        assert r["reused_tokens"] == r["prompt_tokens"] - 1 and r["max_abs_logit_diff"] < 1e-4
+        assert r["cold_ttft_s"] > 0 and r["warm_ttft_s"] > 0 and r["ttft_reduction"] < 1
+    assert main([*argv[:4], "--lengths", "1"]) == 2

@@ -1,0 +1,83 @@
+"""``kvforge serve`` as a subprocess on a saved tiny model, driven by the stock openai client."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from kvforge.cli import build_parser  # noqa: E402
+from kvforge.testing import tiny_model, tiny_tokenizer  # noqa: E402
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_serve_parser_defaults_to_localhost() -> None:
+    args = build_parser().parse_args(["serve", "--model", "m"])
+    assert (args.host, args.port, args.reuse, args.press) == ("127.0.0.1", 8000, "none", None)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--compression-ratio", "1.0"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--reuse", "sideways"])
+
+
+def test_kvforge_serve_subprocess(tmp_path: Path) -> None:
+    folder = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvforge.cli",
+        "serve",
+        "--model",
+        str(folder),
+        "--served-model-name",
+        "tiny",
+        "--port",
+        str(port),
+        "--api-key",
+        "k",
+        "--device",
+        "cpu",
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0, timeout=30)
+        out = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=5, temperature=0
+        )
+        assert out.choices[0].finish_reason in ("length", "stop")
+        assert out.usage.prompt_tokens > 0 and out.usage.completion_tokens == len(out.choices[0].message.content)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bad", max_retries=0).models.list()
+    finally:
+        proc.terminate()
+        proc.wait(15)

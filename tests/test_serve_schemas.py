@@ -1,0 +1,276 @@
+"""Request validation, error bodies and the worker, through FastAPI's TestClient (no network)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import threading
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient
+
+from kvforge.engine import Engine
+from kvforge.errors import UserError
+from kvforge.serve import create_app
+from kvforge.serve.errors import APIError
+from kvforge.serve.metrics import store_tiers
+from kvforge.serve.runner import DeltaStream, split_context_question
+from kvforge.serve.worker import Aborted, QueueFullError, Worker
+from kvforge.testing import tiny_model, tiny_tokenizer
+
+MODEL = "tiny"
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def _have(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(tiny_model("llama"), tiny_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def client(engine: Engine) -> Any:
+    with TestClient(create_app(engine, model_name=MODEL, max_body_bytes=4096)) as c:
+        yield c
+
+
+def _err(r: Any, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return body["error"]  # type: ignore[no-any-return]
+
+
+def test_chat_accepts_text_parts_and_developer_role(client: Any, engine: Engine) -> None:
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]},
+    ]
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "max_tokens": 5, "temperature": 0, "user": "ignored-field"},
+    )
+    assert r.status_code == 200, r.text
+    expected = engine.generate([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}], 5)
+    assert r.json()["choices"][0]["message"]["content"] == expected.text
+
+
+def test_completion_token_prompt_and_echo(client: Any, engine: Engine) -> None:
+    ids = engine.encode_chat("abc", raw=True)
+    by_ids = client.post("/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 4, "temperature": 0})
+    by_text = client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": ["abc"], "max_tokens": 4, "temperature": 0, "echo": True}
+    )
+    assert by_ids.status_code == by_text.status_code == 200
+    assert by_text.json()["choices"][0]["text"] == "abc" + by_ids.json()["choices"][0]["text"]
+    assert by_ids.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": MODEL, "messages": []}, "messages"),
+        ({"model": MODEL}, "messages"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages.role"),
+        ({"model": MODEL, "messages": CHAT, "n": 2}, "n"),
+        ({"model": MODEL, "messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"model": MODEL, "messages": CHAT, "stop": [""]}, "stop"),
+        ({"model": MODEL, "messages": CHAT, "top_p": 0}, "top_p"),
+        ({"model": MODEL, "messages": CHAT, "max_tokens": 0}, "max_tokens"),
+        ({"model": MODEL, "messages": CHAT, "stream": "yes"}, "stream"),
+        ({"model": 5, "messages": CHAT}, "model"),
+        ({"model": MODEL, "messages": CHAT, "kvforge": {"press": "snapkv", "ratio": 0.5}}, "kvforge.ratio"),
+        ({"model": MODEL, "messages": CHAT, "kvforge": {"compression_ratio": -0.1}}, "kvforge.compression_ratio"),
+        ({"model": MODEL, "messages": CHAT, "kvforge": {"reuse": "exact"}}, "kvforge.reuse"),
+        ({"model": MODEL, "messages": CHAT, "kvforge": {"semantic_mode": "fuzzy"}}, "kvforge.semantic_mode"),
+        ({"model": MODEL, "messages": CHAT, "kvforge": {"query_aware": "no"}}, "kvforge.query_aware"),
+        ({"model": MODEL, "messages": CHAT, "kvforge": "snapkv"}, "kvforge"),
+    ],
+)
+def test_invalid_chat_bodies_are_400(client: Any, body: dict[str, Any], param: str) -> None:
+    error = _err(client.post("/v1/chat/completions", json=body), 400)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+
+
+@pytest.mark.parametrize("prompt", [["a", "b"], "", [], 42])
+def test_invalid_prompts_are_400(client: Any, prompt: Any) -> None:
+    assert _err(client.post("/v1/completions", json={"model": MODEL, "prompt": prompt}), 400)["param"] == "prompt"
+
+
+def test_semantic_mode_needs_semantic_reuse(client: Any) -> None:
+    body = {"model": MODEL, "messages": CHAT, "kvforge": {"semantic_mode": "context"}}
+    assert _err(client.post("/v1/chat/completions", json=body), 400)["param"] == "kvforge.semantic_mode"
+
+
+def test_max_tokens_past_the_context(client: Any, engine: Engine) -> None:
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": engine.max_positions}
+    assert _err(client.post("/v1/completions", json=body), 400)["code"] == "context_length_exceeded"
+
+
+def test_routes_and_methods_answer_in_openai_shape(client: Any) -> None:
+    assert client.get("/v1/models/tiny").json()["id"] == MODEL
+    assert _err(client.get("/v1/models/other"), 404)["code"] == "model_not_found"
+    assert _err(client.get("/v1/nothing"), 404)["type"] == "not_found_error"
+    _err(client.get("/v1/chat/completions"), 405)
+
+
+def test_body_limit_applies_to_chunked_bodies(client: Any) -> None:
+    def chunks() -> Any:
+        yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+        for _ in range(10):
+            yield b"x" * 1000
+        yield b'"}]}'
+
+    r = client.post("/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert _err(r, 413)["code"] == "request_too_large"
+
+
+@pytest.mark.skipif(_have("kvforge.presses"), reason="checks the answer when kvforge.presses is absent")
+def test_missing_press_module_is_400(client: Any) -> None:
+    body = {"model": MODEL, "messages": CHAT, "kvforge": {"press": "snapkv"}}
+    assert _err(client.post("/v1/chat/completions", json=body), 400)["code"] == "feature_unavailable"
+
+
+@pytest.mark.skipif(_have("kvforge.reuse"), reason="checks the answer when kvforge.reuse is absent")
+def test_missing_reuse_module_is_400(client: Any) -> None:
+    body = {"model": MODEL, "messages": CHAT, "kvforge": {"reuse": "prefix"}}
+    assert _err(client.post("/v1/chat/completions", json=body), 400)["code"] == "feature_unavailable"
+    assert _err(client.post("/v1/kv/documents", json={"documents": ["doc"]}), 400)["code"] == "feature_unavailable"
+
+
+def test_documents_validation(client: Any) -> None:
+    assert _err(client.post("/v1/kv/documents", json={"documents": []}), 400)["param"] == "documents"
+    assert _err(client.post("/v1/kv/documents", json={"documents": ["  "]}), 400)["param"] == "documents"
+    assert _err(client.post("/v1/kv/documents", json={"documents": ["a"], "mode": "x"}), 400)["param"] == "mode"
+    assert _err(client.post("/v1/kv/documents", json={"documents": ["a"], "model": "x"}), 404)["param"] == "model"
+
+
+def test_engine_failure_is_500_and_the_server_keeps_serving(engine: Engine) -> None:
+    class Broken(Engine):
+        fail = True
+
+        def generate(self, *args: Any, **kwargs: Any) -> Any:
+            if self.fail:
+                raise RuntimeError("boom")
+            return super().generate(*args, **kwargs)
+
+    broken = Broken(engine.model, engine.tokenizer)
+    with TestClient(create_app(broken, model_name=MODEL), raise_server_exceptions=False) as c:
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
+        assert _err(c.post("/v1/chat/completions", json=body), 500)["type"] == "server_error"
+        broken.fail = False
+        assert c.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_create_app_rejects_bad_defaults(engine: Engine) -> None:
+    with pytest.raises(UserError):
+        create_app(engine, compression_ratio=1.0)
+    with pytest.raises(UserError):
+        create_app(engine, press="no-such-press")
+
+
+# ------------------------------------------------------------------------------------------------ pieces
+def testsplit_context_question() -> None:
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "doc\n\npart\n\nWhat?"}]
+    assert split_context_question(msgs) == ("doc\n\npart", "What?", "S")
+    for bad in (
+        [{"role": "user", "content": "no separator"}],
+        "raw text",
+        [{"role": "user", "content": "a\n\nb"}, {"role": "assistant", "content": "c"}],
+    ):
+        with pytest.raises(APIError):
+            split_context_question(bad)
+
+
+def test_delta_stream_holds_back_stop_strings() -> None:
+    tok = tiny_tokenizer()
+    ids = tok("hello STOP world", add_special_tokens=False).input_ids
+    sent: list[str] = []
+    stream = DeltaStream(tok, ["STOP", "zz"], sent.append)
+    for t in ids:
+        stream(t)
+    stream.finish("hello ")  # what the engine returns: trimmed at the stop string
+    assert "".join(sent) == "hello " and all("S" not in d for d in sent)
+    plain: list[str] = []
+    stream = DeltaStream(tok, [], plain.append)
+    for t in ids:
+        stream(t)
+    stream.finish("hello STOP world")
+    assert plain == list("hello STOP world")
+
+
+def test_store_tiers_labels() -> None:
+    assert store_tiers(None) == []
+    assert store_tiers({"backend": "file", "bytes": 5}) == [("0:file", {"backend": "file", "bytes": 5})]
+    tiered = {"backend": "tiered", "tiers": [{"backend": "memory", "bytes": 1}, {"backend": "file", "bytes": 2}]}
+    assert [label for label, _ in store_tiers(tiered)] == ["0:memory", "1:file"]
+
+
+def test_worker_queue_bound_and_cancelled_jobs_never_run() -> None:
+    loop = asyncio.new_event_loop()
+    worker = Worker(max_queue=1)
+    gate, ran = threading.Event(), []
+    try:
+        first = worker.submit(lambda job: gate.wait(5), loop, None)
+        while not worker.busy:
+            time.sleep(0.005)
+        second = worker.submit(lambda job: ran.append("second"), loop, None)
+        with pytest.raises(QueueFullError):
+            worker.submit(lambda job: ran.append("third"), loop, None)
+        second.cancel()
+        gate.set()
+        loop.run_until_complete(asyncio.wait({first.future, second.future}, timeout=5))
+        third = worker.submit(lambda job: ran.append("third"), loop, None)
+        for job in (first, second, third):
+            loop.run_until_complete(asyncio.wait({job.future}, timeout=5))
+        assert ran == ["third"]
+        assert isinstance(second.future.exception(), Aborted)
+        assert first.future.result() is True
+    finally:
+        worker.close()
+        loop.close()
+
+
+def test_worker_refuses_jobs_that_would_time_out_in_the_queue() -> None:
+    loop = asyncio.new_event_loop()
+    worker = Worker(max_queue=8)
+    ran: list[str] = []
+    try:
+        job = worker.submit(lambda job: None, loop, None)
+        loop.run_until_complete(asyncio.wait({job.future}, timeout=5))
+        worker.avg_job_s = 2.0  # as if each job took 2 s
+        assert worker.expected_wait_s() == 0.0  # idle: nothing ahead
+        gate = threading.Event()
+        worker.submit(lambda job: gate.wait(5), loop, 3.0)  # its own 2 s fit in 3 s
+        with pytest.raises(QueueFullError) as e:
+            worker.submit(lambda job: None, loop, 3.0)  # 2 s ahead + its own 2 s do not
+        assert e.value.retry_after_s >= 1
+        worker.avg_job_s = 0.1  # admitted on a low estimate...
+        late = worker.submit(lambda job: ran.append("late"), loop, 0.5)
+        worker.avg_job_s = 2.0  # ...but by the time it could start, 0.5 s no longer covers a job: refused, not run
+        gate.set()
+        loop.run_until_complete(asyncio.wait({late.future}, timeout=5))
+        assert isinstance(late.future.exception(), QueueFullError) and not ran
+    finally:
+        worker.close()
+        loop.close()
+
+
+def test_shutdown_stops_the_worker(engine: Engine) -> None:
+    app = create_app(engine, model_name=MODEL)
+    with TestClient(app) as c:
+        assert c.get("/health").json()["busy"] is False
+    app.state.worker._thread.join(5)
+    assert not app.state.worker._thread.is_alive()
