@@ -26,3 +26,26 @@ def test_rag_rows_in_the_runner(tmp_path):
     assert by[("cacheclip", 1.0)]["prediction"] == by[("full", 0.0)]["prediction"]
     assert by[("cacheclip", 0.2)]["info"]["recompute_ratio"] == 0.2
     assert by[("naive", 0.0)]["info"]["num_recomputed"] == 0
+
+
+def test_kvforge_eval_rag_flags(tmp_path):
+    import json
+
+    from kvforge.cli import main
+
+    model_dir = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"id": "e1", "chunks": ["The code is 12.", "Cats nap."], "question": "Code?",
+                                "answers": ["12"], "max_new_tokens": 2}) + "\n")
+    out = tmp_path / "out"
+    argv = ["eval", "--model", str(model_dir), "--data", str(data), "--rag", "naive,cacheclip",
+            "--recompute-ratios", "1.0", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    by = {(r["method"], r["compression_ratio"]): r for r in rows}
+    assert set(by) == {("full", 0.0), ("naive", 0.0), ("cacheclip", 1.0)}
+    assert by[("cacheclip", 1.0)]["prediction"] == by[("full", 0.0)]["prediction"]
+    assert by[("cacheclip", 1.0)]["info"]["recompute_ratio"] == 1.0
+    assert main([*argv[:5], "--rag", "blend", *argv[7:]]) == 2  # unknown strategy: one-line error

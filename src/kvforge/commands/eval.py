@@ -56,6 +56,10 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--dtype", help="float32, bfloat16, float16")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk size (tokens)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--rag", type=_names, help="RAG strategies instead of presses: naive,ape,cacheblend,cacheclip "
+                   "(examples' chunks are reused; see docs/rag.md)")
+    p.add_argument("--recompute-ratios", type=_floats, default=[0.2], help="RAG: share of context tokens recomputed")
+    p.add_argument("--aux-model", help="RAG: an extra CacheClip auxiliary model (the model itself always runs)")
     p.add_argument("--report-only", action="store_true", help="rebuild summary, plots and report from results.jsonl")
     p.set_defaults(func=run)
 
@@ -119,8 +123,11 @@ def run(args: argparse.Namespace) -> int:
         read_examples(args.data, limit=args.limit)  # a malformed file fails before the model loads
     elif not args.task.startswith("hub:") and not (args.data_dir or default_data_dir()).is_dir():
         raise UserError(f"data folder {args.data_dir or default_data_dir()} not found (set --data-dir)")
-    trials = press_trials(args.methods, args.compression_ratios, query_aware=not args.query_agnostic)
     engine = load_engine(args)
+    if args.rag:
+        trials = _rag_trials(args, engine)
+    else:
+        trials = press_trials(args.methods, args.compression_ratios, query_aware=not args.query_agnostic)
     examples = examples_for(args, engine.tokenizer)
     args.out.mkdir(parents=True, exist_ok=True)
     _record_examples(examples, args.out / "examples.jsonl")
@@ -130,6 +137,22 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     runner.run(examples, progress=not args.no_progress)
     return _report(args, mode)
+
+
+def _rag_trials(args: argparse.Namespace, engine: Any) -> list[Any]:
+    """RAG strategies as trials (ratio column = recompute ratio), CacheClip also with ``--aux-model``."""
+    from kvforge.rag import STRATEGIES, RagModel
+    from kvforge.rag.trials import rag_trials
+
+    unknown = [s for s in args.rag if s not in STRATEGIES]
+    if unknown:
+        raise UserError(f"unknown RAG strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+    aux = {}
+    if args.aux_model:
+        from kvforge.model import load_model
+
+        aux[args.aux_model] = RagModel(*load_model(args.aux_model, device=args.device, dtype=args.dtype))
+    return rag_trials(args.rag, args.recompute_ratios, aux)
 
 
 def _record_examples(examples: list[Any], path: Path) -> None:
