@@ -4,10 +4,9 @@ import pytest
 
 pytest.importorskip("kvforge.eval.runner")
 
+from kvforge.engine import Engine
 from kvforge.eval.data import Example
 from kvforge.eval.runner import EvalRunner
-
-from kvforge.engine import Engine
 from kvforge.rag.trials import rag_trials
 from kvforge.testing import tiny_model, tiny_tokenizer
 
