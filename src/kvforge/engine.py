@@ -136,7 +136,9 @@ class Engine:
         else:
             from kvforge.presses import compress_prefill
 
-            logits = compress_prefill(self.model, input_ids, cache, press, chunk_size=self.chunk_size)
+            logits = compress_prefill(
+                self.model, input_ids, cache, press, chunk_size=self.chunk_size, tokenizer=self.tokenizer
+            )
         return cache, logits
 
     def decode(
