@@ -42,7 +42,7 @@ def test_chunked_prefill_equals_single_shot(model, chunk_size):
     chunked = prefill(model, ids, c2 := KVCache.for_model(model), chunk_size=chunk_size)
     torch.testing.assert_close(one, full, atol=1e-5, rtol=0)
     torch.testing.assert_close(chunked, one, atol=1e-5, rtol=0)
-    for a, b in zip(c1.layers, c2.layers):
+    for a, b in zip(c1.layers, c2.layers, strict=True):
         torch.testing.assert_close(a.view()[0], b.view()[0], atol=1e-5, rtol=0)
     assert c1.next_position == c2.next_position == 50
 
@@ -55,7 +55,7 @@ def test_sliding_window_keeps_exactly_sinks_and_window(model):
     decode(model, cache, logits, 40)
     last = cache.next_position - 1
     expected = list(range(sinks)) + list(range(last - window + 1, last + 1))
-    for layer, native in zip(cache.layers, cache.native_windows):
+    for layer, native in zip(cache.layers, cache.native_windows, strict=True):
         if native is None:
             assert layer.visible_positions(last) == expected
             # memory is bounded: at most sinks + window + one block of slack held
@@ -117,7 +117,7 @@ def test_headwise_packing_equals_masking_and_frees_memory(model):
     prefill(model, ids, packed)
     prefill(model, ids, masked)
     g = torch.Generator().manual_seed(0)
-    for lp, lm in zip(packed.layers, masked.layers):
+    for lp, lm in zip(packed.layers, masked.layers, strict=True):
         k, v, p, _ = lp.view()
         keep = torch.rand(p.shape, generator=g) < torch.linspace(0.2, 0.8, p.shape[1])[None, :, None]
         keep[..., -1] = True
@@ -168,3 +168,22 @@ def test_segment_round_trip_restores_cache(model):
     restored = KVCache.from_segment(segment, model)
     assert restored.next_position == 20 and restored.token_ids == ids[0].tolist()
     torch.testing.assert_close(forward(model, [4], restored), forward(model, [4], cache), atol=0, rtol=0)
+
+
+def test_softcapped_eager_path_matches_sdpa_when_the_cap_is_inactive():
+    """The eager path (used for soft-capped logits) computes the same attention as sdpa, masks included."""
+    from kvforge.attention import kvforge_attention
+
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, h, 6, 8, generator=g) for h in (4, 2, 2))
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    mask = torch.rand(1, 1, 6, 6, generator=g) > 0.3
+    mask[..., 0] = True
+    for attention_mask, window in ((None, None), (mask, None), (None, 3)):
+        plain, _ = kvforge_attention(module, query, key, value, attention_mask, sliding_window=window)
+        capped, _ = kvforge_attention(module, query, key, value, attention_mask, sliding_window=window, softcap=1e9)
+        torch.testing.assert_close(capped, plain, atol=1e-5, rtol=0)
+    plain, _ = kvforge_attention(module, query, key, value, None)
+    capped, _ = kvforge_attention(module, query, key, value, None, softcap=0.5)
+    assert not torch.allclose(capped, plain)  # a real cap changes the result

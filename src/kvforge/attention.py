@@ -35,7 +35,7 @@ def kvforge_attention(
     position_ids: Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """Scaled dot-product attention with masks from the cache. ``query`` is ``(B, H, Q, D)``; returns ``(B, Q, H, D)``."""
+    """Scaled dot-product attention with masks from the cache; ``query`` ``(B, H, Q, D)`` -> ``(B, Q, H, D)``."""
     num_heads, q_len = query.shape[1], query.shape[2]
     layer = kv_cache.layers[module.layer_idx] if kv_cache is not None else None  # type: ignore[index]
     is_causal = False
@@ -52,7 +52,8 @@ def kvforge_attention(
     if override is not None:
         return override(module, query, key, value, mask, is_causal, scaling, softcap), None
     if softcap is not None:
-        return _softcapped_attention(query, key, value, mask, is_causal, scaling, softcap), None
+        scores = attention_scores(query, key, mask, is_causal, scaling, softcap)  # eager: soft-capping
+        return attend(torch.softmax(scores, dim=-1), value), None
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=key.shape[1] != num_heads
     )
@@ -71,21 +72,29 @@ def _plain_mask(query: Tensor, key: Tensor, sliding_window: int | None, attentio
     return ((k_pos <= q_pos) & (q_pos - k_pos < sliding_window))[None, None]
 
 
-def _softcapped_attention(
-    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool, scaling: float | None, cap: float
+def attention_scores(
+    query: Tensor, key: Tensor, mask: Tensor | None, is_causal: bool, scaling: float | None, softcap: float | None
 ) -> Tensor:
-    """Eager attention with logit soft-capping (Gemma2-style models)."""
+    """Masked attention logits ``(B, H, Q, K)`` in fp32 (-inf where masked); ``key`` ``(B, H_kv, K, D)``."""
     group = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
-    scores = (query @ key.transpose(-1, -2)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
-    scores = torch.tanh(scores / cap) * cap
+    k = key.repeat_interleave(group, 1) if group > 1 else key
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = (query.float() @ k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if is_causal:
         q_len, k_len = scores.shape[-2:]
         mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    out = torch.softmax(scores.float(), dim=-1).to(value.dtype) @ value
-    return out.transpose(1, 2).contiguous()
+    return scores
+
+
+def attend(probs: Tensor, value: Tensor) -> Tensor:
+    """``probs`` ``(B, H, Q, K)`` applied to ``value`` ``(B, H_kv, K, D)``; returns ``(B, Q, H, D)``."""
+    group = probs.shape[1] // value.shape[1]
+    v = value.repeat_interleave(group, 1) if group > 1 else value
+    return (probs.to(v.dtype) @ v).transpose(1, 2).contiguous()
 
 
 def register_attention() -> None:

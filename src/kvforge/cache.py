@@ -245,14 +245,11 @@ class KVLayer:
         An entry is visible to a query when its position is <= the query's, it is valid, and (with a window) it is
         within ``window`` positions or a sink.
         """
-        keys, _, pos, valid = self.view()
+        _, _, pos, valid = self.view()
         q = query_positions  # (B, Q)
         if self.num_new == q.shape[1] and self.num_new == 1 and valid is None and self.window is None:
             return None  # one decoding query sees every entry
-        if not self.is_headwise and valid is None:
-            k_pos = pos[:, :1, :]  # (B, 1, K)
-        else:
-            k_pos = pos
+        k_pos = pos[:, :1, :] if not self.is_headwise and valid is None else pos  # (B, 1 or H_kv, K)
         allowed = k_pos[:, :, None, :] <= q[:, None, :, None]  # (B, h, Q, K)
         if self.window is not None:
             near = (q[:, None, :, None] - k_pos[:, :, None, :]) < self.window
@@ -413,6 +410,30 @@ class KVCache:
         cache.token_ids = list(segment.token_ids)
         cache.info = dict(segment.meta)
         return cache
+
+
+class CacheSnapshot:
+    """Remember a cache's content so extra forwards (lookahead drafts, reconstruction) can be undone exactly.
+
+    Appends write past ``length`` or into new buffers, never over held slots, so keeping references is enough.
+    """
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.layers = [
+            (layer.keys, layer.values, layer.positions, layer.valid, layer.length, layer.is_headwise)
+            for layer in cache.layers
+        ]
+        self.next_position = cache.next_position
+        self.num_tokens = len(cache.token_ids)
+
+    def restore(self) -> None:
+        for layer, (k, v, p, m, n, hw) in zip(self.cache.layers, self.layers, strict=True):
+            layer.keys, layer.values, layer.positions, layer.valid = k, v, p, m
+            layer.length, layer.is_headwise, layer.num_new = n, hw, 0
+        self.cache.next_position = self.next_position
+        del self.cache.token_ids[self.num_tokens :]
+        self.cache.query_positions = None
 
 
 def native_layer_windows(config: Any) -> list[int | None]:

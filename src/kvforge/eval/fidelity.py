@@ -18,27 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvforge.cache import KVCache
+from kvforge.cache import CacheSnapshot, KVCache
 from kvforge.eval.data import Example
 from kvforge.prefill import forward
-
-
-class CacheSnapshot:
-    """Remember a cache's state so forwards run on top of it can be undone (appends never overwrite held slots)."""
-
-    def __init__(self, cache: KVCache) -> None:
-        self.cache = cache
-        self.layers = [(la.keys, la.values, la.positions, la.valid, la.length, la.is_headwise) for la in cache.layers]
-        self.next_position = cache.next_position
-        self.num_tokens = len(cache.token_ids)
-
-    def restore(self) -> None:
-        for layer, (k, v, p, m, n, headwise) in zip(self.cache.layers, self.layers, strict=True):
-            layer.keys, layer.values, layer.positions, layer.valid = k, v, p, m
-            layer.length, layer.is_headwise, layer.num_new = n, headwise, 0
-        self.cache.next_position = self.next_position
-        del self.cache.token_ids[self.num_tokens :]
-        self.cache.query_positions = None
 
 
 def reference_text(example: Example) -> str:

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvforge.cache import KVCache, KVLayer
+from kvforge.cache import CacheSnapshot, KVCache, KVLayer
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, forward, prefill
 from kvforge.presses.base import LayerContext, Press, Selection
-from kvforge.presses.hooks import CacheSnapshot, Collector, attention_hooks, attention_modules, num_query_heads
+from kvforge.presses.hooks import Collector, attention_hooks, attention_modules, num_query_heads
 from kvforge.presses.kvzip import KVzipPress
 
 logger = logging.getLogger(__name__)

@@ -135,27 +135,3 @@ def attention_hooks(model: Any, collector: Collector) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
-
-
-class CacheSnapshot:
-    """Remember a cache's content so extra forwards (lookahead drafts, reconstruction) can be undone exactly.
-
-    Appends write past ``length`` or into new buffers, never over held slots, so keeping references is enough.
-    """
-
-    def __init__(self, cache: KVCache) -> None:
-        self.cache = cache
-        self.layers = [
-            (layer.keys, layer.values, layer.positions, layer.valid, layer.length, layer.is_headwise)
-            for layer in cache.layers
-        ]
-        self.next_position = cache.next_position
-        self.num_tokens = len(cache.token_ids)
-
-    def restore(self) -> None:
-        for layer, (k, v, p, m, n, hw) in zip(self.cache.layers, self.layers, strict=True):
-            layer.keys, layer.values, layer.positions, layer.valid = k, v, p, m
-            layer.length, layer.is_headwise, layer.num_new = n, hw, 0
-        self.cache.next_position = self.next_position
-        del self.cache.token_ids[self.num_tokens :]
-        self.cache.query_positions = None

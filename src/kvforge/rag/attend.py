@@ -11,32 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kvforge.attention import attend, attention_scores
 from kvforge.cache import KVCache
-
-
-def attention_scores(
-    query: Tensor, key: Tensor, mask: Tensor | None, is_causal: bool, scaling: float | None, softcap: float | None
-) -> Tensor:
-    """Masked attention logits ``(B, H, Q, K)`` in fp32 (-inf where masked); ``key`` ``(B, H_kv, K, D)``."""
-    group = query.shape[1] // key.shape[1]
-    k = key.repeat_interleave(group, 1) if group > 1 else key
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    scores = (query.float() @ k.float().transpose(-1, -2)) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if is_causal:
-        q_len, k_len = scores.shape[-2:]
-        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return scores
-
-
-def attend(probs: Tensor, value: Tensor) -> Tensor:
-    """``probs`` ``(B, H, Q, K)`` applied to ``value`` ``(B, H_kv, K, D)``; returns ``(B, Q, H, D)``."""
-    group = probs.shape[1] // value.shape[1]
-    v = value.repeat_interleave(group, 1) if group > 1 else value
-    return (probs.to(v.dtype) @ v).transpose(1, 2).contiguous()
 
 
 class APEAttention:
