@@ -238,3 +238,42 @@ def test_cli_main_reports_a_malformed_line(tmp_path, capsys):
         capsys.readouterr().err.strip() == f"kvforge: error: {bad}:2: invalid JSON (Expecting property name "
         "enclosed in double quotes at column 2)"
     )
+
+
+@pytest.mark.parametrize("query_aware", [True, False])
+def test_shared_prefill_gives_the_rows_of_separate_prefills(tmp_path, engine, query_aware):
+    """One prefill per example for every press x ratio: same predictions, budgets and fidelity as separate ones."""
+    methods = ["full", "snapkv", "pyramidkv", "criticaladakv", "surrogatekv-global", "streaming_llm", "h2o"]
+    trials = press_trials(methods, [0.5, 0.75], query_aware=query_aware)
+    rows = {}
+    for share in (True, False):
+        out = tmp_path / str(share)
+        runner = EvalRunner(engine, trials, out, {"model": "tiny"}, with_fidelity=True, max_new_tokens=3,
+                            share_prefill=share)  # fmt: skip
+        rows[share] = {(r["id"], r["method"], r["compression_ratio"]): r for r in runner.run(_examples(), False)}
+    assert rows[True].keys() == rows[False].keys() and len(rows[True]) == 2 * (1 + 2 * (len(methods) - 1))
+    for key, a in rows[True].items():
+        b = rows[False][key]
+        for col in ("prediction", "num_entries", "kept_ratio", "cache_bytes", "prompt_tokens", "needle_kept"):
+            assert a.get(col) == b.get(col), (key, col)
+        assert a["kl"] == pytest.approx(b["kl"], abs=1e-4)
+        assert a["answer_nll"] == pytest.approx(b["answer_nll"], abs=1e-4)
+        assert a["ttft_s"] > 0
+
+
+def test_shared_prefill_resumes_after_the_full_row(tmp_path, engine):
+    """A re-run that finds only the full rows rebuilds the reference first, then compresses (no stale cache)."""
+    trials = press_trials(["full", "snapkv", "adakv"], [0.5])
+    ref_runner = EvalRunner(engine, trials, tmp_path / "ref", {"model": "tiny"}, with_fidelity=True, max_new_tokens=3)
+    ref = {(r["id"], r["method"]): r for r in ref_runner.run(_examples(), False)}
+    out = tmp_path / "resumed"
+    EvalRunner(engine, trials[:1], out, {"model": "tiny"}, with_fidelity=True, max_new_tokens=3).run(_examples(), False)
+    rows = EvalRunner(engine, trials, out, {"model": "tiny"}, with_fidelity=True, max_new_tokens=3).run(
+        _examples(), False
+    )
+    assert len(rows) == len(ref)
+    for r in rows:
+        want = ref[(r["id"], r["method"])]
+        assert (r["prediction"], r["num_entries"], r["kept_ratio"]) == (
+            want["prediction"], want["num_entries"], want["kept_ratio"])
+        assert r["kl"] == pytest.approx(want["kl"], abs=1e-4)

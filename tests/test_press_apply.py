@@ -199,3 +199,57 @@ def test_compress_on_top_of_a_headwise_compressed_prefix(llama):
     assert [layer.num_entries() for layer in cache.layers] == [n + h_kv * num_kept(100, 0.75) for n in held]
     assert cache.next_position == 220
     assert torch.isfinite(forward(llama, ids(3), cache)).all()
+
+
+def _layer_state(cache: KVCache) -> list[tuple]:
+    return [tuple(None if t is None else t.clone() for t in layer.view()) for layer in cache.layers]
+
+
+def _assert_same_cache(a: KVCache, b: KVCache) -> None:
+    assert a.next_position == b.next_position and a.token_ids == b.token_ids
+    for la, lb in zip(_layer_state(a), _layer_state(b), strict=True):
+        for ta, tb in zip(la, lb, strict=True):
+            assert (ta is None) == (tb is None)
+            if ta is not None:
+                assert torch.equal(ta, tb)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_one_source_compressed_by_many_presses_equals_separate_prefills(arch):
+    """CompressionSource: one prefill, any press, any order -> exactly compress_prefill's cache and logits."""
+    from kvforge.presses import CompressionSource, Needs
+
+    model = tiny_model(arch)
+    presses = [small(n, r) for n, r in [("snapkv", 0.5), ("pyramidkv", 0.75), ("adakv", 0.5), ("criticalkv", 0.5),
+               ("surrogatekv-global", 0.75), ("streaming_llm", 0.5), ("h2o", 0.5), ("snapkv-lookahead", 0.5),
+               ("kvzip", 0.5)]]  # fmt: skip
+    presses.append(SnapKVPress(compression_ratio=0.5, window_size=8, lookahead=2))  # smaller window, fewer drafts
+    needs = Needs()
+    for p in presses:
+        needs = needs.merge(p.needs())
+    prompt = ids()
+    plain = KVCache.for_model(model)
+    plain_logits = prefill(model, prompt, plain, chunk_size=None)
+    source = CompressionSource(model, prompt, KVCache.for_model(model), needs, chunk_size=None)
+    for press in presses + presses[:2]:  # re-compressing after other presses changes nothing
+        ref = KVCache.for_model(model)
+        ref_logits = compress_prefill(model, prompt, ref, press, chunk_size=None)
+        got = source.compress(press)
+        assert torch.equal(source.logits, ref_logits)
+        _assert_same_cache(got, ref)
+        assert got.info["press"]["kept_entries_per_layer"] == ref.info["press"]["kept_entries_per_layer"]
+        # decoding on the compressed cache then restoring leaves the full prefill intact
+        forward(model, torch.tensor([[5, 6, 7]]), got)
+    _assert_same_cache(source.restore(), plain)
+    assert torch.equal(source.logits, plain_logits)
+
+
+def test_source_refuses_a_press_needing_more_than_collected(llama):
+    from kvforge.presses import CompressionSource, Needs
+
+    source = CompressionSource(llama, ids(), KVCache.for_model(llama), Needs(window_size=8), chunk_size=CHUNK)
+    with pytest.raises(ValueError, match="window of 16"):
+        source.compress(small("snapkv", 0.5))
+    with pytest.raises(ValueError, match="lookahead"):
+        source.compress(SnapKVPress(compression_ratio=0.5, window_size=8, lookahead=2))
+    source.compress(SnapKVPress(compression_ratio=0.5, window_size=8))  # fits

@@ -54,5 +54,5 @@ def test_gemma3_sliding_layers_cached_equals_uncached():
     out = decode(model, cache, logits, 6)
     assert out.token_ids == ref_tokens
     torch.testing.assert_close(logits[0], ref_logits[0], atol=1e-3, rtol=0)
-    sliding = [layer for layer, w in zip(cache.layers, cache.native_windows) if w is not None]
+    sliding = [layer for layer, w in zip(cache.layers, cache.native_windows, strict=True) if w is not None]
     assert sliding and all(len(layer.visible_positions(cache.next_position - 1)) == window for layer in sliding)

@@ -40,7 +40,7 @@ class KVSegment:
         if not (len(self.values) == len(self.positions) == len(self.valid) == n):
             raise ValueError("keys, values, positions and valid must have one entry per layer")
         for i, (k, v, p, m) in enumerate(zip(self.keys, self.values, self.positions, self.valid, strict=True)):
-            if k.dim() != 3 or k.shape != v.shape[:2] + (k.shape[2],) or k.shape[:2] != v.shape[:2]:
+            if k.dim() != 3 or k.shape != (*v.shape[:2], k.shape[2]) or k.shape[:2] != v.shape[:2]:
                 raise ValueError(f"layer {i}: keys {tuple(k.shape)} / values {tuple(v.shape)} must be (H_kv, S, D)")
             if tuple(p.shape) != tuple(k.shape[:2]):
                 raise ValueError(f"layer {i}: positions {tuple(p.shape)} must be {tuple(k.shape[:2])}")
@@ -65,7 +65,8 @@ class KVSegment:
 
     def nbytes(self) -> int:
         """Bytes of the key/value tensors held (padding included)."""
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in zip(self.keys, self.values))
+        pairs = zip(self.keys, self.values, strict=True)
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in pairs)
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> KVSegment:
         """A copy on another device and/or dtype (positions and masks keep theirs)."""

@@ -60,6 +60,8 @@ def register(sub: Any, bench_sub: Any) -> None:
                    "(examples' chunks are reused; see docs/rag.md)")
     p.add_argument("--recompute-ratios", type=_floats, default=[0.2], help="RAG: share of context tokens recomputed")
     p.add_argument("--aux-model", help="RAG: an extra CacheClip auxiliary model (the model itself always runs)")
+    p.add_argument("--separate-prefill", action="store_true", help="prefill every method separately (default: "
+                   "one prefill per example, compressed by each method; same rows, TTFT from per-stage clocks)")
     p.add_argument("--report-only", action="store_true", help="rebuild summary, plots and report from results.jsonl")
     p.set_defaults(func=run)
 
@@ -133,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     _record_examples(examples, args.out / "examples.jsonl")
     runner = EvalRunner(
         engine, trials, args.out, run_info={"model": args.model, "mode": mode},
-        with_fidelity=args.fidelity, max_new_tokens=args.max_new_tokens,
+        with_fidelity=args.fidelity, max_new_tokens=args.max_new_tokens, share_prefill=not args.separate_prefill,
     )  # fmt: skip
     runner.run(examples, progress=not args.no_progress)
     return _report(args, mode)

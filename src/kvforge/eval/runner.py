@@ -50,6 +50,8 @@ class Trial:
     method: str
     compression_ratio: float
     prefill: Callable[[Any, Example], Prefilled]
+    press: Any = None  # a press trial's press (None: the full cache); lets the runner share one prefill
+    query_aware: bool | None = None  # set on press trials only (None: not a press trial)
 
     @property
     def key(self) -> tuple[str, float]:
@@ -84,13 +86,13 @@ def press_trial(method: str, compression_ratio: float, query_aware: bool = True)
         logits.argmax(-1).tolist()  # the first token: forces the computation (and a GPU sync)
         return Prefilled(cache, logits, time.perf_counter() - start, list(ctx_ids) + list(q_ids))
 
-    return Trial(method, 0.0 if method == FULL else compression_ratio, prefill)
+    return Trial(method, 0.0 if method == FULL else compression_ratio, prefill, press, query_aware)
 
 
 def press_trials(methods: Sequence[str], ratios: Sequence[float], query_aware: bool = True) -> list[Trial]:
     """The full cache once, then every other method at every ratio, ratio by ratio in the given order (a time-boxed
     run then covers every method at the first ratio). Presses are built now, so a bad name fails early."""
-    trials = [press_trial(FULL, 0.0)]
+    trials = [press_trial(FULL, 0.0, query_aware)]
     trials += [press_trial(m, r, query_aware) for r in ratios for m in methods if m != FULL]
     return trials
 
@@ -146,6 +148,47 @@ class _FullReference:
     logprobs: Tensor | None = None
 
 
+class SharedPrefill:
+    """One example's prompt prefilled once; every press trial of the example compresses a restored copy of it.
+
+    Query-aware: the prompt is context + question, compressed whole. Query-agnostic: the context is compressed, then
+    the question is prefilled on top. A trial's TTFT is the shared prefill's time (plus the lookahead drafts' time if
+    its press uses them) + its own compression + the question's prefill, i.e. what a run with this press alone takes
+    (the per-stage clocks of :class:`kvforge.presses.CompressionSource`); the rows equal those of separate prefills.
+    """
+
+    def __init__(self, engine: Any, example: Example, needs: Any, query_aware: bool) -> None:
+        from kvforge.presses import CompressionSource
+
+        ctx_ids, q_ids = engine.encode_qa(
+            example.context, example.question, system=example.system, answer_prefix=example.answer_prefix
+        )
+        engine.check_length(len(ctx_ids) + len(q_ids), example.max_new_tokens)
+        self.engine, self.prompt_ids = engine, list(ctx_ids) + list(q_ids)
+        self.question_ids = [] if query_aware or not q_ids else list(q_ids)
+        ids = self.prompt_ids if not self.question_ids else list(ctx_ids)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=engine.model.device)
+        _sync()
+        self.source = CompressionSource(
+            engine.model, input_ids, engine.new_cache(), needs, chunk_size=engine.chunk_size, tokenizer=engine.tokenizer
+        )
+        _sync()
+
+    def run(self, press: Any) -> Prefilled:
+        _sync()
+        start = time.perf_counter()
+        if press is None:
+            cache, shared_s = self.source.restore(), self.source.seconds["prefill"]
+        else:
+            cache = self.source.compress(press)
+            shared_s = self.source.seconds["prefill"] + cache.info["press"]["seconds"]["lookahead"]
+        logits = self.source.logits
+        if self.question_ids:
+            cache, logits = self.engine.prefill(self.question_ids, cache=cache)
+        logits.argmax(-1).tolist()  # the first token: forces the computation (and a GPU sync)
+        return Prefilled(cache, logits, shared_s + time.perf_counter() - start, list(self.prompt_ids))
+
+
 class EvalRunner:
     """Runs trials over examples on ``engine`` and appends rows to ``out_dir/results.jsonl``.
 
@@ -155,6 +198,8 @@ class EvalRunner:
         run_info: model name, mode... saved in ``out_dir/run.json``; a re-run must match it.
         with_fidelity: add ``answer_nll``, ``kl``, ``top1_agreement`` and ``needle_kept`` columns.
         max_new_tokens: cap on each example's ``max_new_tokens``.
+        share_prefill: prefill each example once for all press trials (:class:`SharedPrefill`; same rows, a
+            fraction of the time); False prefills every trial separately (TTFT measured end to end per trial).
     """
 
     def __init__(
@@ -166,6 +211,7 @@ class EvalRunner:
         with_fidelity: bool = False,
         max_new_tokens: int | None = None,
         fidelity_tokens: int = 64,
+        share_prefill: bool = True,
     ) -> None:
         if not trials or trials[0].method != FULL:
             raise ValueError("the first trial must be the full cache (the reference of every other row)")
@@ -173,6 +219,8 @@ class EvalRunner:
         self.run_info = run_info | {"fidelity": with_fidelity}
         self.with_fidelity, self.max_new_tokens, self.fidelity_tokens = with_fidelity, max_new_tokens, fidelity_tokens
         self.results_path = self.out_dir / "results.jsonl"
+        self.share_prefill = share_prefill
+        self._shared: dict[bool, SharedPrefill] = {}  # the current example's shared prefills, by query_aware
 
     def _check_run_info(self) -> None:
         info_path = self.out_dir / "run.json"
@@ -201,6 +249,7 @@ class EvalRunner:
                 if all((example.id, *t.key) in done for t in self.trials):
                     continue
                 ref = _FullReference()
+                self._shared.clear()
                 full_row = done.get((example.id, FULL, 0.0))
                 if full_row is not None:
                     ref.num_entries = full_row.get("num_entries")
@@ -213,12 +262,28 @@ class EvalRunner:
                     out.flush()
                     done[row_key(row)] = row
                     bar.update(1)
+                self._shared.clear()
         return load_rows(self.results_path)
+
+    def _prefill(self, example: Example, trial: Trial) -> Prefilled:
+        """``trial``'s cache for ``example``: from the example's shared prefill when the trial is a press trial."""
+        if not self.share_prefill or trial.query_aware is None:
+            return trial.prefill(self.engine, example)
+        shared = self._shared.get(trial.query_aware)
+        if shared is None:
+            from kvforge.presses import Needs
+
+            needs = Needs()
+            for t in self.trials:
+                if t.press is not None and t.query_aware == trial.query_aware and t.press.ratio() > 0:
+                    needs = needs.merge(t.press.needs())
+            shared = self._shared[trial.query_aware] = SharedPrefill(self.engine, example, needs, trial.query_aware)
+        return shared.run(trial.press)
 
     def _full_reference(self, example: Example, ref: _FullReference, pre: Prefilled | None) -> None:
         """Fill in the full cache's teacher-forced distributions (re-prefilling it when resuming)."""
         if pre is None:
-            pre = self.trials[0].prefill(self.engine, example)
+            pre = self._prefill(example, self.trials[0])
         if ref.num_entries is None:
             ref.num_entries = pre.cache.num_entries()
         ref.cont_ids = fidelity.continuation_ids(self.engine.tokenizer, example, self.fidelity_tokens)
@@ -227,21 +292,25 @@ class EvalRunner:
 
     def run_one(self, example: Example, trial: Trial, ref: _FullReference) -> dict[str, Any]:
         """Prefill, measure, decode and score one (example, trial) pair."""
-        _reset_peak()
-        pre = trial.prefill(self.engine, example)
-        cache_bytes, num_entries = pre.cache.nbytes(), pre.cache.num_entries()
         is_full = trial.method == FULL
+        if not is_full:  # resumed without the full row: rebuild the references first (a shared prefill holds one
+            # cache, so it must not be restored under this trial's compressed cache later)
+            if self.with_fidelity and ref.logprobs is None and ref.cont_ids != []:
+                self._full_reference(example, ref, None)
+            if ref.num_entries is None:
+                ref.num_entries = self._prefill(example, self.trials[0]).cache.num_entries()
+        _reset_peak()
+        pre = self._prefill(example, trial)
+        cache_bytes, num_entries = pre.cache.nbytes(), pre.cache.num_entries()
         if is_full:
             ref.num_entries = num_entries
         extra: dict[str, Any] = {}
         if self.with_fidelity:
-            if ref.logprobs is None and ref.cont_ids != []:
-                self._full_reference(example, ref, pre if is_full else None)
+            if is_full and ref.logprobs is None and ref.cont_ids != []:
+                self._full_reference(example, ref, pre)
             extra = self._fidelity(example, pre, ref, is_full)
         max_new = min(example.max_new_tokens, self.max_new_tokens or example.max_new_tokens)
         gen = self.engine.decode(pre.cache, pre.logits, max_new_tokens=max_new)
-        if ref.num_entries is None:  # resumed without the full row's count: rebuild it once
-            ref.num_entries = self.trials[0].prefill(self.engine, example).cache.num_entries()
         return {
             "id": example.id,
             "task": example.task,

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvforge.errors import UserError
 from kvforge.presses.adakv import AdaKVPress
-from kvforge.presses.apply import compress_prefill, compressible_layers
+from kvforge.presses.apply import CompressionSource, compress_prefill, compressible_layers
 from kvforge.presses.base import LayerContext, Needs, Press, ScorerPress, Selection, WrapperPress, num_kept
 from kvforge.presses.criticalkv import CriticalAdaKVPress, CriticalKVPress
 from kvforge.presses.full import FullPress
@@ -129,6 +129,7 @@ __all__ = [
     "DESCRIPTIONS",
     "PRESSES",
     "AdaKVPress",
+    "CompressionSource",
     "CriticalAdaKVPress",
     "CriticalKVPress",
     "FullPress",

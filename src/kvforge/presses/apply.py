@@ -5,6 +5,9 @@ Flow: chunked prefill with hooks that keep the observation window's queries (the
 reconstruction pass (KVzip; undone) -> per compressed layer: build a :class:`LayerContext`, ask the press for a
 :class:`Selection`, install it with ``KVLayer.replace`` (same count per head) or ``replace_masked`` (head-wise).
 The returned logits are the last prompt token's, computed on the full cache (as kvpress does).
+
+The first two stages do not depend on the press: :class:`CompressionSource` runs them once and compresses the same
+prefill with any number of presses (the evaluation runner's sweep over methods x ratios).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from torch import Tensor
 
 from kvforge.cache import CacheSnapshot, KVCache, KVLayer
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, forward, prefill
-from kvforge.presses.base import LayerContext, Press, Selection
+from kvforge.presses.base import LayerContext, Needs, Press, Selection
 from kvforge.presses.hooks import Collector, attention_hooks, attention_modules, num_query_heads
 from kvforge.presses.kvzip import KVzipPress
 
@@ -44,55 +47,113 @@ def compress_prefill(
     Entries already in the cache (a reused prefix) are kept as they are. Returns the last token's logits ``(B, V)``.
     ``tokenizer`` is only used by KVzip to encode its "repeat the context" prompt.
     """
-    ids = torch.as_tensor(input_ids, dtype=torch.long)
-    ids = ids[None] if ids.dim() == 1 else ids
-    if ids.shape[0] != 1:
-        raise ValueError(f"compress_prefill takes one sequence (B=1), got batch {ids.shape[0]}")
-    needs = press.needs()
-    layers = compressible_layers(cache)
-    if not layers:
-        logger.warning("every layer has a sliding window: %s compresses nothing", press.name)
-    start = [layer.length for layer in cache.layers]
-    final_position = cache.next_position + ids.shape[1] - 1
-    collector = Collector(cache, layers, needs.window_size, final_position)
-    active = press.ratio() > 0 and bool(layers)
-    clock = [time.perf_counter()]
-    with attention_hooks(model, collector):
-        # the window must lie in the last chunk; at ratio 0 keep the plain chunking (bit-identical logits)
-        min_last = needs.window_size if active else 0
-        logits = prefill(model, ids, cache, chunk_size=chunk_size, min_last_chunk=min_last)
-        clock.append(time.perf_counter())
-        if active and needs.lookahead > 0:
-            _lookahead(model, cache, logits, needs.lookahead, collector)
-        clock.append(time.perf_counter())
-        if active and needs.reconstruction:
-            _reconstruct(model, cache, ids, press, tokenizer, chunk_size, collector, start)
-        clock.append(time.perf_counter())
-    modules = attention_modules(model)
-    kept: list[int | None] = [None] * cache.num_layers
-    for rank, idx in enumerate(layers):
-        ctx = _layer_context(cache.layers[idx], start[idx], modules[idx], rank, len(layers), collector, idx)
-        selection = press.compress(ctx)
-        _check(selection, ctx, idx)
-        install(cache.layers[idx], start[idx], selection)
-        kept[idx] = int(selection.keep.sum())
-    clock.append(time.perf_counter())
-    cache.info["press"] = {
-        "name": getattr(press, "registry_name", press.name),
-        "compression_ratio": press.ratio(),
-        "config": press.config(),
-        "compressed_tokens": int(ids.shape[1]),
-        "kept_entries_per_layer": kept,  # summed over KV heads; None = layer left as is (sliding window)
-        "uncompressed_layers": [i for i in range(cache.num_layers) if i not in layers],
-        "nbytes": cache.nbytes(),
-        "seconds": {  # wall clock of each stage, for overhead reports
-            stage: round(b - a, 4)
-            for stage, a, b in zip(
-                ("prefill", "lookahead", "reconstruction", "compress"), clock, clock[1:], strict=False
+    active = press.ratio() > 0 and bool(compressible_layers(cache))
+    needs = press.needs() if active else Needs()
+    source = CompressionSource(model, input_ids, cache, needs, chunk_size=chunk_size, tokenizer=tokenizer)
+    source.compress(press)
+    return source.logits
+
+
+class CompressionSource:
+    """A prompt prefilled once on ``cache``, with what presses score from collected; compress it with many presses.
+
+    Every press compresses after the whole prefill (scores come from the full cache and the observation window's
+    queries), so compressing this source with a press gives exactly what ``compress_prefill`` with that press gives,
+    as long as ``needs`` covers the press's needs (the window and lookahead drafts are shared: a press with a smaller
+    window or fewer drafts takes the last window queries / the first drafts). ``compress`` first restores the full
+    cache (compression installs new buffers, so the full entries are never overwritten); ``restore`` alone gives the
+    uncompressed cache back. Used by the evaluation runner to prefill an example once for every method and ratio.
+
+    Attributes:
+        logits: the last prompt token's logits ``(B, V)``, computed on the full cache.
+        seconds: wall clock of the shared stages, ``{"prefill", "lookahead"}``.
+    """
+
+    @torch.inference_mode()
+    def __init__(
+        self,
+        model: Any,
+        input_ids: Tensor | list[int],
+        cache: KVCache,
+        needs: Needs,
+        chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+        tokenizer: Any = None,
+    ) -> None:
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        ids = ids[None] if ids.dim() == 1 else ids
+        if ids.shape[0] != 1:
+            raise ValueError(f"compress_prefill takes one sequence (B=1), got batch {ids.shape[0]}")
+        self.model, self.cache, self.ids, self.needs = model, cache, ids, needs
+        self.chunk_size, self.tokenizer = chunk_size, tokenizer
+        self.layers = compressible_layers(cache)
+        self.start = [layer.length for layer in cache.layers]
+        final_position = cache.next_position + ids.shape[1] - 1
+        self.collector = Collector(cache, self.layers, needs.window_size if self.layers else 0, final_position)
+        clock = [time.perf_counter()]
+        with attention_hooks(model, self.collector):
+            # the window must lie in the last chunk; with no window keep the plain chunking (bit-identical logits)
+            min_last = needs.window_size if self.layers else 0
+            self.logits = prefill(model, ids, cache, chunk_size=chunk_size, min_last_chunk=min_last)
+            clock.append(time.perf_counter())
+            if self.layers and needs.lookahead > 0:
+                _lookahead(model, cache, self.logits, needs.lookahead, self.collector)
+            clock.append(time.perf_counter())
+        self.seconds = {"prefill": clock[1] - clock[0], "lookahead": clock[2] - clock[1]}
+        self.snapshot = CacheSnapshot(cache)
+        self.info = dict(cache.info)
+
+    def restore(self) -> KVCache:
+        """The uncompressed cache, as the prefill left it."""
+        self.snapshot.restore()
+        self.cache.info = dict(self.info)
+        return self.cache
+
+    @torch.inference_mode()
+    def compress(self, press: Press) -> KVCache:
+        """Restore the full cache, then compress its prompt entries with ``press``; returns the (same) cache."""
+        cache = self.restore()
+        needs = press.needs()
+        active = press.ratio() > 0 and bool(self.layers)
+        if active and (needs.window_size > self.needs.window_size or needs.lookahead > self.needs.lookahead):
+            raise ValueError(
+                f"{press.name} needs a window of {needs.window_size} and {needs.lookahead} lookahead drafts; this "
+                f"prefill collected {self.needs.window_size} and {self.needs.lookahead}"
             )
-        },
-    }
-    return logits
+        clock = [time.perf_counter()]
+        self.collector.reconstruction = {}
+        if active and needs.reconstruction:
+            with attention_hooks(self.model, self.collector):
+                _reconstruct(
+                    self.model, cache, self.ids, press, self.tokenizer, self.chunk_size, self.collector, self.start
+                )
+        clock.append(time.perf_counter())
+        modules = attention_modules(self.model)
+        kept: list[int | None] = [None] * cache.num_layers
+        window = needs.window_size if active else 0
+        lookahead = needs.lookahead if active else 0
+        for rank, idx in enumerate(self.layers):
+            ctx = _layer_context(
+                cache.layers[idx], self.start[idx], modules[idx], rank, len(self.layers), self.collector, idx,
+                window, lookahead,
+            )  # fmt: skip
+            selection = press.compress(ctx)
+            _check(selection, ctx, idx)
+            install(cache.layers[idx], self.start[idx], selection)
+            kept[idx] = int(selection.keep.sum())
+        clock.append(time.perf_counter())
+        seconds = {"prefill": self.seconds["prefill"], "lookahead": self.seconds["lookahead"] if lookahead else 0.0}
+        seconds |= {"reconstruction": clock[1] - clock[0], "compress": clock[2] - clock[1]}
+        cache.info["press"] = {
+            "name": getattr(press, "registry_name", press.name),
+            "compression_ratio": press.ratio(),
+            "config": press.config(),
+            "compressed_tokens": int(self.ids.shape[1]),
+            "kept_entries_per_layer": kept,  # summed over KV heads; None = layer left as is (sliding window)
+            "uncompressed_layers": [i for i in range(cache.num_layers) if i not in self.layers],
+            "nbytes": cache.nbytes(),
+            "seconds": {stage: round(v, 4) for stage, v in seconds.items()},  # per stage, for overhead reports
+        }
+        return cache
 
 
 def _lookahead(model: Any, cache: KVCache, logits: Tensor, steps: int, collector: Collector) -> None:
@@ -148,10 +209,21 @@ def _find(press: Any, cls: type) -> Any:
 
 
 def _layer_context(
-    layer: KVLayer, start: int, module: Any, rank: int, num_layers: int, collector: Collector, idx: int
+    layer: KVLayer,
+    start: int,
+    module: Any,
+    rank: int,
+    num_layers: int,
+    collector: Collector,
+    idx: int,
+    window_size: int,
+    lookahead: int,
 ) -> LayerContext:
+    """The press's view of layer ``idx``: its new entries, the last ``window_size`` window queries and the first
+    ``lookahead`` draft queries collected."""
     keys, values, positions, valid = layer.view()
-    look = collector.lookahead_queries.get(idx)
+    window = collector.window_queries.get(idx) if window_size > 0 else None
+    look = collector.lookahead_queries.get(idx, [])[:lookahead]
     return LayerContext(
         keys=keys[:, :, start:],
         values=values[:, :, start:],
@@ -160,8 +232,10 @@ def _layer_context(
         num_layers=num_layers,
         num_heads=num_query_heads(module),
         scaling=float(getattr(module, "scaling", module.head_dim**-0.5)),
-        window_queries=collector.window_queries.get(idx),
-        window_positions=collector.window_positions,
+        window_queries=None if window is None else window[:, :, -window_size:],
+        window_positions=None
+        if window is None or collector.window_positions is None
+        else collector.window_positions[:, -window_size:],
         lookahead_queries=None if not look else torch.cat(look, dim=2),
         reconstruction_scores=collector.reconstruction.get(idx),
         output_weight=module.o_proj.weight,
