@@ -62,4 +62,19 @@ def test_files_and_table(tmp_path):
     for name in ("score_vs_cache.png", "ttft.png", "kl_vs_cache.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     md = markdown_table([r for r in summary["rows"] if r["task"] == "t1"])
-    assert "| t1 | snapkv | 25 | 25.0 | 2 | 37.5 | 50.0 | 1000 | 0.00 |" in md
+    # score 37.5 +- 12.5 (standard error of 50, 25), TTFT 3x below the full cache's (2 s, 4 s) on the same examples
+    assert "| t1 | snapkv | 25 | 25.0 | 2 | 37.5 | 12.5 | 50.0 | 1000 | 3.00 | 0.00 | 2.000 |" in md
+    assert "| snapkv | 75.0 | 50.0 | 100.0 |" in report  # pivot: all, t1, t2 at 25% remaining
+    assert "| method | all 25% | t1 25% | t2 25% |" in report
+
+
+def test_rag_rows_carry_the_recompute_ratio_and_speedup():
+    info = {"strategy": "cacheclip", "recompute_ratio": 0.2}
+    rows = [_row("a", "t", "full", 0.0, 1.0, ttft=4.0), _row("a", "t", "cacheclip", 0.2, 1.0, ttft=1.0, info=info),
+            _row("a", "t", "naive", 0.0, 0.0, ttft=0.5, info={"strategy": "naive", "recompute_ratio": 0.0})]
+    s = summarize(rows, "m", "rag")
+    by = {r["method"]: r for r in s["rows"]}
+    assert by["cacheclip"]["recompute_ratio"] == 0.2 and by["cacheclip"]["ttft_speedup"] == 4.0
+    assert by["naive"]["recompute_ratio"] == 0.0 and by["naive"]["normalized"] == 0.0
+    assert "recompute_ratio" not in by["full"] and by["full"]["ttft_speedup"] == 1.0
+    assert "| recompute % |" in markdown_table(s["rows"])

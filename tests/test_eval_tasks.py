@@ -143,3 +143,22 @@ def test_unknown_task_and_missing_data(tmp_path):
     with pytest.raises(UserError, match="haystack"):
         build_task("needle", TaskConfig(tmp_path))
     assert set(SYNTHETIC) <= set(TASKS)
+
+
+@needs_data
+@pytest.mark.parametrize("depth", [0.0, 0.45, 1.0])
+def test_needle_docs_split_the_needle_context_into_whole_documents(tok, depth):
+    """needle-docs: the single-needle context in 10 chunks at sentence boundaries; the needle whole, in the
+    document at its depth; same as the needle task otherwise (deterministic)."""
+    cfg = _cfg(tok, lengths=(8000,), depths=(depth,))  # documents of ~800 characters (real: ~1.6k at 4k tokens)
+    (ex,), (base,) = build_task("needle-docs", cfg), build_task("needle", cfg)
+    assert build_task("needle-docs", cfg) == [ex] and ex.task == "needle-docs"
+    assert len(ex.chunks) == 10 and all(c == c.strip() and c for c in ex.chunks)
+    assert " ".join(ex.chunks).split() == base.context.split()  # nothing lost, nothing cut mid-sentence
+    ends = (".", "?", "!", '"', "'", "\u201d", "\u2019")
+    assert all(c.endswith(ends) for c in ex.chunks[:-1]), ex.chunks
+    (needle,) = ex.needles
+    holder = [i for i, c in enumerate(ex.chunks) if needle in c]
+    assert len(holder) == 1 and abs(holder[0] - depth * 9) <= 1.5
+    assert (ex.question, ex.answers, ex.answer_prefix) == (base.question, base.answers, base.answer_prefix)
+    assert example_from_json(json.loads(json.dumps(ex.to_json()))).chunks == ex.chunks

@@ -1,8 +1,10 @@
 """Summaries of ``results.jsonl``: ``summary.json``, ``summary.csv``, PNG plots and ``report.md``.
 
-Per (task, method, ratio): ``n`` examples, ``score`` = 100 x mean metric, ``normalized`` = 100 x mean score / mean
-score of the full cache on the same examples (SurrogateKV's measure), mean TTFT, cache bytes, kept ratio and, when
-present, the fidelity columns. Task ``"all"`` averages the per-task values (each task weighs the same).
+Per (task, method, ratio): ``n`` examples, ``score`` = 100 x mean metric (``score_stderr`` its standard error),
+``normalized`` = 100 x mean score / mean score of the full cache on the same examples (SurrogateKV's measure), mean
+TTFT and ``ttft_speedup`` = full-cache TTFT / this TTFT on the same examples, cache bytes, kept ratio, for RAG rows
+the ``recompute_ratio`` and, when present, the fidelity columns. Task ``"all"`` averages the per-task values (each
+task weighs the same).
 """
 
 from __future__ import annotations
@@ -26,9 +28,18 @@ def _mean(values: list[Any]) -> float | None:
     return sum(nums) / len(nums) if nums else None
 
 
+def _stderr(values: list[float]) -> float | None:
+    """Standard error of the mean (sample standard deviation / sqrt(n)); None below two values."""
+    if len(values) < 2:
+        return None
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
+
+
 def summarize(rows: list[dict[str, Any]], model: str, mode: str) -> dict[str, Any]:
     """The ``summary.json`` object: ``{"model", "mode", "rows": [...]}`` (full first, then by method and ratio)."""
     full_score = {r["id"]: r["score"] for r in rows if r["method"] == FULL}
+    full_ttft = {r["id"]: r["ttft_s"] for r in rows if r["method"] == FULL}
     groups: dict[tuple[str, str, float], list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         groups[(r["task"], r["method"], float(r["compression_ratio"]))].append(r)
@@ -37,6 +48,7 @@ def summarize(rows: list[dict[str, Any]], model: str, mode: str) -> dict[str, An
         paired = [r for r in group if r["id"] in full_score]
         score = _mean([r["score"] for r in group])
         full = _mean([full_score[r["id"]] for r in paired])
+        ttft, ref_ttft = _mean([r["ttft_s"] for r in paired]), _mean([full_ttft[r["id"]] for r in paired])
         row = {
             "method": method,
             "compression_ratio": ratio,
@@ -44,11 +56,16 @@ def summarize(rows: list[dict[str, Any]], model: str, mode: str) -> dict[str, An
             "task": task,
             "n": len(group),
             "score": None if score is None else 100.0 * score,
+            "score_stderr": _stderr([100.0 * r["score"] for r in group if r["score"] is not None]),
             "normalized": None if full is None else normalized_score(_mean([r["score"] for r in paired]) or 0.0, full),
             "ttft_s": _mean([r["ttft_s"] for r in group]),
+            "ttft_speedup": ref_ttft / ttft if ttft and ref_ttft else None,
             "cache_bytes": _mean([r["cache_bytes"] for r in group]),
             "peak_memory_bytes": max((r.get("peak_memory_bytes") or 0) for r in group),
         }
+        strategies = [r["info"] for r in group if isinstance(r.get("info"), dict) and "strategy" in r["info"]]
+        if strategies:  # a RAG row: the ratio slot holds the recompute ratio
+            row["recompute_ratio"] = _mean([i.get("recompute_ratio") for i in strategies])
         for name in FIDELITY:
             if any(name in r for r in group):
                 row[name] = _mean([r.get(name) for r in group])
@@ -72,6 +89,7 @@ def _overall(task_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key in group[0]:
             if key not in row:
                 row[key] = _mean([r.get(key) for r in group])
+        row["score_stderr"] = None  # tasks differ in kind; a pooled standard error would mislead
         out.append(row)
     return out
 
@@ -80,7 +98,8 @@ def write_summary(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
     """Write ``summary.json`` and ``summary.csv``; returns their paths."""
     json_path, csv_path = out_dir / "summary.json", out_dir / "summary.csv"
     json_path.write_text(json.dumps(summary, indent=2) + "\n")
-    extra = [k for k in (*FIDELITY, "peak_memory_bytes") if any(k in r for r in summary["rows"])]
+    optional = ("score_stderr", "ttft_speedup", "recompute_ratio", *FIDELITY, "peak_memory_bytes")
+    extra = [k for k in optional if any(k in r for r in summary["rows"])]
     with csv_path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[*COLUMNS, *extra], extrasaction="ignore")
         writer.writeheader()
@@ -110,19 +129,25 @@ def plot(out_dir: Path, summary: dict[str, Any], task: str | None = None) -> lis
     curves = [("normalized", "score (full cache = 100)", "score_vs_cache.png")] if has_norm else [
         ("score", "score (not normalised: the full cache scored 0)", "score_vs_cache.png")]  # fmt: skip
     curves.append(("kl", "KL(full || method), nats/token", "kl_vs_cache.png"))
+    rag = _is_rag(rows)
+    xlabel = "recomputed context tokens (%)" if rag else "remaining cache (%)"
+
+    def x_of(row: dict[str, Any]) -> float:
+        return 100 * (row.get("recompute_ratio") or 0.0) if rag else 100 * (1 - row["compression_ratio"])
+
     for column, ylabel, name in curves:
         if column == "kl" and not any(r.get(column) is not None for r in rows):
             continue
         fig, ax = plt.subplots(figsize=(7, 4.5), dpi=90)
         for i, method in enumerate(methods):
-            pts = sorted((100 * (1 - r["compression_ratio"]), r[column]) for r in rows
+            pts = sorted((x_of(r), r[column]) for r in rows
                          if r["method"] == method and r.get(column) is not None)  # fmt: skip
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="osD^v<>ph*"[i % 10], linestyle="-" if i < 10 else "--",
                         label=method)  # fmt: skip
         if column == "normalized":
             ax.axhline(100, color="black", linestyle="--", linewidth=1, label="full")
-        ax.set(xlabel="remaining cache (%)", ylabel=ylabel, title=title, xlim=(0, 102))
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=title, xlim=(-2, 102))
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, ncol=2)
@@ -137,7 +162,8 @@ def plot(out_dir: Path, summary: dict[str, Any], task: str | None = None) -> lis
     for j, ratio in enumerate(ratios):
         ys = [next((r["ttft_s"] for r in rows if r["method"] == m and r["compression_ratio"] in (ratio, 0.0)), 0)
               for m in all_methods]  # fmt: skip
-        ax.bar([i + j * width for i in range(len(all_methods))], ys, width, label=f"{100 * (1 - ratio):g}% kept")
+        label = f"r = {ratio:g}" if rag else f"{100 * (1 - ratio):g}% kept"
+        ax.bar([i + j * width for i in range(len(all_methods))], ys, width, label=label)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(all_methods))], all_methods, rotation=45, ha="right")
     ax.set(ylabel="TTFT (s), mean", title=title)
     if ratios:
@@ -156,18 +182,47 @@ def _fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
+def _is_rag(rows: list[dict[str, Any]]) -> bool:
+    return any("recompute_ratio" in r for r in rows)
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """A Markdown table of summary rows (remaining cache in %, scores, TTFT in ms, cache in MiB)."""
+    """A Markdown table of summary rows (remaining cache or recompute ratio in %, scores, TTFT in ms, cache in MiB)."""
     fid = [k for k in FIDELITY if any(k in r for r in rows)]
-    head = ["task", "method", "remaining %", "kept %", "n", "score", "normalized", "TTFT ms", "cache MiB", *fid]
+    rag = _is_rag(rows)
+    head = ["task", "method", "recompute %" if rag else "remaining %", "kept %", "n", "score", "± se", "normalized",
+            "TTFT ms", "speedup", "cache MiB", *fid]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["task"], r["method"], _fmt(100 * (1 - r["compression_ratio"]), 0),
+        share = r.get("recompute_ratio") if rag else 1 - r["compression_ratio"]
+        cells = [r["task"], r["method"], _fmt(None if share is None else 100 * share, 0),
                  _fmt(None if r.get("kept_ratio") is None else 100 * r["kept_ratio"]), str(r["n"]),
-                 _fmt(r["score"]), _fmt(r["normalized"]), _fmt(None if r["ttft_s"] is None else 1000 * r["ttft_s"], 0),
+                 _fmt(r["score"]), _fmt(r.get("score_stderr")), _fmt(r["normalized"]),
+                 _fmt(None if r["ttft_s"] is None else 1000 * r["ttft_s"], 0), _fmt(r.get("ttft_speedup"), 2),
                  _fmt(None if r["cache_bytes"] is None else r["cache_bytes"] / 2**20, 2),
                  *[_fmt(r.get(k), 3) for k in fid]]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def pivot_table(summary: dict[str, Any], column: str = "normalized", digits: int = 1) -> str:
+    """Methods x (task, remaining cache) of one column, e.g. the normalised score: the table papers print.
+
+    Columns are grouped by task ("all" first); the full cache is one row at 100% remaining. RAG runs put the
+    recompute ratio in the columns instead.
+    """
+    rows = [r for r in summary["rows"] if r.get(column) is not None]
+    tasks = sorted({r["task"] for r in rows}, key=lambda t: (t != "all", t))
+    rag = _is_rag(rows)
+    ratios = sorted({r["compression_ratio"] for r in rows if r["method"] != FULL}, reverse=not rag)
+    methods = sorted({r["method"] for r in rows}, key=lambda m: (m != FULL, m))
+    label = (lambda x: f"r={x:g}") if rag else (lambda x: f"{100 * (1 - x):g}%")
+    head = ["method", *[f"{t} {label(x)}" for t in tasks for x in ratios]]
+    cell = {(r["task"], r["method"], r["compression_ratio"]): r[column] for r in rows}
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in methods:
+        values = [cell.get((t, m, 0.0 if m == FULL else x)) for t in tasks for x in ratios]
+        lines.append("| " + " | ".join([m, *[_fmt(v, digits) for v in values]]) + " |")
     return "\n".join(lines)
 
 
@@ -178,6 +233,9 @@ def write_report(out_dir: Path, summary: dict[str, Any], plots: list[Path], comm
         parts.append(f"- command: `{command}`")
     parts += ["- score: 100 x mean metric; normalized: 100 x score / full-cache score on the same examples", ""]
     parts += [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    parts += ["## Normalised score (full cache = 100)", "", pivot_table(summary, "normalized"), ""]
+    if any(r.get("kl") is not None for r in summary["rows"]):
+        parts += ["## KL(full || method), nats per answer token", "", pivot_table(summary, "kl", 3), ""]
     tasks = sorted({r["task"] for r in summary["rows"]}, key=lambda t: (t != "all", t))
     for task in tasks:
         parts += [f"## {task}", "", markdown_table([r for r in summary["rows"] if r["task"] == task]), ""]

@@ -9,7 +9,9 @@ needle starts ``depth`` of the way through the haystack, moved to the nearest se
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -164,3 +166,62 @@ def needle_task(cfg: TaskConfig, variant: str = "single") -> list[Example]:
         for depth in cfg.depths
         for i in range(cfg.num_samples)
     ]
+
+
+NUM_DOCS = 10
+
+
+_SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]?\s+")
+
+
+def _sentence_end_near(text: str, pos: int, lo: int, hi: int) -> int | None:
+    """The end of a sentence (after ``.``, ``!`` or ``?``, a closing quote and whitespace) in ``(lo, hi)`` closest
+    to ``pos``, or None."""
+    ends = [m.end() for m in _SENTENCE_END.finditer(text, lo, hi) if lo < m.end() < hi]
+    return min(ends, key=lambda e: abs(e - pos)) if ends else None
+
+
+def split_documents(text: str, num_docs: int) -> list[str]:
+    """``text`` cut into ``num_docs`` pieces of about equal size, at sentence ends when there is one within half a
+    piece of the even cut (else at the nearest line break or space), so no sentence is cut."""
+    size = len(text) / num_docs
+    cuts = [0]
+    for i in range(1, num_docs):
+        target = round(i * size)
+        lo, hi = max(cuts[-1], round(target - size / 2)), min(len(text), round(target + size / 2))
+        cut = _sentence_end_near(text, target, lo, hi)
+        if cut is None:
+            cut = _boundaries_near(text, target)
+        if cut > cuts[-1]:
+            cuts.append(cut)
+    cuts.append(len(text))
+    docs = [text[a:b].strip() for a, b in itertools.pairwise(cuts)]
+    return [d for d in docs if d]
+
+
+def needle_docs_task(cfg: TaskConfig, num_docs: int = NUM_DOCS) -> list[Example]:
+    """Multi-document needles for RAG reuse: each single-needle example's context cut into ``num_docs`` chunks.
+
+    The needle sits ``depth`` of the way through the concatenated documents (so in document ``~depth x num_docs``);
+    ``chunks`` holds the documents, each reused on its own by the RAG strategies (``kvforge eval --rag``).
+    """
+    from kvforge.eval.data import CHUNK_SEPARATOR
+
+    out = []
+    for ex in needle_task(cfg, "single"):
+        chunks = split_documents(ex.context, num_docs)
+        out.append(
+            Example(
+                id=ex.id.replace("needle-", "needle-docs-", 1),
+                context=CHUNK_SEPARATOR.join(chunks),
+                question=ex.question,
+                answers=ex.answers,
+                metric=ex.metric,
+                task="needle-docs",
+                max_new_tokens=ex.max_new_tokens,
+                answer_prefix=ex.answer_prefix,
+                chunks=chunks,
+                needles=ex.needles,
+            )
+        )
+    return out
