@@ -47,4 +47,8 @@ def test_kvforge_eval_rag_flags(tmp_path):
     assert set(by) == {("full", 0.0), ("naive", 0.0), ("cacheclip", 1.0)}
     assert by[("cacheclip", 1.0)]["prediction"] == by[("full", 0.0)]["prediction"]
     assert by[("cacheclip", 1.0)]["info"]["recompute_ratio"] == 1.0
+    summary = {r["method"]: r for r in json.loads((out / "summary.json").read_text())["rows"]}
+    assert summary["cacheclip"]["recompute_ratio"] == 1.0 and summary["naive"]["recompute_ratio"] == 0.0
+    assert summary["cacheclip"]["score"] == summary["full"]["score"] and summary["cacheclip"]["ttft_speedup"] > 0
+    assert "recompute %" in (out / "report.md").read_text()
     assert main([*argv[:5], "--rag", "blend", *argv[7:]]) == 2  # unknown strategy: one-line error
