@@ -59,7 +59,7 @@ def test_files_and_table(tmp_path):
                                   "ttft_s", "cache_bytes"]  # fmt: skip
     report = (tmp_path / "report.md").read_text()
     assert "![score_vs_cache](score_vs_cache.png)" in report and "`kvforge eval ...`" in report
-    for name in ("score_vs_cache.png", "ttft.png", "kl_vs_cache.png"):
+    for name in ("score_vs_cache.png", "ttft.png", "kl_vs_cache.png", "by_task.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     md = markdown_table([r for r in summary["rows"] if r["task"] == "t1"])
     # score 37.5 +- 12.5 (standard error of 50, 25), TTFT 3x below the full cache's (2 s, 4 s) on the same examples

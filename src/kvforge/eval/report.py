@@ -115,7 +115,8 @@ def _headline_rows(summary: dict[str, Any], task: str | None = None) -> list[dic
 
 def plot(out_dir: Path, summary: dict[str, Any], task: str | None = None) -> list[Path]:
     """``score_vs_cache.png`` (normalised score vs remaining cache per method), ``ttft.png`` (TTFT per method) and,
-    with fidelity columns, ``kl_vs_cache.png``; for ``task`` (default: "all", or the only task)."""
+    with fidelity columns, ``kl_vs_cache.png``; for ``task`` (default: "all", or the only task). With several tasks
+    also ``by_task.png`` (one panel per task)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -144,7 +145,7 @@ def plot(out_dir: Path, summary: dict[str, Any], task: str | None = None) -> lis
                          if r["method"] == method and r.get(column) is not None)  # fmt: skip
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="osD^v<>ph*"[i % 10], linestyle="-" if i < 10 else "--",
-                        label=method)  # fmt: skip
+                        label=method, color=_color(i))  # fmt: skip
         if column == "normalized":
             ax.axhline(100, color="black", linestyle="--", linewidth=1, label="full")
         ax.set(xlabel=xlabel, ylabel=ylabel, title=title, xlim=(-2, 102))
@@ -171,7 +172,53 @@ def plot(out_dir: Path, summary: dict[str, Any], task: str | None = None) -> lis
     fig.tight_layout()
     fig.savefig(out_dir / "ttft.png")
     plt.close(fig)
-    return [*paths, out_dir / "ttft.png"]
+    paths.append(out_dir / "ttft.png")
+    by_task = _plot_by_task(out_dir, summary, x_of, xlabel)
+    return paths + ([by_task] if by_task else [])
+
+
+def _color(i: int) -> Any:
+    """Distinct colours for up to 20 methods (tab10's dark shades first, then its light ones)."""
+    import matplotlib
+
+    return matplotlib.colormaps["tab20"]((2 * i) % 20 + (i // 10) % 2)
+
+
+def _plot_by_task(out_dir: Path, summary: dict[str, Any], x_of: Any, xlabel: str) -> Path | None:
+    """``by_task.png``: one panel per task (normalised score, or KL where the full cache scored 0), shared legend."""
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({r["task"] for r in summary["rows"]} - {"all"})
+    if len(tasks) < 2:
+        return None
+    methods = sorted({r["method"] for r in summary["rows"] if r["method"] != FULL})
+    cols = min(3, len(tasks))
+    nrows = math.ceil(len(tasks) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.3 * nrows + 0.8), dpi=80, squeeze=False)
+    for ax, task in zip(axes.flat, tasks, strict=False):
+        rows = [r for r in summary["rows"] if r["task"] == task]
+        column = "normalized" if any(r.get("normalized") is not None for r in rows if r["method"] != FULL) else "kl"
+        for i, method in enumerate(methods):
+            pts = sorted((x_of(r), r[column]) for r in rows if r["method"] == method and r.get(column) is not None)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="osD^v<>ph*"[i % 10], linestyle="-" if i < 10 else "--",
+                        label=method, markersize=4, color=_color(i))  # fmt: skip
+        n = max((r["n"] for r in rows), default=0)
+        ax.set_title(f"{task} (n={n})", fontsize=9)
+        ax.set_ylabel("score (full = 100)" if column == "normalized" else "KL(full || method)", fontsize=8)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(7, len(labels)), fontsize=7)
+    fig.suptitle(f"{summary['model']} ({summary['mode']})", fontsize=10)
+    fig.tight_layout(rect=(0, 0.08 if handles else 0, 1, 1))
+    path = out_dir / "by_task.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
