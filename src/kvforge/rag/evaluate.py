@@ -11,13 +11,12 @@ import json
 import random
 import re
 import statistics
-import string
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvforge.eval.metrics import contains, f1
 from kvforge.rag.pipeline import RagModel, greedy_decode
 from kvforge.rag.strategies import make_strategy
 
@@ -84,29 +83,9 @@ def make_needle_examples(
     return out
 
 
-def _normalize(s: str) -> list[str]:
-    s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
-    return [w for w in s.split() if w not in {"a", "an", "the"}]
-
-
-def token_f1(prediction: str, answers: list[str]) -> float:
-    """Best SQuAD-style token F1 of ``prediction`` over ``answers``."""
-    best = 0.0
-    pred = _normalize(prediction)
-    for ans in answers:
-        gold = _normalize(ans)
-        common = sum((Counter(pred) & Counter(gold)).values())
-        if common:
-            p, r = common / len(pred), common / len(gold)
-            best = max(best, 2 * p * r / (p + r))
-    return best
-
-
-def contains(prediction: str, answers: list[str]) -> float:
-    return float(any(a.lower() in prediction.lower() for a in answers))
-
-
-METRICS: dict[str, Callable[[str, list[str]], float]] = {"f1": token_f1, "contains": contains}
+# one implementation of each metric: the evaluation harness's (SQuAD normalisation, whole-number matching)
+token_f1 = f1
+METRICS: dict[str, Callable[[str, list[str]], float]] = {"f1": f1, "contains": contains}
 
 
 def build_strategy(config: RagConfig, aux_models: dict[str, RagModel]) -> Any:
