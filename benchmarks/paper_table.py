@@ -1,0 +1,131 @@
+"""The papers' comparison table from a `kvforge eval` run: task families pooled, normalised score and KL by budget.
+
+`kvforge eval`'s own summary reports every task separately (RULER's five sub-tasks have 2-3 examples each at
+4k on a CPU budget); this script pools them into the three families the issue names (needle / RULER mix /
+LongBench-style QA), computes per family the normalised score on the pooled examples (100 x mean score / mean
+full-cache score on the same examples) and the mean fidelity columns, and writes a Markdown table, JSON lines and a
+four-panel plot (normalised score per family + KL vs remaining cache):
+
+    python benchmarks/paper_table.py runs/repro --out docs/eval_repro
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+FULL = "full"
+
+
+def family(task: str) -> str:
+    return "ruler" if task.startswith("ruler") else task
+
+
+def pooled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (family, method, compression ratio), plus family "mean" (the families' unweighted mean)."""
+    full = {r["id"]: r for r in rows if r["method"] == FULL}
+    groups: dict[tuple[str, str, float], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        if r["id"] in full:
+            groups[(family(r["task"]), r["method"], float(r["compression_ratio"]))].append(r)
+    out = []
+    for (fam, method, ratio), group in sorted(groups.items()):
+        ref = sum(full[r["id"]]["score"] for r in group) / len(group)
+        score = sum(r["score"] for r in group) / len(group)
+        row = {"family": fam, "method": method, "compression_ratio": ratio, "n": len(group),
+               "score": 100 * score, "normalized": 100 * score / ref if ref > 0 else None}  # fmt: skip
+        for col in ("kl", "top1_agreement", "needle_kept", "kept_ratio", "ttft_s"):
+            vals = [r[col] for r in group if r.get(col) is not None]
+            row[col] = sum(vals) / len(vals) if vals else None
+        out.append(row)
+    by: dict[tuple[str, float], list[dict[str, Any]]] = defaultdict(list)
+    for r in out:
+        by[(r["method"], r["compression_ratio"])].append(r)
+    for (method, ratio), group in by.items():
+        row = {"family": "mean", "method": method, "compression_ratio": ratio, "n": sum(r["n"] for r in group)}
+        for col in ("normalized", "kl", "top1_agreement"):
+            vals = [r[col] for r in group if r.get(col) is not None]
+            row[col] = sum(vals) / len(vals) if vals else None
+        out.append(row)
+    return out
+
+
+def _fmt(v: Any, digits: int) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def table(rows: list[dict[str, Any]], column: str, digits: int, families: list[str]) -> str:
+    ratios = sorted({r["compression_ratio"] for r in rows if r["method"] != FULL}, reverse=True)
+    methods = sorted({r["method"] for r in rows if r["method"] != FULL})
+    cell = {(r["family"], r["method"], r["compression_ratio"]): r.get(column) for r in rows}
+    n = {f: max((r["n"] for r in rows if r["family"] == f and r["method"] == FULL), default=0) for f in families}
+    head = [f"{f} (n={n[f]}) {100 * (1 - x):g}%" if f != "mean" else f"mean {100 * (1 - x):g}%"
+            for f in families for x in ratios]  # fmt: skip
+    lines = ["| method | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
+    for m in methods:
+        lines.append(f"| {m} | " + " | ".join(_fmt(cell.get((f, m, x)), digits) for f in families for x in ratios)
+                     + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], families: list[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = sorted({r["method"] for r in rows if r["method"] != FULL})
+    panels = [(f, "normalized") for f in families if f != "mean"] + [("mean", "kl")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.3 * len(panels), 4.2), dpi=80, squeeze=False)
+    cmap = matplotlib.colormaps["tab20"]
+    for ax, (fam, col) in zip(axes.flat, panels, strict=True):
+        for i, m in enumerate(methods):
+            pts = sorted((100 * (1 - r["compression_ratio"]), r[col]) for r in rows
+                         if r["family"] == fam and r["method"] == m and r.get(col) is not None)  # fmt: skip
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="osD^v<>ph*"[i % 10], linestyle="-" if i < 10 else "--",
+                        color=cmap((2 * i) % 20 + (i // 10) % 2), label=m, markersize=5)  # fmt: skip
+        n = max((r["n"] for r in rows if r["family"] == fam and r["method"] == FULL), default=0)
+        if col == "normalized":
+            ax.axhline(100, color="black", linestyle="--", linewidth=1)
+            ax.set(ylabel="score (full cache = 100)", title=f"{fam} (n={n})")
+        else:
+            ax.set(ylabel="KL(full || method), nats/token", title="KL, mean over the families")
+        ax.set(xlabel="remaining cache (%)")
+        ax.grid(alpha=0.3)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=7, fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run", type=Path, help="a kvforge eval --out folder")
+    ap.add_argument("--out", type=Path, help="write paper_table.md, paper_table.jsonl, paper_comparison.png here")
+    args = ap.parse_args()
+    rows = [json.loads(line) for line in (args.run / "results.jsonl").read_text().splitlines() if line.strip()]
+    summary = pooled(rows)
+    families = sorted({r["family"] for r in summary} - {"mean"}) + ["mean"]
+    text = ["## Normalised score (full cache = 100), families pooled", "",
+            table(summary, "normalized", 1, families), "",
+            "## KL(full || method), nats per answer token", "", table(summary, "kl", 3, families), "",
+            "## Fraction of needle tokens kept (needle family)", "", table(summary, "needle_kept", 2, ["needle"])]
+    print("\n".join(text))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "paper_table.md").write_text("\n".join(text) + "\n")
+        (args.out / "paper_table.jsonl").write_text("".join(json.dumps(r) + "\n" for r in summary))
+        info = json.loads((args.run / "run.json").read_text()) if (args.run / "run.json").is_file() else {}
+        plot(summary, families, args.out / "paper_comparison.png",
+             f"{info.get('model', '')} ({info.get('mode', '')}), 4k-token prompts")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
