@@ -25,6 +25,9 @@ def test_rag_rows_in_the_runner(tmp_path):
     assert by[("cacheclip", 1.0)]["prediction"] == by[("full", 0.0)]["prediction"]
     assert by[("cacheclip", 0.2)]["info"]["recompute_ratio"] == 0.2
     assert by[("naive", 0.0)]["info"]["num_recomputed"] == 0
+    # the prompt's length, not counting the generated tokens (APE places the chunks without separators)
+    prompt = {r["prompt_tokens"] for r in rows if r["method"] != "ape"}
+    assert prompt == {by[("full", 0.0)]["info"]["num_recomputed"] + by[("full", 0.0)]["info"]["num_fresh"]}
 
 
 def test_kvforge_eval_rag_flags(tmp_path):

@@ -48,7 +48,8 @@ def rag_trial(strategy: str, recompute_ratio: float = 0.2, aux: RagModel | None 
         ttft = time.perf_counter() - start
         info = {"strategy": strategy, "recompute_ratio": ratio, "num_reused": result.num_reused,
                 "num_recomputed": result.num_recomputed, "num_fresh": result.num_fresh}
-        return Prefilled(result.cache, result.logits, ttft, result.cache.token_ids, info)
+        prompt_ids = list(result.cache.token_ids)  # a copy: decoding extends the cache's list
+        return Prefilled(result.cache, result.logits, ttft, prompt_ids, info)
 
     return Trial(method, ratio, prefill)
 
