@@ -65,7 +65,8 @@ def summarize(rows: list[dict[str, Any]], model: str, mode: str) -> dict[str, An
         }
         strategies = [r["info"] for r in group if isinstance(r.get("info"), dict) and "strategy" in r["info"]]
         if strategies:  # a RAG row: the ratio slot holds the recompute ratio
-            row["recompute_ratio"] = _mean([i.get("recompute_ratio") for i in strategies])
+            share = _mean([i.get("recompute_ratio") for i in strategies])
+            row["recompute_ratio"] = None if share is None else round(share, 6)
         for name in FIDELITY:
             if any(name in r for r in group):
                 row[name] = _mean([r.get(name) for r in group])
