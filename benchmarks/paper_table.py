@@ -111,7 +111,7 @@ def main() -> int:
     args = ap.parse_args()
     rows = [json.loads(line) for line in (args.run / "results.jsonl").read_text().splitlines() if line.strip()]
     summary = pooled(rows)
-    families = sorted({r["family"] for r in summary} - {"mean"}) + ["mean"]
+    families = [*sorted({r["family"] for r in summary} - {"mean"}), "mean"]
     text = ["## Normalised score (full cache = 100), families pooled", "",
             table(summary, "normalized", 1, families), "",
             "## KL(full || method), nats per answer token", "", table(summary, "kl", 3, families), "",

@@ -70,9 +70,10 @@ def main() -> int:
             recompute[asm.context_idx[sel]] = True
             cache, logits = _run_selected(rag, asm, recompute)
             answers[name] = greedy(cache, logits)
+        correct = {k: any(a in v for a in ex.answers) for k, v in answers.items()}
         row = {"id": ex.id, "answer": ex.answers, "needle_selected": float(chosen[needle].float().mean()),
                "needle_score_percentile": float((scores < scores[needle].mean()).float().mean()),
-               "answers": answers, "correct": {k: any(a in v for a in ex.answers) for k, v in answers.items()}}  # fmt: skip
+               "answers": answers, "correct": correct}  # fmt: skip
         print(json.dumps(row), flush=True)
     return 0
 
