@@ -17,6 +17,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from kvforge.eval.report import pivot_table
+
 FULL = "full"
 
 
@@ -25,7 +27,8 @@ def family(task: str) -> str:
 
 
 def pooled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (family, method, compression ratio), plus family "mean" (the families' unweighted mean)."""
+    """One row per (family, method, compression ratio) with the family in ``task`` (so the report's pivot table
+    formats them), plus task "all" (the families' unweighted mean)."""
     full = {r["id"]: r for r in rows if r["method"] == FULL}
     groups: dict[tuple[str, str, float], list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
@@ -35,7 +38,7 @@ def pooled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (fam, method, ratio), group in sorted(groups.items()):
         ref = sum(full[r["id"]]["score"] for r in group) / len(group)
         score = sum(r["score"] for r in group) / len(group)
-        row = {"family": fam, "method": method, "compression_ratio": ratio, "n": len(group),
+        row = {"task": fam, "method": method, "compression_ratio": ratio, "n": len(group),
                "score": 100 * score, "normalized": 100 * score / ref if ref > 0 else None}  # fmt: skip
         for col in ("kl", "top1_agreement", "needle_kept", "kept_ratio", "ttft_s"):
             vals = [r[col] for r in group if r.get(col) is not None]
@@ -45,30 +48,12 @@ def pooled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in out:
         by[(r["method"], r["compression_ratio"])].append(r)
     for (method, ratio), group in by.items():
-        row = {"family": "mean", "method": method, "compression_ratio": ratio, "n": sum(r["n"] for r in group)}
+        row = {"task": "all", "method": method, "compression_ratio": ratio, "n": sum(r["n"] for r in group)}
         for col in ("normalized", "kl", "top1_agreement"):
             vals = [r[col] for r in group if r.get(col) is not None]
             row[col] = sum(vals) / len(vals) if vals else None
         out.append(row)
     return out
-
-
-def _fmt(v: Any, digits: int) -> str:
-    return "-" if v is None else f"{v:.{digits}f}"
-
-
-def table(rows: list[dict[str, Any]], column: str, digits: int, families: list[str]) -> str:
-    ratios = sorted({r["compression_ratio"] for r in rows if r["method"] != FULL}, reverse=True)
-    methods = sorted({r["method"] for r in rows if r["method"] != FULL})
-    cell = {(r["family"], r["method"], r["compression_ratio"]): r.get(column) for r in rows}
-    n = {f: max((r["n"] for r in rows if r["family"] == f and r["method"] == FULL), default=0) for f in families}
-    head = [f"{f} (n={n[f]}) {100 * (1 - x):g}%" if f != "mean" else f"mean {100 * (1 - x):g}%"
-            for f in families for x in ratios]  # fmt: skip
-    lines = ["| method | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
-    for m in methods:
-        lines.append(f"| {m} | " + " | ".join(_fmt(cell.get((f, m, x)), digits) for f in families for x in ratios)
-                     + " |")  # fmt: skip
-    return "\n".join(lines)
 
 
 def plot(rows: list[dict[str, Any]], families: list[str], path: Path, title: str) -> None:
@@ -77,18 +62,19 @@ def plot(rows: list[dict[str, Any]], families: list[str], path: Path, title: str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from kvforge.eval.report import _color
+
     methods = sorted({r["method"] for r in rows if r["method"] != FULL})
-    panels = [(f, "normalized") for f in families if f != "mean"] + [("mean", "kl")]
+    panels = [*[(f, "normalized") for f in families], ("all", "kl")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.3 * len(panels), 4.2), dpi=80, squeeze=False)
-    cmap = matplotlib.colormaps["tab20"]
     for ax, (fam, col) in zip(axes.flat, panels, strict=True):
         for i, m in enumerate(methods):
             pts = sorted((100 * (1 - r["compression_ratio"]), r[col]) for r in rows
-                         if r["family"] == fam and r["method"] == m and r.get(col) is not None)  # fmt: skip
+                         if r["task"] == fam and r["method"] == m and r.get(col) is not None)  # fmt: skip
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="osD^v<>ph*"[i % 10], linestyle="-" if i < 10 else "--",
-                        color=cmap((2 * i) % 20 + (i // 10) % 2), label=m, markersize=5)  # fmt: skip
-        n = max((r["n"] for r in rows if r["family"] == fam and r["method"] == FULL), default=0)
+                        color=_color(i), label=m, markersize=5)  # fmt: skip
+        n = max((r["n"] for r in rows if r["task"] == fam and r["method"] == FULL), default=0)
         if col == "normalized":
             ax.axhline(100, color="black", linestyle="--", linewidth=1)
             ax.set(ylabel="score (full cache = 100)", title=f"{fam} (n={n})")
@@ -111,11 +97,15 @@ def main() -> int:
     args = ap.parse_args()
     rows = [json.loads(line) for line in (args.run / "results.jsonl").read_text().splitlines() if line.strip()]
     summary = pooled(rows)
-    families = [*sorted({r["family"] for r in summary} - {"mean"}), "mean"]
-    text = ["## Normalised score (full cache = 100), families pooled", "",
-            table(summary, "normalized", 1, families), "",
-            "## KL(full || method), nats per answer token", "", table(summary, "kl", 3, families), "",
-            "## Fraction of needle tokens kept (needle family)", "", table(summary, "needle_kept", 2, ["needle"])]
+    families = sorted({r["task"] for r in summary} - {"all"})
+    n = {f: max(r["n"] for r in summary if r["task"] == f and r["method"] == FULL) for f in families}
+    table = {"rows": summary}
+    needle = {"rows": [r for r in summary if r["task"] == "needle"]}
+    text = ["## Normalised score (full cache = 100), families pooled ("
+            + ", ".join(f"{f}: n={n[f]}" for f in families) + "; all = mean over the families)", "",
+            pivot_table(table, "normalized", 1), "",
+            "## KL(full || method), nats per answer token", "", pivot_table(table, "kl", 3), "",
+            "## Fraction of needle tokens kept (needle family)", "", pivot_table(needle, "needle_kept", 2)]  # fmt: skip
     print("\n".join(text))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
