@@ -38,3 +38,21 @@ def smollm2():
         return load_model("smollm2-135m", device="cpu")
     except UserError as e:
         pytest.skip(f"smollm2-135m not available: {e}")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random Llama and the character tokenizer saved as a model folder (read-only: tests load it)."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors run much faster on one thread than on two contended ones (use with ``usefixtures``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

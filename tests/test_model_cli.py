@@ -10,25 +10,17 @@ import pytest
 from kvforge.cli import main
 from kvforge.errors import UserError
 from kvforge.model import load_model, model_fingerprint
-from kvforge.testing import tiny_model, tiny_tokenizer
+from kvforge.testing import tiny_model
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama").save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
-
-
-def test_load_local_folder_and_fingerprint_is_stable(tiny_dir):
-    model, tokenizer = load_model(str(tiny_dir), device="cpu")
+def test_load_local_folder_and_fingerprint_is_stable(tiny_llama_dir):
+    model, tokenizer = load_model(str(tiny_llama_dir), device="cpu")
     assert model.config._attn_implementation == "kvforge"
     fp = model_fingerprint(model, tokenizer)
     assert fp.startswith("LlamaForCausalLM:") and fp.endswith(":float32")
     code = (
         "from kvforge.model import load_model, model_fingerprint;"
-        f"m, t = load_model({str(tiny_dir)!r}, device='cpu'); print(model_fingerprint(m, t))"
+        f"m, t = load_model({str(tiny_llama_dir)!r}, device='cpu'); print(model_fingerprint(m, t))"
     )
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert other == fp
@@ -51,8 +43,8 @@ def test_unknown_model_and_missing_file():
         (["generate", "--model", "TINY", "--prompt", "x" * 3000], "exceeds the model's context"),
     ],
 )
-def test_cli_errors_are_one_line(argv, message, tiny_dir, capsys):
-    argv = [str(tiny_dir) if a == "TINY" else a for a in argv]
+def test_cli_errors_are_one_line(argv, message, tiny_llama_dir, capsys):
+    argv = [str(tiny_llama_dir) if a == "TINY" else a for a in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
@@ -65,10 +57,11 @@ def test_cli_rejects_invalid_numbers(capsys):
     assert "must be >= 1" in capsys.readouterr().err
 
 
-def test_cli_generate_streams_to_stdout_and_timings_to_stderr(tiny_dir, capsys):
-    assert main(["generate", "--model", str(tiny_dir), "--prompt", "hello", "--max-new-tokens", "5"]) == 0
+def test_cli_generate_streams_to_stdout_and_timings_to_stderr(tiny_llama_dir, capsys):
+    assert main(["generate", "--model", str(tiny_llama_dir), "--prompt", "hello", "--max-new-tokens", "5"]) == 0
     out, err = capsys.readouterr()
     assert "TTFT" in err and "tok/s" in err and "TTFT" not in out
-    assert main(["generate", "--model", str(tiny_dir), "--prompt", "hello", "--max-new-tokens", "5", "--no-cache"]) == 0
+    argv = ["generate", "--model", str(tiny_llama_dir), "--prompt", "hello", "--max-new-tokens", "5"]
+    assert main([*argv, "--no-cache"]) == 0
     out_nc, _ = capsys.readouterr()
     assert out_nc.strip() == out.strip()  # greedy: the no-cache baseline gives the same text

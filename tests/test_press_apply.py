@@ -15,13 +15,7 @@ from kvforge.testing import ARCHS, tiny_model
 S, CHUNK = 150, 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run 10x faster on one thread when the 2 shared cores are busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread is faster
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))

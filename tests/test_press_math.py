@@ -23,13 +23,7 @@ from kvforge.presses.surrogatekv import choose_victims
 H_KV, H, D, HIDDEN = 2, 4, 8, 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small tensors: one thread is much faster than two contended ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread is faster
 
 
 def make_ctx(s: int, seed: int = 0, w: int = 16, start: int = 0, layer_idx: int = 0, num_layers: int = 1):

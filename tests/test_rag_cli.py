@@ -7,15 +7,6 @@ import pytest
 from kvforge.cli import main
 from kvforge.commands import rag as rag_command
 from kvforge.errors import UserError
-from kvforge.testing import tiny_model, tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model("llama").save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
 
 
 @pytest.fixture()
@@ -36,21 +27,21 @@ def run(argv):
     return args.func(args)
 
 
-def test_registered_in_the_cli(model_dir, docs, tmp_path, capsys):
+def test_registered_in_the_cli(tiny_llama_dir, docs, tmp_path, capsys):
     store = f"file://{tmp_path / 'kv'}"
-    argv = ["rag", "--model", str(model_dir), "--docs", *docs, "--question", "Code?", "--strategy", "cacheclip",
+    argv = ["rag", "--model", str(tiny_llama_dir), "--docs", *docs, "--question", "Code?", "--strategy", "cacheclip",
             "--store", store, "--max-new-tokens", "2"]
     assert main(argv) == 0
     assert "chunk_misses=3" in capsys.readouterr().err
     assert main(argv) == 0  # second run: chunks come from the disk store
     err = capsys.readouterr().err
     assert "chunk_misses=0" in err and "chunk_hits=0" not in err
-    assert main(["rag", "--model", str(model_dir), "--docs", str(tmp_path / "nope.txt"), "--question", "q"]) == 2
+    assert main(["rag", "--model", str(tiny_llama_dir), "--docs", str(tmp_path / "nope.txt"), "--question", "q"]) == 2
 
 
 @pytest.mark.parametrize("strategy", ["full", "naive", "ape", "cacheblend", "cacheclip"])
-def test_rag_command_answers_and_reports(model_dir, docs, strategy, capsys):
-    argv = ["--model", str(model_dir), "--docs", *docs, "--question", "What is the code?", "--strategy", strategy,
+def test_rag_command_answers_and_reports(tiny_llama_dir, docs, strategy, capsys):
+    argv = ["--model", str(tiny_llama_dir), "--docs", *docs, "--question", "What is the code?", "--strategy", strategy,
             "--recompute-ratio", "0.5", "--max-new-tokens", "4"]
     assert run(argv) == 0
     err = capsys.readouterr().err
@@ -59,11 +50,11 @@ def test_rag_command_answers_and_reports(model_dir, docs, strategy, capsys):
         assert "recomputed=0 " in err and "chunk_misses=3" in err
 
 
-def test_rag_command_errors(model_dir, docs, tmp_path):
+def test_rag_command_errors(tiny_llama_dir, docs, tmp_path):
     with pytest.raises(UserError, match="not found"):
-        run(["--model", str(model_dir), "--docs", str(tmp_path / "missing.txt"), "--question", "q"])
+        run(["--model", str(tiny_llama_dir), "--docs", str(tmp_path / "missing.txt"), "--question", "q"])
     with pytest.raises(UserError, match="recompute-ratio"):
-        run(["--model", str(model_dir), "--docs", *docs, "--question", "q", "--recompute-ratio", "2"])
+        run(["--model", str(tiny_llama_dir), "--docs", *docs, "--question", "q", "--recompute-ratio", "2"])
     with pytest.raises(UserError, match="aux-model"):
-        run(["--model", str(model_dir), "--docs", *docs, "--question", "q", "--strategy", "naive",
-             "--aux-model", str(model_dir)])
+        run(["--model", str(tiny_llama_dir), "--docs", *docs, "--question", "q", "--strategy", "naive",
+             "--aux-model", str(tiny_llama_dir)])

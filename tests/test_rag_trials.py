@@ -30,14 +30,12 @@ def test_rag_rows_in_the_runner(tmp_path):
     assert prompt == {by[("full", 0.0)]["info"]["num_recomputed"] + by[("full", 0.0)]["info"]["num_fresh"]}
 
 
-def test_kvforge_eval_rag_flags(tmp_path):
+def test_kvforge_eval_rag_flags(tmp_path, tiny_llama_dir):
     import json
 
     from kvforge.cli import main
 
-    model_dir = tmp_path / "tiny"
-    tiny_model("llama").save_pretrained(model_dir)
-    tiny_tokenizer().save_pretrained(model_dir)
+    model_dir = tiny_llama_dir
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"id": "e1", "chunks": ["The code is 12.", "Cats nap."], "question": "Code?",
                                 "answers": ["12"], "max_new_tokens": 2}) + "\n")

@@ -60,15 +60,9 @@ def test_reuse_rejects_sliding_window_engine():
         engine.generate(PROMPT, max_new_tokens=2)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model("llama").save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
 
 
-def test_cli_generate_reuse_across_processes(model_dir, tmp_path, capsys):
+def test_cli_generate_reuse_across_processes(tiny_llama_dir, tmp_path, capsys):
     pytest.importorskip("kvforge.store")
     from kvforge.cli import main
 
@@ -76,7 +70,7 @@ def test_cli_generate_reuse_across_processes(model_dir, tmp_path, capsys):
     argv = [
         "generate",
         "--model",
-        str(model_dir),
+        str(tiny_llama_dir),
         "--prompt",
         PROMPT,
         "--max-new-tokens",
@@ -97,7 +91,7 @@ def test_cli_generate_reuse_across_processes(model_dir, tmp_path, capsys):
     assert "cannot be combined with --press" in capsys.readouterr().err
 
 
-def test_cli_bench_reuse(model_dir, tmp_path, capsys):
+def test_cli_bench_reuse(tiny_llama_dir, tmp_path, capsys):
     pytest.importorskip("kvforge.store")
     from kvforge.cli import main
 
@@ -105,7 +99,7 @@ def test_cli_bench_reuse(model_dir, tmp_path, capsys):
         "bench",
         "reuse",
         "--model",
-        str(model_dir),
+        str(tiny_llama_dir),
         "--lengths",
         "40,80",
         "--repeats",

@@ -16,7 +16,6 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from kvforge.cli import build_parser  # noqa: E402
-from kvforge.testing import tiny_model, tiny_tokenizer  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -36,10 +35,8 @@ def test_serve_parser_defaults_to_localhost() -> None:
         build_parser().parse_args(["serve", "--reuse", "sideways"])
 
 
-def test_kvforge_serve_subprocess(tmp_path: Path) -> None:
-    folder = tmp_path / "tiny"
-    tiny_model("llama").save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
+def test_kvforge_serve_subprocess(tiny_llama_dir: Path) -> None:
+    folder = tiny_llama_dir
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     cmd = [
