@@ -1,27 +1,67 @@
-"""Why CacheClip misses a multi-document needle: which tokens it recomputes, and what recomputing more would change.
+"""Why CacheClip misses a multi-document needle, and whether any choice of recomputed tokens would find it.
 
 For each `needle-docs` example of a `kvforge eval` run (its `examples.jsonl`), with the main model as its own
-auxiliary at recompute ratio r: the share of the needle's tokens CacheClip selects, the percentile of the needle's
-mean score among the context tokens, and the greedy answer when recomputing (a) CacheClip's selection, (b) the
-selection + every needle token, (c) the needle tokens only, (d) the selection + the first 16 tokens of every chunk.
-One JSON line per example on stdout.
+auxiliary, the greedy answer when recomputing, at each recompute ratio r:
 
-    python benchmarks/rag_needle_diagnosis.py runs/rag/examples.jsonl --limit 5
+- `cacheclip`: CacheClip's selection (last-layer auxiliary attention, window grouping);
+- `oracle_attention`: the top r context tokens by the attention the question pays them in the *full* prefill,
+  summed over all layers (what a perfect auxiliary model would see);
+- `oracle_deviation`: the top r context tokens by how far their reused KV is from the full prefill's, relative
+  squared error summed over layers, keys and values (what CacheBlend estimates from one layer);
+- `oracle_product`: deviation x attention (stale *and* looked at);
+- `tail`: the last r of the context (the tokens nearest the question);
+- `cacheclip+needle`: CacheClip's selection plus every token of the needle sentence;
+
+and, once per example, the needle's score percentile under CacheClip's scorer. The oracles need a full prefill, so
+they are bounds, not methods: if no oracle finds the needle at r, no token-selection rule will. One JSON line per
+example on stdout, then a summary line (correct answers per selection and ratio, and full's).
+
+    python benchmarks/rag_needle_diagnosis.py runs/rag/examples.jsonl --ratios 0.2,0.3 --limit 10
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
+from typing import Any
 
 import torch
+from torch import Tensor
 
+from kvforge.attention import attend, attention_scores
+from kvforge.cache import KVCache
 from kvforge.eval.data import read_examples
 from kvforge.model import load_model
-from kvforge.prefill import forward
+from kvforge.prefill import forward, prefill
 from kvforge.rag import RagModel
 from kvforge.rag.aux import select_top
 from kvforge.rag.strategies import _run_selected, make_strategy
+
+
+class AllLayerCapture:
+    """Plain attention that records, per layer, the mean attention queries at positions >= ``start`` pay each key
+    position (summed over layers in :meth:`total`)."""
+
+    def __init__(self, cache: KVCache, start: int) -> None:
+        self.cache, self.start = cache, start
+        self.by_layer: dict[int, Tensor] = {}
+
+    def __call__(self, module: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                 is_causal: bool, scaling: float | None, softcap: float | None) -> Tensor:  # fmt: skip
+        probs = torch.softmax(attention_scores(query, key, mask, is_causal, scaling, softcap), dim=-1)
+        q_pos = self.cache.query_positions
+        assert q_pos is not None
+        sel = q_pos[0] >= self.start
+        if bool(sel.any()):
+            _, _, pos, _ = self.cache.layers[module.layer_idx].view()
+            mass = torch.zeros(int(pos.max()) + 1)
+            mass.index_add_(0, pos[0, 0].cpu(), probs[0][:, sel].mean(dim=(0, 1)).float().cpu())
+            self.by_layer[module.layer_idx] = mass
+        return attend(probs, value)
+
+    def total(self) -> Tensor:
+        return torch.stack(list(self.by_layer.values())).sum(0)
 
 
 def main() -> int:
@@ -29,17 +69,19 @@ def main() -> int:
     ap.add_argument("examples", help="examples.jsonl of a kvforge eval run with needle-docs examples")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--limit", type=int, default=5)
-    ap.add_argument("--recompute-ratio", type=float, default=0.2)
+    ap.add_argument("--ratios", default="0.2", help="comma-separated recompute ratios")
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    ratios = [float(r) for r in args.ratios.split(",")]
     model, tok = load_model(args.model)
     rag = RagModel(model, tok)
-    clip = make_strategy("cacheclip", args.recompute_ratio)
+    clip = make_strategy("cacheclip")
     examples = [e for e in read_examples(args.examples) if e.task == "needle-docs" and e.needles][: args.limit]
+    totals: Counter[str] = Counter()
 
-    def greedy(cache, logits) -> str:
+    def greedy(cache: KVCache, logits: Tensor) -> str:
         out, token = [], logits.argmax(-1, keepdim=True)
         for _ in range(args.max_new_tokens):
             out.append(int(token))
@@ -50,10 +92,30 @@ def main() -> int:
         prompt = rag.build_prompt(ex.chunks, ex.question, system=ex.system, answer_prefix=ex.answer_prefix)
         clip.warm(rag, prompt)
         asm = rag.load(prompt)
+        n, n_q = asm.num_tokens, len(prompt.question_ids)
+        ctx_pos = asm.positions[asm.context_idx]
+
+        # full prefill (the same ids); the question's attention captured on every layer
+        full = KVCache.for_model(model)
+        prefill(model, asm.ids[: n - n_q].tolist(), full, chunk_size=512)
+        capture = AllLayerCapture(full, int(asm.positions[n - n_q]))
+        full.attention_override = capture  # type: ignore[attr-defined]
+        logits = forward(model, asm.ids[n - n_q :][None], full)[:, -1]
+        full.attention_override = None  # type: ignore[attr-defined]
+        attention = capture.total()[ctx_pos]
+        deviation = torch.zeros(len(ctx_pos))
+        in_cached = asm.is_context[asm.cached_idx]
+        for li, layer in enumerate(full.layers):
+            k, v, pos, _ = layer.view()
+            assert torch.equal(pos[0, 0, : n - n_q].cpu(), asm.positions[: n - n_q])
+            for fresh, reused in ((k[0][:, ctx_pos], asm.keys[li][:, in_cached]),
+                                  (v[0][:, ctx_pos], asm.values[li][:, in_cached])):  # fmt: skip
+                fresh, reused = fresh.float().cpu(), reused.float()
+                deviation += (fresh - reused).pow(2).sum((0, 2)) / fresh.pow(2).sum((0, 2)).clamp_min(1e-12)
+        answers = {"full": greedy(full, logits)}
+
         scores = clip._scorer(rag).score(prompt)
-        chosen = select_top(scores, args.recompute_ratio)
         needle = torch.zeros(len(scores), dtype=torch.bool)
-        heads = torch.zeros(len(scores), dtype=torch.bool)
         start = 0
         for text, ids, offsets in zip(prompt.chunk_texts, prompt.chunk_ids, prompt.chunk_offsets, strict=True):
             a = text.find(ex.needles[0])
@@ -61,20 +123,32 @@ def main() -> int:
                 b = a + len(ex.needles[0])
                 for j, (x, y) in enumerate(offsets):
                     needle[start + j] |= y > a and x < b
-            heads[start : start + 16] = True
             start += len(ids)
-        answers = {}
-        for name, sel in [("cacheclip", chosen), ("cacheclip+needle", chosen | needle), ("needle_only", needle),
-                          ("cacheclip+chunk_heads16", chosen | heads)]:  # fmt: skip
-            recompute = torch.zeros(asm.num_tokens, dtype=torch.bool)
-            recompute[asm.context_idx[sel]] = True
-            cache, logits = _run_selected(rag, asm, recompute)
-            answers[name] = greedy(cache, logits)
+        for r in ratios:
+            tail = torch.zeros(len(scores), dtype=torch.bool)
+            tail[len(scores) - round(r * len(scores)) :] = True
+            chosen = select_top(scores, r)
+            selections = {
+                "cacheclip": chosen,
+                "oracle_attention": select_top(attention, r, window_size=1),
+                "oracle_deviation": select_top(deviation, r, window_size=1),
+                "oracle_product": select_top(deviation * attention, r, window_size=1),
+                "tail": tail,
+                "cacheclip+needle": chosen | needle,
+            }
+            for name, sel in selections.items():
+                recompute = torch.zeros(n, dtype=torch.bool)
+                recompute[asm.context_idx[sel]] = True
+                answers[f"{name}@{r:g}"] = greedy(*_run_selected(rag, asm, recompute))
         correct = {k: any(a in v for a in ex.answers) for k, v in answers.items()}
-        row = {"id": ex.id, "answer": ex.answers, "needle_selected": float(chosen[needle].float().mean()),
-               "needle_score_percentile": float((scores < scores[needle].mean()).float().mean()),
-               "answers": answers, "correct": correct}  # fmt: skip
+        totals.update(k for k, ok in correct.items() if ok)
+        percentile = float((scores < scores[needle].mean()).float().mean())
+        row = {"id": ex.id, "answer": ex.answers, "needle_score_percentile": percentile, "answers": answers,
+               "correct": correct}  # fmt: skip
         print(json.dumps(row), flush=True)
+    names = ("cacheclip", "oracle_attention", "oracle_deviation", "oracle_product", "tail", "cacheclip+needle")
+    keys = ["full"] + [f"{name}@{r:g}" for r in ratios for name in names]
+    print(json.dumps({"summary": {k: f"{totals[k]}/{len(examples)}" for k in keys}}), flush=True)
     return 0
 
 
