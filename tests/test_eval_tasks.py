@@ -5,7 +5,7 @@ import pytest
 from kvforge.errors import UserError
 from kvforge.eval.data import example_from_json, read_examples, write_examples
 from kvforge.eval.tasks import TASKS, TaskConfig, build_task
-from kvforge.eval.tasks.base import Measure, truncate_middle
+from kvforge.eval.tasks.base import Measure, interleave, truncate_middle
 from kvforge.eval.tasks.longbench import longbench_example
 from kvforge.eval.tasks.musique import musique_example
 from kvforge.eval.tasks.needle import insert_needles
@@ -89,6 +89,17 @@ def test_lengths_in_characters_without_tokenizer():
 def test_ruler_mix_interleaves_all_tasks(tok):
     examples = build_task("ruler", _cfg(tok, depths=(0.5,)))
     assert [e.task for e in examples] == SYNTHETIC
+
+
+@needs_data
+def test_interleave_drops_repeated_ids(tok):
+    """`--task needle,ruler`: ruler's single needles are the needle task's examples; each is kept once."""
+    cfg = _cfg(tok, depths=(0.5,), num_samples=2)
+    needles, mix = build_task("needle", cfg), build_task("ruler", cfg)
+    assert {e.id for e in needles} <= {e.id for e in mix}
+    merged = interleave([needles, mix])
+    assert len({e.id for e in merged}) == len(merged) == len(mix)
+    assert [e.id for e in merged[:3]] == [needles[0].id, needles[1].id, mix[1].id]  # mix[0] is needles[0]
 
 
 @needs_data

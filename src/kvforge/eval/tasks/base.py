@@ -107,9 +107,17 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def interleave(groups: Sequence[Iterable[Example]]) -> list[Example]:
-    """Round-robin merge, so that ``--limit N`` takes a mix of every group."""
+    """Round-robin merge, so that ``--limit N`` takes a mix of every group.
+
+    An example whose id came earlier is dropped (``ruler``'s single needles are the ``needle`` task's), so ``--limit``
+    counts distinct examples.
+    """
     lists = [list(g) for g in groups]
     out: list[Example] = []
+    seen: set[str] = set()
     for i in range(max((len(g) for g in lists), default=0)):
-        out.extend(g[i] for g in lists if i < len(g))
+        for g in lists:
+            if i < len(g) and g[i].id not in seen:
+                seen.add(g[i].id)
+                out.append(g[i])
     return out
