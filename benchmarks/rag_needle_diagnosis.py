@@ -5,7 +5,7 @@ auxiliary, the greedy answer when recomputing, at each recompute ratio r:
 
 - `cacheclip`: CacheClip's selection (last-layer auxiliary attention, window grouping);
 - `oracle_attention`: the top r context tokens by the attention the question pays them in the *full* prefill,
-  summed over all layers (what a perfect auxiliary model would see);
+  averaged over all layers (what a perfect auxiliary model would see);
 - `oracle_deviation`: the top r context tokens by how far their reused KV is from the full prefill's, relative
   squared error summed over layers, keys and values (what CacheBlend estimates from one layer);
 - `oracle_product`: deviation x attention (stale *and* looked at);
@@ -24,44 +24,18 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter
-from typing import Any
 
 import torch
-from torch import Tensor
 
-from kvforge.attention import attend, attention_scores
 from kvforge.cache import KVCache
 from kvforge.eval.data import read_examples
 from kvforge.model import load_model
 from kvforge.prefill import forward, prefill
 from kvforge.rag import RagModel
+from kvforge.rag.attend import AttentionCapture
 from kvforge.rag.aux import select_top
+from kvforge.rag.pipeline import greedy_decode
 from kvforge.rag.strategies import _run_selected, make_strategy
-
-
-class AllLayerCapture:
-    """Plain attention that records, per layer, the mean attention queries at positions >= ``start`` pay each key
-    position (summed over layers in :meth:`total`)."""
-
-    def __init__(self, cache: KVCache, start: int) -> None:
-        self.cache, self.start = cache, start
-        self.by_layer: dict[int, Tensor] = {}
-
-    def __call__(self, module: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
-                 is_causal: bool, scaling: float | None, softcap: float | None) -> Tensor:  # fmt: skip
-        probs = torch.softmax(attention_scores(query, key, mask, is_causal, scaling, softcap), dim=-1)
-        q_pos = self.cache.query_positions
-        assert q_pos is not None
-        sel = q_pos[0] >= self.start
-        if bool(sel.any()):
-            _, _, pos, _ = self.cache.layers[module.layer_idx].view()
-            mass = torch.zeros(int(pos.max()) + 1)
-            mass.index_add_(0, pos[0, 0].cpu(), probs[0][:, sel].mean(dim=(0, 1)).float().cpu())
-            self.by_layer[module.layer_idx] = mass
-        return attend(probs, value)
-
-    def total(self) -> Tensor:
-        return torch.stack(list(self.by_layer.values())).sum(0)
 
 
 def main() -> int:
@@ -81,12 +55,8 @@ def main() -> int:
     examples = [e for e in read_examples(args.examples) if e.task == "needle-docs" and e.needles][: args.limit]
     totals: Counter[str] = Counter()
 
-    def greedy(cache: KVCache, logits: Tensor) -> str:
-        out, token = [], logits.argmax(-1, keepdim=True)
-        for _ in range(args.max_new_tokens):
-            out.append(int(token))
-            token = forward(model, token, cache)[:, -1].argmax(-1, keepdim=True)
-        return tok.decode(out, skip_special_tokens=True)
+    def greedy(cache: KVCache, logits: torch.Tensor) -> str:
+        return tok.decode(greedy_decode(model, tok, cache, logits, args.max_new_tokens), skip_special_tokens=True)
 
     for ex in examples:
         prompt = rag.build_prompt(ex.chunks, ex.question, system=ex.system, answer_prefix=ex.answer_prefix)
@@ -98,11 +68,11 @@ def main() -> int:
         # full prefill (the same ids); the question's attention captured on every layer
         full = KVCache.for_model(model)
         prefill(model, asm.ids[: n - n_q].tolist(), full, chunk_size=512)
-        capture = AllLayerCapture(full, int(asm.positions[n - n_q]))
+        capture = AttentionCapture(full, range(len(full.layers)), int(asm.positions[n - n_q]))
         full.attention_override = capture  # type: ignore[attr-defined]
         logits = forward(model, asm.ids[n - n_q :][None], full)[:, -1]
         full.attention_override = None  # type: ignore[attr-defined]
-        attention = capture.total()[ctx_pos]
+        attention = capture.scores_by_position(n)[ctx_pos]
         deviation = torch.zeros(len(ctx_pos))
         in_cached = asm.is_context[asm.cached_idx]
         for li, layer in enumerate(full.layers):

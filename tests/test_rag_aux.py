@@ -103,3 +103,25 @@ def test_cacheclip_with_a_different_tokenizer_aux(main_rag, word_aux):
     assert res.num_recomputed >= round(0.3 * prompt.num_context_tokens)
     exact = CacheClipStrategy(recompute_ratio=1.0, aux=word_aux)
     torch.testing.assert_close(main_rag.prefill(prompt, exact).logits, full.logits, atol=1e-4, rtol=0)
+
+
+def test_attention_capture_over_several_layers_is_the_mean_of_single_layers():
+    """The capture used by CacheClip (one layer) and by the needle diagnosis (every layer) agree."""
+    from kvforge.cache import KVCache
+    from kvforge.prefill import forward, prefill
+    from kvforge.rag.attend import AttentionCapture
+
+    model = tiny_model("llama", num_hidden_layers=3)
+    ids = torch.randint(0, 50, (1, 24))
+    scores = {}
+    for layers in (0, 2, [0, 2]):
+        cache = KVCache.for_model(model)
+        prefill(model, ids[0, :16].tolist(), cache)
+        capture = AttentionCapture(cache, layers, min_query_position=16)
+        cache.attention_override = capture
+        forward(model, ids[:, 16:], cache)
+        scores[str(layers)] = capture.scores_by_position(24)
+    for s in scores.values():  # mean attention of the 8 queries: a distribution over the 24 positions
+        torch.testing.assert_close(s.sum(), torch.tensor(1.0))
+    torch.testing.assert_close(scores["[0, 2]"], (scores["0"] + scores["2"]) / 2)
+    assert not torch.allclose(scores["0"], scores["2"])

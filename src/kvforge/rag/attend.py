@@ -6,6 +6,7 @@ mask it built from the cache positions; they compute attention eagerly (fp32 sof
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -50,15 +51,16 @@ class APEAttention:
 
 
 class AttentionCapture:
-    """Plain attention that also sums one layer's probabilities from queries at positions >= ``min_query_position``.
+    """Plain attention that also sums the probabilities of queries at positions >= ``min_query_position`` on the
+    layer(s) ``layer_idx`` (one index or several).
 
-    After the forward(s), :meth:`scores_by_position` gives the summed probability (over heads and those queries)
-    each key position received, divided by their count (mean attention).
+    After the forward(s), :meth:`scores_by_position` gives the summed probability (over layers, heads and those
+    queries) each key position received, divided by their count (mean attention).
     """
 
-    def __init__(self, cache: KVCache, layer_idx: int, min_query_position: int) -> None:
+    def __init__(self, cache: KVCache, layer_idx: int | Iterable[int], min_query_position: int) -> None:
         self.cache = cache
-        self.layer_idx = layer_idx
+        self.layers = {layer_idx} if isinstance(layer_idx, int) else set(layer_idx)
         self.min_query_position = min_query_position
         self._parts: list[tuple[Tensor, Tensor]] = []
         self._count = 0
@@ -68,7 +70,7 @@ class AttentionCapture:
         scaling: float | None, softcap: float | None,
     ) -> Tensor:
         probs = torch.softmax(attention_scores(query, key, mask, is_causal, scaling, softcap), dim=-1)
-        if module.layer_idx == self.layer_idx:
+        if module.layer_idx in self.layers:
             q_pos = self.cache.query_positions
             assert q_pos is not None
             sel = q_pos[0] >= self.min_query_position  # (Q,)
