@@ -124,6 +124,15 @@ def test_reused_prefix_is_kept_as_is(llama):
     assert cache.next_position == 180
 
 
+def test_all_sliding_layers_warn_and_keep_everything(caplog):
+    model = tiny_model("mistral", sliding_window=8)
+    cache = KVCache.for_model(model)
+    with caplog.at_level("WARNING", logger="kvforge.presses.apply"):
+        compress_prefill(model, ids(40, seed=5), cache, small("snapkv", 0.75), chunk_size=CHUNK)
+    assert "every layer has a sliding window: snapkv compresses nothing" in caplog.text
+    assert cache.info["press"]["uncompressed_layers"] == list(range(cache.num_layers))
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_lookahead_and_reconstruction_are_undone(arch):
     model = tiny_model(arch)

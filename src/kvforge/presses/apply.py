@@ -112,8 +112,10 @@ class CompressionSource:
     def compress(self, press: Press) -> KVCache:
         """Restore the full cache, then compress its prompt entries with ``press``; returns the (same) cache."""
         cache = self.restore()
-        needs = press.needs()
+        needs, name = press.needs(), getattr(press, "registry_name", press.name)
         active = press.ratio() > 0 and bool(self.layers)
+        if press.ratio() > 0 and not self.layers:
+            logger.warning("every layer has a sliding window: %s compresses nothing", name)
         if active and (needs.window_size > self.needs.window_size or needs.lookahead > self.needs.lookahead):
             raise ValueError(
                 f"{press.name} needs a window of {needs.window_size} and {needs.lookahead} lookahead drafts; this "
@@ -144,7 +146,7 @@ class CompressionSource:
         seconds = {"prefill": self.seconds["prefill"], "lookahead": self.seconds["lookahead"] if lookahead else 0.0}
         seconds |= {"reconstruction": clock[1] - clock[0], "compress": clock[2] - clock[1]}
         cache.info["press"] = {
-            "name": getattr(press, "registry_name", press.name),
+            "name": name,
             "compression_ratio": press.ratio(),
             "config": press.config(),
             "compressed_tokens": int(self.ids.shape[1]),
