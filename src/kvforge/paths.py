@@ -47,3 +47,8 @@ def cache_dir() -> Path:
         return Path(env)
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "kvforge"
+
+
+def default_store_url() -> str:
+    """The embedded default store: a disk store in kvforge's cache folder."""
+    return f"file://{cache_dir() / 'kv'}"

@@ -126,11 +126,10 @@ def run(args: argparse.Namespace) -> int:
         read_examples(args.data, limit=args.limit)  # a malformed file fails before the model loads
     else:
         check_task_data(_names(args.task), args.data_dir or default_data_dir())  # before the model loads
-    engine = load_engine(args)
+    trials = None if args.rag else press_trials(args.methods, args.compression_ratios, query_aware=not args.query_agnostic)
+    engine = load_engine(args)  # names, options and data were checked above: a mistake costs no model load
     if args.rag:
         trials = _rag_trials(args, engine)
-    else:
-        trials = press_trials(args.methods, args.compression_ratios, query_aware=not args.query_agnostic)
     examples = examples_for(args, engine.tokenizer)
     args.out.mkdir(parents=True, exist_ok=True)
     _record_examples(examples, args.out / "examples.jsonl")

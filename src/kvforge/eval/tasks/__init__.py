@@ -10,7 +10,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from kvforge.errors import UserError
+from kvforge.errors import UserError, unknown_name
 from kvforge.eval.data import Example
 from kvforge.eval.tasks.base import Measure, TaskConfig
 from kvforge.eval.tasks.longbench import QA_SETS, SUMM_SETS, leval_task, longbench_task
@@ -52,7 +52,7 @@ def check_task_data(names: list[str], data_dir: Path) -> None:
     """Fail before any model loads when a converted task's data folder is missing (one line naming the folder)."""
     for name in names:
         if name not in TASKS and not name.startswith("hub:"):
-            raise UserError(f"unknown task {name!r}; choose from {', '.join(TASKS)} or hub:...")
+            raise unknown_name("task", name, [*TASKS, "hub:..."])
         folder = TASK_DATA.get(name)
         if folder is not None and not (Path(data_dir) / folder).is_dir():
             raise UserError(
@@ -68,7 +68,7 @@ def build_task(name: str, config: TaskConfig) -> list[Example]:
 
         return hub_task(config, name[4:])
     if name not in TASKS:
-        raise UserError(f"unknown task {name!r}; choose from {', '.join(TASKS)} or hub:...")
+        raise unknown_name("task", name, [*TASKS, "hub:..."])
     return TASKS[name](config)
 
 
