@@ -135,6 +135,12 @@ class RedisStore(ByteStore):
     def put_blob(self, key: str, data: bytes) -> None:
         self._soft(lambda: super(RedisStore, self).put_blob(key, data), None)
 
+    def delete_blob(self, key: str) -> None:
+        self._soft(lambda: super(RedisStore, self).delete_blob(key), None)
+
+    def blob_keys(self) -> list[str]:
+        return list(self._soft(lambda: super(RedisStore, self).blob_keys(), []))
+
     def close(self) -> None:
         self.client.close()
 
