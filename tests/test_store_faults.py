@@ -151,3 +151,45 @@ def test_server_answers_without_reuse_when_its_store_is_down(caplog: pytest.LogC
     assert docs.status_code == 503 and docs.json()["error"]["message"] == "store unavailable", docs.text
     assert all(SECRET not in text for text in (r.text, docs.text, metrics))
     assert all(SECRET not in rec.getMessage() for rec in caplog.records)
+
+
+def test_read_only_disk_store_serves_hits_and_skips_writes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    url = f"file://{tmp_path}/kv"
+    open_store(url).put("aa", make_segment())
+    store = open_store(url + "?read_only=1")
+    assert segments_equal(store.get("aa"), make_segment())
+    store.put("bb", make_segment(seed=1))
+    store.delete("aa")
+    assert store.get("bb") is None and store.contains("aa")
+    with pytest.raises(UserError, match="read-only"):
+        store.clear()
+    assert main(["cache", "clear", "--store", url + "?read_only=1"]) == 2
+    err = capsys.readouterr().err
+    assert "read-only" in err and "Traceback" not in err and err.count("\n") == 1
+    assert open_store(url).contains("aa")
+
+
+def test_a_folder_that_refuses_writes_becomes_read_only_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read-only mount (EROFS): we run as root, so the refusal is simulated at os.open."""
+    import errno
+
+    import kvforge.store.disk as disk
+
+    store = DiskStore(tmp_path / "kv")
+    store.put("aa", make_segment())
+    real_open = os.open
+
+    def refuse(path, flags, *args):  # type: ignore[no-untyped-def]
+        if flags & os.O_WRONLY:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(disk.os, "open", refuse)
+    with caplog.at_level(logging.WARNING):
+        for seed in range(3):
+            store.put(f"b{seed}", make_segment(seed=seed))
+        assert segments_equal(store.get("aa"), make_segment())
+    assert store.read_only and not store.contains("b0")
+    assert len([r for r in caplog.records if "read-only" in r.getMessage()]) == 1

@@ -23,7 +23,7 @@ from kvforge.store.tiered import TieredStore
 SCHEMES = ("memory://", "file://", "redis://", "rediss://")
 _PARAMS = {
     "memory": {"max_bytes", "quant"},
-    "file": {"max_bytes", "fsync", "quant"},
+    "file": {"max_bytes", "fsync", "quant", "read_only"},
     "redis": {"max_bytes", "chunk_bytes", "prefix", "quant", "timeout", "connect_timeout"},
 }
 # redis-py ``from_url`` options passed through to the client; anything else in a redis URL is an error
@@ -83,6 +83,8 @@ def _open_one(url: str) -> ByteStore:
                 )
             if "fsync" in params:
                 kwargs["fsync"] = _bool(params["fsync"])
+            if "read_only" in params:
+                kwargs["read_only"] = _bool(params["read_only"])
             return DiskStore(parts.path or str(cache_dir() / "kv"), **kwargs)
         from kvforge.store.redis import RedisStore
 
