@@ -132,11 +132,12 @@ class CompressionSource:
             cache = self.restore()
         clock = [time.perf_counter()]
         self.collector.reconstruction = {}
-        replay_seconds = 0.0
+        replay_seconds, reused = 0.0, False
         if active and needs.reconstruction:
             kvzip = _find(press, KVzipPress) or KVzipPress()
             key = (tuple(kvzip.prompt_ids or ()), kvzip.prompt, kvzip.chat_template, kvzip.replay_chunk, kvzip.keep_header)
-            if key not in self._replays:  # one replay per replay setting, shared by every press and ratio using it
+            reused = key in self._replays
+            if not reused:  # one replay per replay setting, shared by every press and ratio using it
                 with attention_hooks(self.model, self.collector):
                     _reconstruct(
                         self.model, cache, self.ids, press, self.tokenizer, self.chunk_size, self.collector, self.start
@@ -174,6 +175,7 @@ class CompressionSource:
             "uncompressed_layers": [i for i in range(cache.num_layers) if i not in self.layers],
             "nbytes": cache.nbytes(),
             "seconds": {stage: round(v, 4) for stage, v in seconds.items()},  # per stage, for overhead reports
+            "replay_reused": reused,  # the reconstruction ran for an earlier press of this source (not re-timed)
         }
         return cache
 
