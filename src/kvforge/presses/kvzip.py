@@ -120,11 +120,19 @@ def header_length(tokenizer: Any, ids: list[int]) -> int:
 
 
 def replay_prefix(tokenizer: Any, prompt: str, use_template: bool) -> list[int]:
-    """Token ids put before each teacher-forced context chunk: the repeat request as a chat turn of the template
-    (without the header already in the cache) ending in the assistant's turn, or the bare prompt."""
+    """Token ids put before each teacher-forced context chunk: the repeat request as a later user turn of the chat
+    template (no system prompt: the cache holds it) ending in the assistant's turn, or the bare prompt."""
     if use_template and tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        turn = _render(tokenizer, [{"role": "user", "content": prompt}], True)
-        return turn[header_length(tokenizer, turn) :]
+        try:
+            earlier = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+            before = tokenizer.apply_chat_template(earlier, tokenize=False)
+            after = tokenizer.apply_chat_template(
+                earlier + [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+        except Exception:  # noqa: BLE001 - a template without alternating turns: fall back to the bare prompt
+            before, after = "", ""
+        if after.startswith(before) and after != before:
+            return list(tokenizer.encode(after[len(before) :], add_special_tokens=False))
     if tokenizer is None:
         return []
     return list(tokenizer.encode("\n\n" + prompt + "\n", add_special_tokens=False))
