@@ -18,9 +18,9 @@ from kvforge.presses.adakv import AdaKVPress
 from kvforge.presses.apply import CompressionSource, compress_prefill, compressible_layers
 from kvforge.presses.base import LayerContext, Needs, Press, ScorerPress, Selection, WrapperPress, num_kept
 from kvforge.presses.criticalkv import CriticalAdaKVPress, CriticalKVPress
+from kvforge.presses.expected_attention import ExpectedAttentionPress
 from kvforge.presses.full import FullPress
 from kvforge.presses.h2o import H2OPress
-from kvforge.presses.expected_attention import ExpectedAttentionPress
 from kvforge.presses.knorm import KnormPress
 from kvforge.presses.kvzip import KVzipPress
 from kvforge.presses.kvzip_heads import KVzipHeadPress
@@ -147,9 +147,9 @@ __all__ = [
     "CompressionSource",
     "CriticalAdaKVPress",
     "CriticalKVPress",
+    "ExpectedAttentionPress",
     "FullPress",
     "H2OPress",
-    "ExpectedAttentionPress",
     "KVzipHeadPress",
     "KVzipPress",
     "KnormPress",

@@ -135,7 +135,13 @@ class CompressionSource:
         replay_seconds, reused = 0.0, False
         if active and needs.reconstruction:
             kvzip = _find(press, KVzipPress) or KVzipPress()
-            key = (tuple(kvzip.prompt_ids or ()), kvzip.prompt, kvzip.chat_template, kvzip.replay_chunk, kvzip.keep_header)
+            key = (
+                tuple(kvzip.prompt_ids or ()),
+                kvzip.prompt,
+                kvzip.chat_template,
+                kvzip.replay_chunk,
+                kvzip.keep_header,
+            )
             reused = key in self._replays
             if not reused:  # one replay per replay setting, shared by every press and ratio using it
                 with attention_hooks(self.model, self.collector):
@@ -151,9 +157,17 @@ class CompressionSource:
         lookahead = needs.lookahead if active else 0
         contexts = [
             _layer_context(
-                cache.layers[idx], self.start[idx], modules[idx], rank, len(self.layers), self.collector, idx,
-                window, lookahead, self.header,
-            )  # fmt: skip
+                cache.layers[idx],
+                self.start[idx],
+                modules[idx],
+                rank,
+                len(self.layers),
+                self.collector,
+                idx,
+                window,
+                lookahead,
+                self.header,
+            )
             for rank, idx in enumerate(self.layers)
         ]
         selections = press.compress_all(contexts) if contexts else []
@@ -178,7 +192,6 @@ class CompressionSource:
             "replay_reused": reused,  # the reconstruction ran for an earlier press of this source (not re-timed)
         }
         return cache
-
 
     @torch.inference_mode()
     def calibrate_heads(self, skip: int) -> list[list[float] | None]:

@@ -65,7 +65,7 @@ class ExpectedAttentionPress(ScorerPress):
             cos, sin = averaged_rope(ctx.rope_angles, last, self.n_future_positions)
             mean = rotate(mean, cos, sin)
             cov = rotate(rotate(cov, cos, sin).transpose(-1, -2), cos, sin)  # R Sigma R^T
-        b, h_kv, s, d = keys.shape
+        b, h_kv, _, d = keys.shape
         g = ctx.group_size
         scale = ctx.scaling if ctx.scaling is not None else d**-0.5
         k = keys[:, :, None]  # (B, H_kv, 1, S, D)

@@ -84,7 +84,9 @@ class KVzipPress(ScorerPress):
     def compress_all(self, contexts: list[LayerContext]) -> list[Selection]:
         """One top-k over every KV head of each layer (``"layer"``) or of all ``contexts`` at once (``"global"``)."""
         if all(num_kept(c.size, self.compression_ratio) >= c.size for c in contexts):
-            return [Selection(keep=torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device)) for c in contexts]
+            return [
+                Selection(keep=torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device)) for c in contexts
+            ]
         if self.budget != "global":
             return [self._top([self.score(c)], [c])[0] for c in contexts]
         return self._top([self.score(c) for c in contexts], contexts)
@@ -114,7 +116,7 @@ def header_length(tokenizer: Any, ids: list[int]) -> int:
         return 0
     try:
         a, b = (_render(tokenizer, [{"role": "user", "content": c}], False) for c in ("a", "b"))
-    except Exception:  # noqa: BLE001 - a template that cannot render a plain user turn: no header to protect
+    except Exception:
         return 0
     return _common(a[: _common(a, b)], ids)
 
@@ -127,9 +129,9 @@ def replay_prefix(tokenizer: Any, prompt: str, use_template: bool) -> list[int]:
             earlier = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
             before = tokenizer.apply_chat_template(earlier, tokenize=False)
             after = tokenizer.apply_chat_template(
-                earlier + [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+                [*earlier, {"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
             )
-        except Exception:  # noqa: BLE001 - a template without alternating turns: fall back to the bare prompt
+        except Exception:
             before, after = "", ""
         if after.startswith(before) and after != before:
             return list(tokenizer.encode(after[len(before) :], add_special_tokens=False))
@@ -145,7 +147,7 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], generation: bool) ->
 
 def _common(a: list[int], b: list[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
