@@ -4,17 +4,19 @@ import pytest
 
 from kvforge.errors import UserError
 from kvforge.eval.data import example_from_json, read_examples, write_examples
-from kvforge.eval.tasks import TASKS, TaskConfig, build_task
+from kvforge.eval.tasks import TASKS, TaskConfig, build_task, check_task_data
 from kvforge.eval.tasks.base import Measure, interleave, truncate_middle
 from kvforge.eval.tasks.longbench import longbench_example
 from kvforge.eval.tasks.musique import musique_example
-from kvforge.eval.tasks.needle import insert_needles
+from kvforge.eval.tasks.needle import insert_needles, read_haystack
 from kvforge.eval.tasks.squad import squad_examples
-from kvforge.paths import default_data_dir
+from kvforge.paths import bundled_data_dir, default_data_dir, haystack_files
 from kvforge.testing import tiny_tokenizer
 
 DATA = default_data_dir()
-needs_data = pytest.mark.skipif(not (DATA / "haystack_paul_graham").is_dir(), reason="shared data not found")
+needs_data = pytest.mark.skipif(
+    not (DATA / "longbench").is_dir(), reason="needs ../shared/data (LongBench, L-Eval, SQuAD, MuSiQue samples)"
+)
 SYNTHETIC = ["needle", "ruler-mk", "ruler-mv", "ruler-mq", "ruler-vt", "ruler-cwe"]
 
 
@@ -27,7 +29,6 @@ def _cfg(tok, **kw):
     return TaskConfig(DATA, tokenizer=tok, **({"lengths": (512,), "depths": (0.0, 0.5, 1.0)} | kw))
 
 
-@needs_data
 @pytest.mark.parametrize("name", SYNTHETIC)
 def test_synthetic_tasks_are_deterministic_for_a_seed(tok, name):
     first, again = build_task(name, _cfg(tok)), build_task(name, _cfg(tok))
@@ -37,7 +38,6 @@ def test_synthetic_tasks_are_deterministic_for_a_seed(tok, name):
     assert [e.context for e in other] != [e.context for e in first]
 
 
-@needs_data
 @pytest.mark.parametrize("name", SYNTHETIC)
 def test_synthetic_answers_are_in_context_and_length_is_close(tok, name):
     measure = Measure(tok)
@@ -49,7 +49,6 @@ def test_synthetic_answers_are_in_context_and_length_is_close(tok, name):
         assert abs(measure.size(ex.context) - 512) <= 20, ex.id
 
 
-@needs_data
 @pytest.mark.parametrize("depth", [0.0, 0.1, 0.33, 0.5, 0.9, 1.0])
 def test_needle_sits_at_requested_depth_in_tokens(tok, depth):
     measure = Measure(tok)
@@ -79,19 +78,16 @@ def test_insert_needles_snaps_to_sentence_and_keeps_order(tok):
     assert [context[s : s + 2] for s in starts] == ["X.", "Y."]
 
 
-@needs_data
 def test_lengths_in_characters_without_tokenizer():
     (ex,) = build_task("needle", TaskConfig(DATA, lengths=(800,), depths=(0.5,)))
     assert abs(len(ex.context) - 800) <= 2
 
 
-@needs_data
 def test_ruler_mix_interleaves_all_tasks(tok):
     examples = build_task("ruler", _cfg(tok, depths=(0.5,)))
     assert [e.task for e in examples] == SYNTHETIC
 
 
-@needs_data
 def test_interleave_drops_repeated_ids(tok):
     """`--task needle,ruler`: ruler's single needles are the needle task's examples; each is kept once."""
     cfg = _cfg(tok, depths=(0.5,), num_samples=2)
@@ -151,12 +147,32 @@ def test_unknown_task_and_missing_data(tmp_path):
         build_task("nope", TaskConfig(tmp_path))
     with pytest.raises(UserError, match="not found"):
         build_task("squad", TaskConfig(tmp_path))
-    with pytest.raises(UserError, match="haystack"):
-        build_task("needle", TaskConfig(tmp_path))
+    with pytest.raises(UserError, match="haystack file"):
+        build_task("needle", TaskConfig(tmp_path, haystack=(tmp_path / "missing.txt",)))
     assert set(SYNTHETIC) <= set(TASKS)
 
 
-@needs_data
+def test_generated_tasks_fall_back_to_the_bundled_haystack(tmp_path, tok):
+    """An empty data folder: needle/RULER tasks use the public-domain excerpt shipped in the package."""
+    assert haystack_files(tmp_path) == haystack_files(None)
+    (bundled,) = haystack_files(tmp_path)
+    assert bundled.parent.parent == bundled_data_dir() and bundled.stat().st_size > 50_000
+    (ex,) = build_task("needle", TaskConfig(tmp_path, tokenizer=tok, lengths=(300,), depths=(0.5,)))
+    assert ex.needles[0] in ex.context and "Ishmael" in read_haystack((bundled,))
+    hay_dir = tmp_path / "haystack_mine"
+    hay_dir.mkdir()
+    (hay_dir / "t.txt").write_text("x " * 1000)
+    assert haystack_files(tmp_path) == [hay_dir / "t.txt"]  # a data folder's own haystack wins
+
+
+def test_converted_tasks_check_their_data_folder_before_any_model_loads(tmp_path):
+    check_task_data(["needle", "ruler", "needle-docs"], tmp_path)  # generated: nothing needed
+    with pytest.raises(UserError, match="longbench/ folder"):
+        check_task_data(["needle", "longbench-qa"], tmp_path)
+    with pytest.raises(UserError, match="unknown task 'nedle'"):
+        check_task_data(["nedle"], tmp_path)
+
+
 @pytest.mark.parametrize("depth", [0.0, 0.45, 1.0])
 def test_needle_docs_split_the_needle_context_into_whole_documents(tok, depth):
     """needle-docs: the single-needle context in 10 chunks at sentence boundaries; the needle whole, in the

@@ -65,3 +65,41 @@ def test_cli_generate_streams_to_stdout_and_timings_to_stderr(tiny_llama_dir, ca
     assert main([*argv, "--no-cache"]) == 0
     out_nc, _ = capsys.readouterr()
     assert out_nc.strip() == out.strip()  # greedy: the no-cache baseline gives the same text
+
+
+def test_help_and_version_do_not_import_torch():
+    code = (
+        "import sys; from kvforge.cli import main\n"
+        "for argv in (['--version'], ['--help'], ['generate', '--help'], ['eval', '--help']):\n"
+        "    try: main(argv)\n"
+        "    except SystemExit: pass\n"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "kvforge 0.1.0" in out and out.strip().endswith("False")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "--prompt", "hi", "--press", "snapk"], "unknown press 'snapk'; did you mean 'snapkv'?"),
+        (["eval", "--model", "m", "--task", "nedle", "--out", "OUT"], "unknown task 'nedle'; did you mean 'needle'"),
+        (["eval", "--model", "m", "--task", "needle", "--methods", "criticalk", "--out", "OUT"], "did you mean 'criticalkv'"),
+        (["eval", "--model", "m", "--task", "longbench-qa", "--data-dir", "OUT", "--out", "OUT"], "needs the longbench/ folder"),
+        (["generate", "--model", "smollm2-135", "--prompt", "hi"], "did you mean 'smollm2-135m'"),
+    ],
+)
+def test_mistakes_fail_before_the_model_loads_with_a_suggestion(argv, message, tmp_path, monkeypatch, capsys):
+    import kvforge.commands.eval as eval_cmd
+    import kvforge.commands.generate as generate_cmd
+
+    def no_load(*_a, **_k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    if "smollm2-135" not in argv:
+        monkeypatch.setattr(generate_cmd, "load", no_load)
+        monkeypatch.setattr(eval_cmd, "load_engine", no_load)
+    argv = [str(tmp_path) if a == "OUT" else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1

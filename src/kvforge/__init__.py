@@ -1,8 +1,29 @@
-"""kvforge: compress, store and reuse the KV cache of any Hugging Face decoder model."""
+"""kvforge: compress, store and reuse the KV cache of any Hugging Face decoder model.
 
-from kvforge.cache import KVCache, KVLayer
-from kvforge.types import Generation, KVSegment
+The public names are imported on first use (PEP 562), so ``import kvforge`` and ``kvforge --help`` / ``--version``
+do not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "KVCache": "kvforge.cache",
+    "KVLayer": "kvforge.cache",
+    "Generation": "kvforge.types",
+    "KVSegment": "kvforge.types",
+}
+
 __all__ = ["Generation", "KVCache", "KVLayer", "KVSegment", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kvforge' has no attribute {name!r}")

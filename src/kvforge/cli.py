@@ -7,6 +7,7 @@ import importlib
 import logging
 import sys
 
+from kvforge import __version__
 from kvforge.commands import COMMAND_MODULES
 from kvforge.errors import UserError
 
@@ -14,6 +15,7 @@ from kvforge.errors import UserError
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvforge", description="Compress, store and reuse LLM KV caches.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages to stderr")
+    parser.add_argument("--version", action="version", version=f"kvforge {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="speed benchmarks (one JSON line per configuration)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -1,5 +1,10 @@
 """Errors meant for a person: the CLI prints them as one line, the server turns them into 4xx."""
 
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
 
 class UserError(Exception):
     """Bad input from the user (unknown name, unreadable file, invalid number, prompt too long...)."""
@@ -15,3 +20,11 @@ class CorruptSegmentError(UserError):
 
 class StoreUnavailableError(UserError):
     """A store backend cannot be reached (e.g. Redis connection refused)."""
+
+
+def unknown_name(kind: str, name: str, choices: Iterable[str]) -> UserError:
+    """``unknown press 'snapk'; did you mean 'snapkv'? choose from: ...`` (the closest names first)."""
+    options = sorted(choices)
+    close = difflib.get_close_matches(name, options, n=2, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return UserError(f"unknown {kind} {name!r}{hint} choose from: {', '.join(options)}")

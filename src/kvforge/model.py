@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvforge.attention import use_kvforge_attention
-from kvforge.errors import UserError
+from kvforge.errors import UserError, unknown_name
 from kvforge.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ def load_model(
     elif "/" in name:
         folder = None  # hub id
     else:
-        raise UserError(f"unknown model {name!r}; built-in models: {', '.join(BUILTIN_MODELS)} (or a folder/.gguf)")
+        raise unknown_name("model", name, [*BUILTIN_MODELS, "<model folder>", "<file.gguf>"])
     model, tokenizer = _from_pretrained(str(folder) if folder is not None else name, torch_dtype)
     model.to(dev).eval()
     digest_file = folder / _WEIGHTS_DIGEST if folder is not None else None

@@ -1,4 +1,4 @@
-"""Where things live: the shared evaluation data and kvforge's user cache folder."""
+"""Where things live: the shared evaluation data, the haystack bundled with the package, kvforge's user cache."""
 
 from __future__ import annotations
 
@@ -22,6 +22,23 @@ def default_data_dir() -> Path:
     return Path("..") / "shared" / "data"
 
 
+def bundled_data_dir() -> Path:
+    """Data shipped inside the package (``kvforge/data``): a public-domain haystack, so the generated tasks (needle,
+    needle-docs, RULER) and the TTFT benchmark run after ``pip install`` with no shared data folder."""
+    return Path(__file__).resolve().parent / "data"
+
+
+def haystack_files(data_dir: Path | None = None) -> list[Path]:
+    """The haystack: every ``data_dir/haystack_*`` folder's ``.jsonl``/``.txt`` files (RULER's Paul Graham essays
+    first); the bundled public-domain excerpt when ``data_dir`` has none (or does not exist)."""
+    for base in ([Path(data_dir)] if data_dir is not None else []) + [bundled_data_dir()]:
+        folders = sorted(base.glob("haystack_*"), key=lambda p: (p.name != "haystack_paul_graham", p.name))
+        files = [f for d in folders if d.is_dir() for f in sorted(d.iterdir()) if f.suffix in (".jsonl", ".txt")]
+        if files:
+            return files
+    return []
+
+
 def cache_dir() -> Path:
     """kvforge's user cache folder (dequantized model weights, default disk store): ``$KVFORGE_CACHE_DIR`` or
     ``$XDG_CACHE_HOME/kvforge`` or ``~/.cache/kvforge``."""
@@ -30,3 +47,8 @@ def cache_dir() -> Path:
         return Path(env)
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "kvforge"
+
+
+def default_store_url() -> str:
+    """The embedded default store: a disk store in kvforge's cache folder."""
+    return f"file://{cache_dir() / 'kv'}"

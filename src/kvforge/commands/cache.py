@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from kvforge.store import default_store_url, open_store
+from kvforge.paths import default_store_url
 
 STORE_ENV = "KVFORGE_STORE"
 
@@ -34,6 +34,8 @@ def _press_name(press: Any) -> str:
 
 
 def run_ls(args: argparse.Namespace) -> int:
+    from kvforge.store import open_store
+
     store = open_store(args.store)
     rows = []
     keys = store.keys()
@@ -63,12 +65,16 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_stats(args: argparse.Namespace) -> int:
+    from kvforge.store import open_store
+
     store = open_store(args.store)
     print(json.dumps(store.stats(deep=not args.fast), indent=2))  # type: ignore[call-arg]
     return 0
 
 
 def run_clear(args: argparse.Namespace) -> int:
+    from kvforge.store import open_store
+
     store = open_store(args.store)
     num_entries = len(store.keys())
     store.clear()

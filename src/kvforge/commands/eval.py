@@ -115,6 +115,7 @@ def examples_for(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
 def run(args: argparse.Namespace) -> int:
     from kvforge.eval.data import read_examples
     from kvforge.eval.runner import EvalRunner, press_trials
+    from kvforge.eval.tasks import check_task_data
     from kvforge.paths import default_data_dir
 
     _check(args)
@@ -123,13 +124,12 @@ def run(args: argparse.Namespace) -> int:
         return _report(args, mode)
     if args.data is not None:
         read_examples(args.data, limit=args.limit)  # a malformed file fails before the model loads
-    elif not args.task.startswith("hub:") and not (args.data_dir or default_data_dir()).is_dir():
-        raise UserError(f"data folder {args.data_dir or default_data_dir()} not found (set --data-dir)")
-    engine = load_engine(args)
+    else:
+        check_task_data(_names(args.task), args.data_dir or default_data_dir())  # before the model loads
+    trials = None if args.rag else press_trials(args.methods, args.compression_ratios, query_aware=not args.query_agnostic)
+    engine = load_engine(args)  # names, options and data were checked above: a mistake costs no model load
     if args.rag:
         trials = _rag_trials(args, engine)
-    else:
-        trials = press_trials(args.methods, args.compression_ratios, query_aware=not args.query_agnostic)
     examples = examples_for(args, engine.tokenizer)
     args.out.mkdir(parents=True, exist_ok=True)
     _record_examples(examples, args.out / "examples.jsonl")

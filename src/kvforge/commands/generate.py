@@ -64,6 +64,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
     text = _prompt(args)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    press = None
+    if args.press:  # a wrong name or option fails before the model loads
+        from kvforge.presses import build_press
+
+        press = build_press(args.press, compression_ratio=args.compression_ratio)
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer, chunk_size=args.chunk_size, window=args.window, num_sink=args.num_sink)
     if args.reuse:
@@ -74,11 +79,6 @@ def run_generate(args: argparse.Namespace) -> int:
     engine.check_length(len(ids), args.max_new_tokens)
     if args.no_cache:
         return _generate_uncached(engine, ids, args.max_new_tokens, decode_uncached)
-    press = None
-    if args.press:
-        from kvforge.presses import build_press
-
-        press = build_press(args.press, compression_ratio=args.compression_ratio)
     stream = TextStream(tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     if engine.reuse is not None and args.semantic_mode == "context" and args.prompt and args.prompt_file:
         gen = engine.answer(read_text_file(args.prompt_file), args.prompt, max_new_tokens=args.max_new_tokens,

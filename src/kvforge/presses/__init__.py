@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from kvforge.errors import UserError
+from kvforge.errors import UserError, unknown_name
 from kvforge.presses.adakv import AdaKVPress
 from kvforge.presses.apply import CompressionSource, compress_prefill, compressible_layers
 from kvforge.presses.base import LayerContext, Needs, Press, ScorerPress, Selection, WrapperPress, num_kept
@@ -113,7 +113,7 @@ def build_press(name: str, compression_ratio: float = 0.0, **options: Any) -> Pr
         UserError: unknown name or option, ratio outside [0, 1), or an invalid option value.
     """
     if name not in _SPECS:
-        raise UserError(f"unknown press {name!r}; choose from: {', '.join(sorted(_SPECS))}")
+        raise unknown_name("press", name, _SPECS)
     try:
         ratio = float(compression_ratio)
     except (TypeError, ValueError):

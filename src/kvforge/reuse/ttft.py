@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import time
@@ -13,25 +12,22 @@ from typing import Any
 
 import torch
 
-from kvforge.paths import default_data_dir
+from kvforge.paths import default_data_dir, haystack_files
 from kvforge.reuse.prefix import PrefixReuse
 
 logger = logging.getLogger(__name__)
 
 
 def haystack_ids(tokenizer: Any, num_tokens: int, data_dir: Path | None = None) -> list[int]:
-    """``num_tokens`` token ids of Paul Graham essays (the NIAH haystack), repeated if needed."""
-    path = (data_dir or default_data_dir()) / "haystack_paul_graham" / "essays.jsonl"
-    texts = []
-    with path.open() as f:
-        for line in f:
-            row = json.loads(line)
-            texts.append(row.get("text") or row.get("content") or "")
-            if sum(len(t) for t in texts) > num_tokens * 6:
-                break
-    ids = list(tokenizer("\n\n".join(texts), add_special_tokens=False).input_ids)
+    """``num_tokens`` token ids of the haystack (RULER's Paul Graham essays when the shared data is there, else the
+    public-domain excerpt bundled with kvforge), repeated if needed."""
+    from kvforge.eval.tasks.needle import read_haystack
+
+    files = haystack_files(data_dir or default_data_dir())
+    text = read_haystack(tuple(files))[: num_tokens * 6]
+    ids = list(tokenizer(text, add_special_tokens=False).input_ids)
     if not ids:
-        raise ValueError(f"no text in {path}")
+        raise ValueError(f"no text in {', '.join(map(str, files))}")
     return (ids * (num_tokens // len(ids) + 1))[:num_tokens]
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvforge.errors import UserError
-from kvforge.paths import cache_dir
+from kvforge.paths import cache_dir, default_store_url
 from kvforge.store.base import ByteStore, KVStore, check_key, parse_size
 from kvforge.store.codec import check_segment, decode, encode
 from kvforge.store.disk import DiskStore
@@ -25,11 +25,6 @@ _PARAMS = {
     "file": {"max_bytes", "fsync", "quant"},
     "redis": {"max_bytes", "chunk_bytes", "prefix", "quant"},  # other parameters go to the redis client
 }
-
-
-def default_store_url() -> str:
-    """The embedded default: a disk store in kvforge's cache folder."""
-    return f"file://{cache_dir() / 'kv'}"
 
 
 def _bool(value: str) -> bool:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
-from kvforge.errors import UserError
+from kvforge.errors import UserError, unknown_name
 from kvforge.eval.data import Example
 from kvforge.eval.tasks.base import Measure, TaskConfig
 from kvforge.eval.tasks.longbench import QA_SETS, SUMM_SETS, leval_task, longbench_task
@@ -36,6 +37,30 @@ TASKS: dict[str, Callable[[TaskConfig], list[Example]]] = {
 }
 
 
+# The shared-data folder each converted task reads (generated tasks need only a haystack, which ships with kvforge).
+TASK_DATA: dict[str, str] = {
+    "longbench-qa": "longbench",
+    "longbench-summ": "longbench",
+    "longbench": "longbench",
+    "leval": "leval_multiquestion",
+    "squad": "squad_v2_dev",
+    "musique": "musique_rag",
+}
+
+
+def check_task_data(names: list[str], data_dir: Path) -> None:
+    """Fail before any model loads when a converted task's data folder is missing (one line naming the folder)."""
+    for name in names:
+        if name not in TASKS and not name.startswith("hub:"):
+            raise unknown_name("task", name, [*TASKS, "hub:..."])
+        folder = TASK_DATA.get(name)
+        if folder is not None and not (Path(data_dir) / folder).is_dir():
+            raise UserError(
+                f"task {name!r} needs the {folder}/ folder of the evaluation data, not found under {data_dir} "
+                "(set --data-dir or $KVFORGE_DATA_DIR)"
+            )
+
+
 def build_task(name: str, config: TaskConfig) -> list[Example]:
     """The examples of task ``name`` (a key of :data:`TASKS`, or ``hub:...``)."""
     if name.startswith("hub:"):
@@ -43,8 +68,8 @@ def build_task(name: str, config: TaskConfig) -> list[Example]:
 
         return hub_task(config, name[4:])
     if name not in TASKS:
-        raise UserError(f"unknown task {name!r}; choose from {', '.join(TASKS)} or hub:...")
+        raise unknown_name("task", name, [*TASKS, "hub:..."])
     return TASKS[name](config)
 
 
-__all__ = ["TASKS", "Measure", "TaskConfig", "build_task"]
+__all__ = ["TASKS", "TASK_DATA", "Measure", "TaskConfig", "build_task", "check_task_data"]

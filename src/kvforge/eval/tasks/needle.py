@@ -1,7 +1,8 @@
 """Needle in a haystack over lengths x depths, with RULER's variants (single, multi-key, multi-value, multi-query).
 
 A needle is RULER's sentence "One of the special magic numbers for {key} is: {value}." inserted into natural text
-(by default the Paul Graham essays, then the Gutenberg novels, of ``data_dir/haystack_*``). The context is
+(by default the Paul Graham essays, then the Gutenberg novels, of ``data_dir/haystack_*``; without them the
+public-domain Moby-Dick excerpt shipped in ``kvforge/data``). The context is
 ``length`` units long (model tokens with a tokenizer, else characters, see :class:`~.base.Measure`); the queried
 needle starts ``depth`` of the way through the haystack, moved to the nearest sentence boundary (at most
 ``SNAP_WINDOW`` characters away) so no sentence is cut. Everything is drawn from ``TaskConfig.seed``.
@@ -18,6 +19,7 @@ from pathlib import Path
 from kvforge.errors import UserError
 from kvforge.eval.data import Example
 from kvforge.eval.tasks.base import Measure, TaskConfig
+from kvforge.paths import haystack_files
 
 SNAP_WINDOW = 200
 ADJECTIVES = tuple(
@@ -35,14 +37,9 @@ NOUNS = tuple(
 VARIANTS = {"single": (1, 1, 1), "mk": (4, 1, 1), "mv": (1, 4, 1), "mq": (4, 1, 4)}  # (keys, values/key, queried)
 
 
-def haystack_files(data_dir: Path) -> list[Path]:
-    """The default haystack: every ``haystack_*`` folder's files, RULER's Paul Graham essays first."""
-    folders = sorted(data_dir.glob("haystack_*"), key=lambda p: (p.name != "haystack_paul_graham", p.name))
-    return [f for d in folders for f in sorted(d.iterdir()) if f.suffix in (".jsonl", ".txt")]
-
-
 @lru_cache(maxsize=4)
-def _read_haystack(files: tuple[Path, ...]) -> str:
+def read_haystack(files: tuple[Path, ...]) -> str:
+    """The text of haystack files (plain text, or JSONL with a ``text`` field per line), joined in order."""
     texts: list[str] = []
     for path in files:
         if path.suffix == ".jsonl":
@@ -57,11 +54,11 @@ def load_haystack(cfg: TaskConfig) -> str:
     """All haystack text, concatenated in a fixed order."""
     files = tuple(cfg.haystack) if cfg.haystack else tuple(haystack_files(cfg.data_dir))
     if not files:
-        raise UserError(f"no haystack files under {cfg.data_dir}/haystack_* (set --data-dir or --haystack)")
+        raise UserError(f"no haystack files under {cfg.data_dir}/haystack_* nor in the package (set --haystack)")
     missing = [str(f) for f in files if not Path(f).is_file()]
     if missing:
         raise UserError(f"haystack file(s) not found: {', '.join(missing)}")
-    text = _read_haystack(files)
+    text = read_haystack(files)
     if len(text) < 1000:
         raise UserError("the haystack text is too short (< 1000 characters)")
     return text
