@@ -26,7 +26,7 @@ import numpy as np
 
 from kvforge.errors import UserError
 from kvforge.store import codec
-from kvforge.store.base import _KEY_RE, ByteStore, Kind
+from kvforge.store.base import _KEY_RE, ByteStore, Kind, check_key
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +249,7 @@ class DiskStore(ByteStore):
             return None
 
     def touch(self, key: str) -> None:
+        check_key(key)
         with contextlib.suppress(FileNotFoundError):
             self._stamp(self.path(key))
             with self.lock:
