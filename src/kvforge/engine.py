@@ -59,7 +59,7 @@ class Engine:
         self.max_positions = context_length(model)
         self.eos_token_ids = eos_ids(model, tokenizer)
 
-    @cached_property
+    @property
     def model_id(self) -> str:
         """Fingerprint of model + tokenizer (keys stored caches)."""
         return model_fingerprint(self.model, self.tokenizer)
