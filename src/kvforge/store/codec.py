@@ -225,9 +225,9 @@ def decode(
             raise CorruptSegmentError(
                 f"segment truncated: payload is {len(payload)} bytes, header says {header['payload_bytes']}"
             )
-        if verify and header["version"] >= 2 and checksum([_header_json(header)], header["checksum_algo"]) != header.get(
-            "header_checksum"
-        ):
+        header_sum = header.get("header_checksum")
+        algo = header["checksum_algo"]
+        if verify and header["version"] >= 2 and checksum([_header_json(header)], algo) != header_sum:
             raise CorruptSegmentError("segment header checksum mismatch (the stored header was altered)")
         if verify and checksum([payload], header["checksum_algo"]) != header["checksum"]:
             raise CorruptSegmentError("segment checksum mismatch (the stored bytes were altered)")
