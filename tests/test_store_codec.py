@@ -170,7 +170,7 @@ def test_quantised_positions_and_masks_stay_exact() -> None:
 
 def test_unknown_quant_mode() -> None:
     with pytest.raises(ValueError, match="int8-kivi"):
-        encode(make_segment(), quant="int4")
+        encode(make_segment(), quant="int5")
 
 
 def test_empty_segment_round_trips() -> None:

@@ -15,7 +15,7 @@ from kvforge.errors import UserError
 from kvforge.paths import cache_dir, default_store_url
 from kvforge.redact import redact_url
 from kvforge.store.base import ByteStore, KVStore, check_key, parse_size
-from kvforge.store.codec import check_segment, decode, encode
+from kvforge.store.codec import check_segment, decode, encode, quant_roundtrip
 from kvforge.store.disk import DiskStore
 from kvforge.store.memory import MemoryStore
 from kvforge.store.tiered import TieredStore
@@ -132,6 +132,7 @@ __all__ = [
     "TieredStore",
     "check_key",
     "check_segment",
+    "quant_roundtrip",
     "decode",
     "default_store_url",
     "encode",

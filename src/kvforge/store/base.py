@@ -17,7 +17,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from kvforge.errors import CorruptSegmentError, ModelMismatchError
 from kvforge.store import codec
-from kvforge.store.quant import QUANT_MODES
+from kvforge.store.quant import GroupScheme, parse_scheme
 from kvforge.types import KVSegment
 
 log = logging.getLogger(__name__)
@@ -52,11 +52,8 @@ def check_key(key: str) -> str:
 
 
 def check_quant(quant: str | None) -> str | None:
-    if quant in (None, "", "none"):
-        return None
-    if quant not in QUANT_MODES:
-        raise ValueError(f"unknown quantisation {quant!r}; choose from none, {', '.join(sorted(QUANT_MODES))}")
-    return quant
+    scheme = parse_scheme(quant)  # ValueError naming the choices
+    return scheme.name if isinstance(scheme, GroupScheme) else scheme
 
 
 def wrap_blob(data: bytes) -> bytes:

@@ -25,7 +25,16 @@ from torch import Tensor
 from kvforge.errors import CorruptSegmentError, ModelMismatchError
 from kvforge.store.checksum import checksum, default_algo
 from kvforge.store.payload import read_payload, write_payload
-from kvforge.store.quant import QUANT_MODES, dequantize, quantize
+from kvforge.store.quant import (
+    QUANT_MODES,
+    GroupScheme,
+    dequantize,
+    dequantize_groups,
+    effective_group,
+    parse_scheme,
+    quantize,
+    quantize_groups,
+)
 from kvforge.types import KVSegment
 
 MAGIC = b"KVFORGE\n"
@@ -64,8 +73,11 @@ def _layer_tensors(i: int, seg: KVSegment, quant: str | None) -> tuple[dict[str,
         "valid": m is not None,
     }
     out: dict[str, Tensor] = {}
-    if quant is None:
+    scheme = parse_scheme(quant)
+    if scheme is None:
         out[f"k.{i}"], out[f"v.{i}"] = k, v
+    elif isinstance(scheme, GroupScheme):
+        out |= _group_tensors(i, k, v, m, scheme, info)
     else:
         out[f"k.{i}"], out[f"k.{i}.scale"] = quantize(k, QUANT_MODES[quant][0], m)
         out[f"v.{i}"], out[f"v.{i}.scale"] = quantize(v, QUANT_MODES[quant][1], m)
@@ -80,6 +92,51 @@ def _layer_tensors(i: int, seg: KVSegment, quant: str | None) -> tuple[dict[str,
     return out, info
 
 
+def _group_tensors(
+    i: int, k: Tensor, v: Tensor, m: Tensor | None, scheme: GroupScheme, info: dict[str, Any]
+) -> dict[str, Tensor]:
+    """Layer ``i`` under an int4/int2 scheme: keys per channel (groups along tokens), values per token (groups along
+    channels), the most recent ``scheme.residual`` tokens kept as they are."""
+    n = k.shape[1]
+    nq = max(0, n - scheme.residual)
+    gk, gv = effective_group(nq, scheme.group), effective_group(v.shape[2], scheme.group)
+    info |= {"q_tokens": nq, "k_group": gk, "v_group": gv}
+    mk = None if m is None else m[:, None, :nq].bool()
+    mv = None if m is None else m[:, :nq, None].bool()
+    out: dict[str, Tensor] = {}
+    out[f"k.{i}"], out[f"k.{i}.min"], out[f"k.{i}.step"] = quantize_groups(
+        k[:, :nq].transpose(1, 2), scheme.bits, gk, mk
+    )
+    out[f"v.{i}"], out[f"v.{i}.min"], out[f"v.{i}.step"] = quantize_groups(v[:, :nq], scheme.bits, gv, mv)
+    if nq < n:
+        out[f"k.{i}.recent"], out[f"v.{i}.recent"] = k[:, nq:], v[:, nq:]
+    return out
+
+
+def _group_layer(
+    i: int, info: dict[str, Any], tensors: dict[str, Tensor], scheme: GroupScheme
+) -> tuple[Tensor, Tensor]:
+    """Keys and values of layer ``i`` rebuilt from :func:`_group_tensors`' output."""
+    dtype, v_dtype = _dtype_from_name(info["dtype"]), _dtype_from_name(info["v_dtype"])
+    nq = int(info["q_tokens"])
+    k = dequantize_groups(tensors[f"k.{i}"], tensors[f"k.{i}.min"], tensors[f"k.{i}.step"], scheme.bits, nq, dtype)
+    k = k.transpose(1, 2)
+    v = dequantize_groups(
+        tensors[f"v.{i}"], tensors[f"v.{i}.min"], tensors[f"v.{i}.step"], scheme.bits, info["v_shape"][2], v_dtype
+    )
+    if f"k.{i}.recent" in tensors:
+        k = torch.cat([k, tensors[f"k.{i}.recent"]], dim=1)
+        v = torch.cat([v, tensors[f"v.{i}.recent"]], dim=1)
+    return k.contiguous(), v.contiguous()
+
+
+def quant_roundtrip(segment: KVSegment, quant: str | None) -> KVSegment:
+    """``segment`` encoded under ``quant`` and decoded again, exactly as a store would (one home for "what does this
+    quantisation do to my KV"): ``quant=None`` returns a bit-exact copy. Accepts the names of
+    :func:`kvforge.store.quant.parse_scheme` (``int8``, ``int4``, ``int2-g64-r128``, ...)."""
+    return decode(bytearray(encode(segment, quant)))
+
+
 def encode_parts(
     segment: KVSegment, quant: str | None = None, checksum_algo: str | None = None
 ) -> list[bytes | memoryview]:
@@ -89,8 +146,8 @@ def encode_parts(
         quant: None or an int8 mode of :data:`kvforge.store.quant.QUANT_MODES`.
         checksum_algo: ``xxh3_128`` or ``sha256``; default xxh3_128 when ``xxhash`` is installed.
     """
-    if quant is not None and quant not in QUANT_MODES:
-        raise ValueError(f"unknown quantisation {quant!r}; choose from {sorted(QUANT_MODES)} or None")
+    scheme = parse_scheme(quant)  # ValueError naming the choices for an unknown name
+    quant = scheme.name if isinstance(scheme, GroupScheme) else scheme
     tensors: dict[str, Tensor] = {}
     layers = []
     for i in range(segment.num_layers):
@@ -134,7 +191,8 @@ def _header_json(header: dict[str, Any]) -> bytes:
 
 
 def encode(segment: KVSegment, quant: str | None = None, checksum_algo: str | None = None) -> bytes:
-    """Encode a segment (optionally int8-quantised: ``"int8-channel"``, ``"int8-token"`` or ``"int8-kivi"``)."""
+    """Encode a segment, optionally quantised (``"int8-channel"``, ``"int8-token"``, ``"int8-kivi"`` = ``"int8"``, or
+    group-wise ``"int4"``/``"int2"`` with ``-g<group>``/``-r<recent tokens>``: see :mod:`kvforge.store.quant`)."""
     return b"".join(encode_parts(segment, quant, checksum_algo))
 
 
@@ -242,11 +300,14 @@ def decode(
 def _segment_from(header: dict[str, Any], tensors: dict[str, Tensor]) -> KVSegment:
     keys, values, positions, valid = [], [], [], []
     quant = header.get("quant")
+    scheme = parse_scheme(quant)
     for i, info in enumerate(header["layers"]):
         dtype, v_dtype = _dtype_from_name(info["dtype"]), _dtype_from_name(info["v_dtype"])
         m = tensors[f"m.{i}"] if info["valid"] else None
         if quant is None:
             k, v = tensors[f"k.{i}"], tensors[f"v.{i}"]
+        elif isinstance(scheme, GroupScheme):
+            k, v = _group_layer(i, info, tensors, scheme)
         else:
             k = dequantize(tensors[f"k.{i}"], tensors[f"k.{i}.scale"], dtype)
             v = dequantize(tensors[f"v.{i}"], tensors[f"v.{i}.scale"], v_dtype)

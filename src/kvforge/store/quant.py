@@ -8,6 +8,9 @@ to the original dtype).
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -45,3 +48,111 @@ def quantize(x: Tensor, axis: str, valid: Tensor | None = None) -> tuple[Tensor,
 def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """``q * scale`` back in ``dtype``."""
     return q.float().mul_(scale).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------ group-wise int4 / int2
+# KIVI-style asymmetric group quantisation with real bit packing: ``int4`` (two codes per byte) and ``int2`` (four).
+# Keys are quantised per channel (groups of ``g`` consecutive tokens of one head and channel), values per token (groups
+# of ``g`` consecutive channels of one head and token). Names: ``int4``, ``int2``, optionally ``-g<size>`` (group size,
+# a multiple of 4, default 32) and ``-r<tokens>`` (the most recent tokens kept in full precision, default 0), e.g.
+# ``int4-g64-r128``. Each group stores a minimum and a step (float16, or float32 if float16 cannot hold them); every
+# element is reconstructed within half a step of its original value.
+_GROUP_RE = re.compile(r"^int(?P<bits>[24])(?:-g(?P<g>\d+))?(?:-r(?P<r>\d+))?$")
+DEFAULT_GROUP = 32
+
+
+@dataclass(frozen=True)
+class GroupScheme:
+    """A parsed group-wise scheme name."""
+
+    bits: int
+    group: int = DEFAULT_GROUP
+    residual: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"int{self.bits}" + (f"-g{self.group}" if self.group != DEFAULT_GROUP else "") + (
+            f"-r{self.residual}" if self.residual else "")  # fmt: skip
+
+
+def parse_scheme(quant: str | None) -> str | GroupScheme | None:
+    """``None`` / an int8 mode name / a :class:`GroupScheme`; ``ValueError`` with the choices for an unknown name."""
+    if quant in (None, "", "none"):
+        return None
+    if quant == "int8":
+        return "int8-kivi"
+    if quant in QUANT_MODES:
+        return quant
+    m = _GROUP_RE.match(str(quant))
+    if m is None:
+        raise ValueError(
+            f"unknown quantisation {quant!r}; choose from none, int8, {', '.join(sorted(QUANT_MODES))}, int4, int2 "
+            "(int4/int2 take -g<group size> and -r<recent tokens kept in full precision>, e.g. int4-g64-r128)"
+        )
+    group = int(m["g"] or DEFAULT_GROUP)
+    if group < 4 or group % 4:
+        raise ValueError(f"quantisation {quant!r}: the group size must be a positive multiple of 4, got {group}")
+    return GroupScheme(int(m["bits"]), group, int(m["r"] or 0))
+
+
+def pack_bits(codes: Tensor, bits: int) -> Tensor:
+    """Pack unsigned codes ``< 2**bits`` (last dim a multiple of ``8 // bits``) into uint8, low bits first."""
+    per = 8 // bits
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
+    out = c[..., 0].clone()
+    for j in range(1, per):
+        out |= c[..., j] << (bits * j)
+    return out
+
+
+def unpack_bits(packed: Tensor, bits: int) -> Tensor:
+    """Inverse of :func:`pack_bits`: uint8 codes, last dim ``8 // bits`` times longer."""
+    per, mask = 8 // bits, (1 << bits) - 1
+    parts = [(packed >> (bits * j)) & mask for j in range(per)]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * per)
+
+
+def effective_group(length: int, group: int) -> int:
+    """The group actually used along an axis of ``length``: ``group``, or less (a multiple of 4) for short axes."""
+    return max(4, min(group, -(-length // 4) * 4))
+
+
+def quantize_groups(x: Tensor, bits: int, group: int, valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Quantise ``x`` ``(..., L)`` in groups of ``group`` along its last axis (padded up to a multiple of it).
+
+    Returns ``(packed uint8 (..., Lp * bits / 8), minimum (..., Lp / group), step (..., Lp / group))``; ``valid``
+    (same shape as ``x``) excludes padding entries from the ranges.
+    """
+    levels = (1 << bits) - 1
+    xf = x.float()
+    length = xf.shape[-1]
+    pad = -length % group
+    ok = torch.ones_like(xf, dtype=torch.bool) if valid is None else valid.bool().expand_as(xf)
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, pad))
+        ok = torch.nn.functional.pad(ok, (0, pad), value=False)
+    g = xf.reshape(*xf.shape[:-1], xf.shape[-1] // group, group)
+    okg = ok.reshape(g.shape)
+    lo = g.masked_fill(~okg, float("inf")).amin(-1)
+    hi = g.masked_fill(~okg, float("-inf")).amax(-1)
+    empty = ~okg.any(-1)
+    lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+    sdtype = torch.float16 if bool(torch.isfinite(torch.stack([lo, hi]).half()).all()) else torch.float32
+    lo_s = lo.to(sdtype)
+    lo_s = torch.where(lo_s.float() > lo, torch.nextafter(lo_s, torch.tensor(float("-inf"), dtype=sdtype)), lo_s)
+    step = ((hi - lo_s.float()) / levels).to(sdtype)
+    # rounding the step down would leave the maximum out of range: round it up instead
+    need = (hi - lo_s.float()) / levels
+    step = torch.where(step.float() < need, torch.nextafter(step, torch.tensor(float("inf"), dtype=sdtype)), step)
+    step = torch.where(step.float() > 0, step, torch.ones_like(step))
+    q = (g - lo_s.float()[..., None]).div_(step.float()[..., None]).round_().clamp_(0, levels)
+    q = q.masked_fill(~okg, 0).reshape(*xf.shape)
+    return pack_bits(q, bits), lo_s, step
+
+
+def dequantize_groups(packed: Tensor, lo: Tensor, step: Tensor, bits: int, length: int, dtype: torch.dtype) -> Tensor:
+    """Inverse of :func:`quantize_groups`: ``(..., length)`` in ``dtype``."""
+    q = unpack_bits(packed, bits).float()
+    g = q.reshape(*q.shape[:-1], lo.shape[-1], q.shape[-1] // max(1, lo.shape[-1]))
+    x = g.mul_(step.float()[..., None]).add_(lo.float()[..., None]).reshape(q.shape)
+    return x[..., :length].to(dtype)
