@@ -102,7 +102,7 @@ def test_int4_meets_the_size_bar_on_a_realistic_shape() -> None:
 
 def test_huge_values_fall_back_to_float32_ranges() -> None:
     x = torch.tensor([[1e6, -1e6, 3.0, 5e5]])
-    packed, lo, step = quantize_groups(x, 4, 4)
+    _, lo, step = quantize_groups(x, 4, 4)
     assert lo.dtype == torch.float32 and torch.isfinite(step).all()
     seg = make_segment(lengths=(8,), masked=False)
     seg.keys[0][0, 0, 0] = 1e9

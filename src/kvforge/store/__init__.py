@@ -132,9 +132,9 @@ __all__ = [
     "TieredStore",
     "check_key",
     "check_segment",
-    "quant_roundtrip",
     "decode",
     "default_store_url",
     "encode",
     "open_store",
+    "quant_roundtrip",
 ]

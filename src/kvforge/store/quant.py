@@ -50,7 +50,7 @@ def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     return q.float().mul_(scale).to(dtype)
 
 
-# ------------------------------------------------------------------------------------------------ group-wise int4 / int2
+# -------------------------------------------------------------------------------------  group-wise int4 / int2
 # KIVI-style asymmetric group quantisation with real bit packing: ``int4`` (two codes per byte) and ``int2`` (four).
 # Keys are quantised per channel (groups of ``g`` consecutive tokens of one head and channel), values per token (groups
 # of ``g`` consecutive channels of one head and token). Names: ``int4``, ``int2``, optionally ``-g<size>`` (group size,
