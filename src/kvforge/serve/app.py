@@ -103,10 +103,13 @@ def create_app(
             if opts.semantic_mode is not None and label != "semantic":
                 raise APIError(400, "kvforge.semantic_mode needs semantic reuse", param="kvforge.semantic_mode")
             spec_reuse = features.reuse(label, opts.semantic_mode or semantic_mode)
+        prompt_param = "prompt" if raw else "messages"
         try:
             num_prompt = len(engine.encode_chat(prompt, raw=raw))
+        except UserError as e:  # a token id outside the vocabulary, ...
+            raise user_error(e, param=prompt_param) from e
         except (ValueError, TypeError) as e:
-            raise APIError(400, f"cannot tokenize the prompt: {e}", param="prompt") from e
+            raise APIError(400, f"cannot tokenize the prompt: {e}", param=prompt_param) from e
         room = engine.max_positions - num_prompt
         default = 16 if raw else min(default_max_tokens, room)
         max_tokens = req.max_tokens if req.max_tokens is not None else default
@@ -117,8 +120,9 @@ def create_app(
                 top_p=1.0 if req.top_p is None else req.top_p,
                 seed=req.seed,
             )
-        except UserError as e:
-            raise user_error(e, param="messages" if not raw else "prompt") from e
+        except UserError as e:  # the prompt alone fits: then it is max_tokens that is too large
+            fits = req.max_tokens is not None and num_prompt < engine.max_positions
+            raise user_error(e, param="max_tokens" if fits else prompt_param) from e
         qa = None
         if opts.query_aware is False and press_obj is not None:
             qa = split_context_question(prompt)
