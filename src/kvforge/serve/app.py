@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -30,6 +36,7 @@ from kvforge.types import Generation
 logger = logging.getLogger(__name__)
 
 _DONE = object()
+_Body = TypeVar("_Body", bound=BaseModel)
 _POLL_S = 0.25  # how often a waiting non-streaming request checks for a client disconnect
 
 
@@ -74,11 +81,33 @@ def create_app(
     except APIError as e:
         raise UserError(e.message) from e
     worker = Worker(max_queue)
-    metrics = Metrics(lambda: worker.depth, features.store_stats)
+    stats = CachedStats(features.store_stats)
+    metrics = Metrics(lambda: worker.depth, stats.get)
+    stats.get()  # first fetch in the background now, so the first scrape has figures
+    # Body parsing, templating and tokenising run here, off the event loop, so /health answers while a 7 MiB request is
+    # prepared; one thread keeps the tokenizer used by at most this thread and the worker at once.
+    prep = ThreadPoolExecutor(1, thread_name_prefix="kvforge-prep")
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         worker.close()  # cancels waiting jobs, stops the running one at its next token
+        prep.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(prep, partial(fn, *args))
+
+    async def parse(request: Request, model: type[_Body]) -> _Body:
+        """The JSON body validated as ``model``, parsed in the prep thread (errors as FastAPI's 400s)."""
+        body = await request.body()
+
+        def validate() -> _Body:
+            try:
+                return model.model_validate_json(body)
+            except ValidationError as e:
+                raise RequestValidationError(e.errors(include_url=False)) from None
+
+        return await off_loop(validate)  # type: ignore[no-any-return]
 
     app = FastAPI(title="kvforge", version="0.1.0", lifespan=lifespan)
     app.state.engine, app.state.worker, app.state.metrics, app.state.features = engine, worker, metrics, features
@@ -205,7 +234,7 @@ def create_app(
         return job.future.result()  # type: ignore[no-any-return]
 
     async def generate(request: Request, req: S._GenerationRequest, prompt: Any, raw: bool, endpoint: str) -> Response:
-        spec, _, label = spec_for(req, prompt, raw)
+        spec, _, label = await off_loop(spec_for, req, prompt, raw)
         rid = S.new_id("cmpl" if raw else "chatcmpl")
         if req.stream:
             return await stream(request, req, spec, label, rid, endpoint)
@@ -321,20 +350,23 @@ def create_app(
         return S.model_card(model_name)
 
     @app.post("/v1/completions")
-    async def completions(request: Request, req: S.CompletionRequest) -> Response:
+    async def completions(request: Request) -> Response:
+        req = await parse(request, S.CompletionRequest)
         return await generate(request, req, req.prompt, True, "/v1/completions")
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, req: S.ChatCompletionRequest) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        req = await parse(request, S.ChatCompletionRequest)
         return await generate(request, req, req.chat(), False, "/v1/chat/completions")
 
     @app.post("/v1/kv/documents")
-    async def documents(request: Request, req: S.DocumentsRequest) -> Response:
+    async def documents(request: Request) -> Response:
+        req = await parse(request, S.DocumentsRequest)
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"model {req.model!r} not found", param="model", code="model_not_found")
         strategy = engine.reuse if req.mode == "prefix" and reuse_kind == "prefix" else None
         if req.mode == "prefix" and strategy is None:
-            strategy = features.reuse("prefix", strict=True)  # storing needs the store: 503 when it is down
+            strategy = await off_loop(partial(features.reuse, "prefix", strict=True))  # storing needs the store: 503 when it is down
         job = submit(lambda j: features.precompute_documents(req.documents, req.mode, req.system, strategy))
         job.endpoint = "/v1/kv/documents"
         result = await wait(request, job)
@@ -343,6 +375,34 @@ def create_app(
         return JSONResponse({"object": "list", "data": result})
 
     return app
+
+
+class CachedStats:
+    """The store's stats as last fetched, refreshed in a background thread: ``/metrics`` never waits on a store.
+
+    ``get`` returns at once (None until the first fetch ends) and starts a refresh when the value is older than
+    ``max_age_s`` and none is running; a store that fails or hangs leaves the last value in place.
+    """
+
+    def __init__(self, fetch: Callable[[], Any], max_age_s: float = 5.0) -> None:
+        self.fetch, self.max_age_s = fetch, max_age_s
+        self.value: Any = None
+        self.fetched_at = float("-inf")
+        self._running = threading.Lock()
+
+    def get(self) -> Any:
+        if time.monotonic() - self.fetched_at > self.max_age_s and self._running.acquire(blocking=False):
+            threading.Thread(target=self._refresh, name="kvforge-store-stats", daemon=True).start()
+        return self.value
+
+    def _refresh(self) -> None:
+        try:
+            self.value = self.fetch()
+        except Exception as e:  # a store that cannot answer keeps the last figures
+            logger.warning("store stats unavailable: %s", type(e).__name__)
+        finally:
+            self.fetched_at = time.monotonic()
+            self._running.release()
 
 
 def _context_mode(opts: S.KVForgeOptions, server_kind: str, server_mode: str) -> bool:
