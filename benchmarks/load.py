@@ -263,10 +263,19 @@ async def health_during_big_request(args: argparse.Namespace, url: str) -> dict[
     """``/health`` latency while one ``--big-request-mib`` MiB chat message is sent and processed (issue 17.5)."""
     content = "word " * int(args.big_request_mib * 2**20 / 5)
     body = {"model": args.served_model_name, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    data = json.dumps(body).encode()
     latencies: list[float] = []
     async with httpx.AsyncClient(base_url=url, timeout=args.request_timeout) as http:
         t0 = time.perf_counter()
-        big = asyncio.ensure_future(http.post("/v1/chat/completions", json=body))
+        big = asyncio.ensure_future(  # sent from another thread: the probes' loop does not also upload 7 MiB
+            asyncio.to_thread(
+                httpx.post,
+                url + "/v1/chat/completions",
+                content=data,
+                headers={"content-type": "application/json"},
+                timeout=args.request_timeout,
+            )
+        )
         deadline = t0 + args.duration
         while not big.done() and time.perf_counter() < deadline and len(latencies) < 10_000:
             t = time.perf_counter()

@@ -7,6 +7,7 @@ Routes only translate OpenAI schemas into :class:`GenerationSpec` s; one worker 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -114,6 +115,14 @@ def create_app(
     app.add_middleware(GuardMiddleware, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes)
     install_handlers(app)
 
+    @functools.cache
+    def longest_token() -> int:
+        """Characters of the longest vocabulary entry: a text needs at least len(text) / this many tokens."""
+        try:
+            return max(map(len, engine.tokenizer.get_vocab()), default=1) or 1
+        except Exception:  # a tokenizer without a vocabulary listing: no early check
+            return 2**31
+
     def spec_for(req: S._GenerationRequest, prompt: Any, raw: bool) -> tuple[GenerationSpec, int, str]:
         """Validate against the model (name, context, press, reuse); returns (spec, prompt tokens, reuse label)."""
         if req.model != model_name:
@@ -133,6 +142,14 @@ def create_app(
                 raise APIError(400, "kvforge.semantic_mode needs semantic reuse", param="kvforge.semantic_mode")
             spec_reuse = features.reuse(label, opts.semantic_mode or semantic_mode)
         prompt_param = "prompt" if raw else "messages"
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt if isinstance(m, dict))
+        if chars > 2 * longest_token() * engine.max_positions:  # surely too long: no seconds of tokenising for a 400
+            raise APIError(
+                400,
+                f"prompt of {chars} characters exceeds the model's context of {engine.max_positions} tokens",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
         try:
             num_prompt = len(engine.encode_chat(prompt, raw=raw))
         except UserError as e:  # a token id outside the vocabulary, ...
