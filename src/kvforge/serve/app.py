@@ -31,7 +31,7 @@ from kvforge.serve.features import Features
 from kvforge.serve.metrics import Metrics
 from kvforge.serve.middleware import GuardMiddleware
 from kvforge.serve.runner import KEEP, GenerationSpec, run_generation, split_context_question
-from kvforge.serve.worker import Aborted, Job, QueueFullError, Worker
+from kvforge.serve.worker import Aborted, Job, QueueFullError, ShuttingDownError, Worker
 from kvforge.types import Generation
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,7 @@ def create_app(
         return await off_loop(validate)  # type: ignore[no-any-return]
 
     app = FastAPI(title="kvforge", version="0.1.0", lifespan=lifespan)
+    app.state.drain = worker.drain  # SIGTERM (commands/serve.py): stop taking work, finish the running job
     app.state.engine, app.state.worker, app.state.metrics, app.state.features = engine, worker, metrics, features
     app.add_middleware(GuardMiddleware, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes)
     install_handlers(app)
@@ -186,6 +187,8 @@ def create_app(
         except QueueFullError as e:
             metrics.rejected.inc()
             raise _queue_full(e) from e
+        except ShuttingDownError as e:
+            raise _shutting_down() from e
 
     def kvforge_field(gen: Generation, job: Job, label: str, opts: S.KVForgeOptions | None) -> dict[str, Any]:
         info = gen.info.get("reuse") or {}
@@ -242,6 +245,8 @@ def create_app(
             metrics.aborted.labels(reason).inc()
             if reason == "timeout":
                 raise timeout_error(request_timeout_s)
+            if reason == "shutdown":
+                raise _shutting_down()
             return None  # type: ignore[return-value]  # client gone: nobody reads the answer
         exc = job.future.exception()
         if isinstance(exc, UserError):
@@ -311,7 +316,8 @@ def create_app(
                     gen: Generation = await asyncio.wait_for(asyncio.shield(job.future), timeout=30.0)
                 except Aborted as e:
                     metrics.aborted.labels(e.reason).inc()
-                    yield S.sse(timeout_error(request_timeout_s).body())
+                    error = _shutting_down() if e.reason == "shutdown" else timeout_error(request_timeout_s)
+                    yield S.sse(error.body())
                     return
                 except UserError as e:
                     yield S.sse(user_error(e).body())
@@ -428,6 +434,11 @@ def _context_mode(opts: S.KVForgeOptions, server_kind: str, server_mode: str) ->
         return server_kind == "semantic" and server_mode == "context"
     kind = opts.reuse or server_kind
     return kind == "semantic" and (opts.semantic_mode or server_mode) == "context"
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another replica", type="server_error",
+                    code="shutting_down", headers={"Retry-After": "1"})
 
 
 def _queue_full(e: QueueFullError) -> APIError:
