@@ -98,10 +98,18 @@ def attend(probs: Tensor, value: Tensor) -> Tensor:
 
 
 def register_attention() -> None:
-    """Register :func:`kvforge_attention` with transformers (idempotent)."""
+    """Register :func:`kvforge_attention` with transformers, with sdpa's mask function (idempotent).
+
+    The mask function matters for calls kvforge does not make: a model switched to kvforge attention and then used
+    by its owner (``model.generate`` on a left-padded batch) gets the padding mask sdpa would get, and
+    :func:`kvforge_attention` without a kvforge cache applies it exactly as sdpa does. kvforge's own forwards build
+    their masks from the cache's positions and ignore it.
+    """
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, kvforge_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
 def use_kvforge_attention(model: Any) -> Any:
