@@ -320,7 +320,10 @@ def main() -> int:
     p.add_argument("--api-key", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--big-request-mib", type=float, default=None, help="instead of the load: /health latency during one big request"
+        "--big-request-mib",
+        type=float,
+        default=None,
+        help="instead of the load: /health latency during one big request",
     )
     args = p.parse_args()
     proc = None

@@ -465,8 +465,9 @@ def test_health_answers_while_a_prompt_is_tokenised() -> None:
     try:
         result: dict[str, Any] = {}
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
-        sender = threading.Thread(target=lambda: result.update(r=httpx.post(live.url + "/v1/chat/completions",
-                                                                           json=body, timeout=60)))
+        sender = threading.Thread(
+            target=lambda: result.update(r=httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60))
+        )
         sender.start()
         answered_in_flight = 0
         while sender.is_alive():

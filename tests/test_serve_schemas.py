@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import importlib.util
+import json
 import threading
 import time
 from typing import Any
@@ -311,8 +311,14 @@ def test_odd_inputs_are_400_naming_the_field(client: Any, body: dict[str, Any], 
 
 @pytest.mark.parametrize(
     "messages",
-    [[], "hi", [{"content": "hi"}], [{"role": "tool", "content": "hi"}], [{"role": "user", "content": 5}],
-     [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]],
+    [
+        [],
+        "hi",
+        [{"content": "hi"}],
+        [{"role": "tool", "content": "hi"}],
+        [{"role": "user", "content": 5}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+    ],
 )
 def test_odd_messages_are_400(client: Any, messages: Any) -> None:
     error = _err(client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages}), 400)

@@ -17,11 +17,10 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, TypeVar
 
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
-
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 
 from kvforge.decode import SamplingParams
 from kvforge.errors import UserError
@@ -143,7 +142,9 @@ def create_app(
                 raise APIError(400, "kvforge.semantic_mode needs semantic reuse", param="kvforge.semantic_mode")
             spec_reuse = features.reuse(label, opts.semantic_mode or semantic_mode)
         prompt_param = "prompt" if raw else "messages"
-        chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt if isinstance(m, dict))
+        chars = (
+            len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt if isinstance(m, dict))
+        )
         if chars > 2 * longest_token() * engine.max_positions:  # surely too long: no seconds of tokenising for a 400
             raise APIError(
                 400,
@@ -389,7 +390,9 @@ def create_app(
             raise APIError(404, f"model {req.model!r} not found", param="model", code="model_not_found")
         strategy = engine.reuse if req.mode == "prefix" and reuse_kind == "prefix" else None
         if req.mode == "prefix" and strategy is None:
-            strategy = await off_loop(partial(features.reuse, "prefix", strict=True))  # storing needs the store: 503 when it is down
+            strategy = await off_loop(
+                partial(features.reuse, "prefix", strict=True)
+            )  # storing needs the store: 503 when it is down
         job = submit(lambda j: features.precompute_documents(req.documents, req.mode, req.system, strategy))
         job.endpoint = "/v1/kv/documents"
         result = await wait(request, job)
@@ -437,8 +440,13 @@ def _context_mode(opts: S.KVForgeOptions, server_kind: str, server_mode: str) ->
 
 
 def _shutting_down() -> APIError:
-    return APIError(503, "the server is shutting down; retry on another replica", type="server_error",
-                    code="shutting_down", headers={"Retry-After": "1"})
+    return APIError(
+        503,
+        "the server is shutting down; retry on another replica",
+        type="server_error",
+        code="shutting_down",
+        headers={"Retry-After": "1"},
+    )
 
 
 def _queue_full(e: QueueFullError) -> APIError:
