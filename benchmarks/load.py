@@ -8,6 +8,7 @@ anything else that is not a complete answer (other status, stream error event, t
     python benchmarks/load.py --model tiny --duration 60                      # starts a server (subprocess)
     python benchmarks/load.py --model smollm2-135m --reuse prefix --duration 60
     python benchmarks/load.py --url http://127.0.0.1:8000 --served-model-name smollm2-135m
+    python benchmarks/load.py --model smollm2-135m --big-request-mib 7 --duration 120   # /health during a 7 MiB body
 
 Writes the JSON line to stdout and appends it to ``benchmarks/results/load.jsonl``.
 """
@@ -258,6 +259,48 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     return result
 
 
+async def health_during_big_request(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    """``/health`` latency while one ``--big-request-mib`` MiB chat message is sent and processed (issue 17.5)."""
+    content = "word " * int(args.big_request_mib * 2**20 / 5)
+    body = {"model": args.served_model_name, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    data = json.dumps(body).encode()
+    latencies: list[float] = []
+    async with httpx.AsyncClient(base_url=url, timeout=args.request_timeout) as http:
+        t0 = time.perf_counter()
+        big = asyncio.ensure_future(  # sent from another thread: the probes' loop does not also upload 7 MiB
+            asyncio.to_thread(
+                httpx.post,
+                url + "/v1/chat/completions",
+                content=data,
+                headers={"content-type": "application/json"},
+                timeout=args.request_timeout,
+            )
+        )
+        deadline = t0 + args.duration
+        while not big.done() and time.perf_counter() < deadline and len(latencies) < 10_000:
+            t = time.perf_counter()
+            try:
+                ok = (await http.get("/health", timeout=10)).status_code == 200
+            except httpx.TransportError:
+                ok = False
+            if not big.done():  # only probes answered while the big request was still in flight count
+                latencies.append(time.perf_counter() - t if ok else float("inf"))
+            await asyncio.sleep(0.05)
+        response = await big
+        elapsed = time.perf_counter() - t0
+    return {
+        "bench": "health_during_big_request",
+        "model": args.model,
+        "big_request_mib": args.big_request_mib,
+        "big_request_status": response.status_code,
+        "big_request_s": round(elapsed, 3),
+        "health_probes_in_flight": len(latencies),
+        "health_p50_ms": round(1000 * percentile(latencies, 0.5), 1) if latencies else None,
+        "health_max_ms": round(1000 * max(latencies), 1) if latencies else None,
+        "health_over_100ms": sum(x > 0.1 for x in latencies),
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--url", default=None, help="an already running server (default: start one)")
@@ -276,13 +319,20 @@ def main() -> int:
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--big-request-mib",
+        type=float,
+        default=None,
+        help="instead of the load: /health latency during one big request",
+    )
     args = p.parse_args()
     proc = None
     url = args.url
     if url is None:
         proc, url = start_server(args)
     try:
-        result = asyncio.run(run(args, url.rstrip("/")))
+        job = health_during_big_request if args.big_request_mib else run
+        result = asyncio.run(job(args, url.rstrip("/")))
     finally:
         if proc is not None:
             proc.terminate()

@@ -11,6 +11,9 @@ same paragraph (canonical mode with a PromptContext) and a hit on another questi
 ``--f1 N`` also answers N SQuAD paraphrased questions with a real model under no reuse / canonical / context mode
 (see ``semantic_f1.py``). One JSON line per configuration on stdout and in ``benchmarks/results/semantic_eval.jsonl``.
 
+    pairs: benchmarks/data/semantic_pairs.jsonl (written for kvforge): numbers, units, dates/times, negations and
+        opposite words (should miss) and true paraphrases (should hit), >= 10 pairs per class.
+
     PYTHONPATH=src python benchmarks/semantic_eval.py --thresholds 0.7,0.8,0.85,0.9,0.95
 """
 
@@ -36,8 +39,10 @@ GUARD_SETS = {
     "none": (),
     "numbers+negation+entities": ("numbers", "negation", "entities"),
     "default-without-word_order": tuple(g for g in DEFAULT_GUARDS if g != "word_order"),
+    "default-without-antonyms": tuple(g for g in DEFAULT_GUARDS if g != "antonyms"),
     "default": DEFAULT_GUARDS,
 }
+PAIRS = Path(__file__).parent / "data" / "semantic_pairs.jsonl"
 
 
 def load_jsonl(path: Path) -> list[dict]:
@@ -112,6 +117,17 @@ def evaluate_paws(rows: list[dict], emb: dict[str, np.ndarray], threshold: float
     }
 
 
+def evaluate_pairs(rows: list[dict], emb: dict[str, np.ndarray], threshold: float, guards: tuple) -> dict:
+    """Hit rate per class of the written pair set (benchmarks/data/semantic_pairs.jsonl): every class but
+    ``paraphrases`` asks another question, so its hit rate is a false-hit rate."""
+    counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for r in rows:
+        sim = float(emb[r["asked"]] @ emb[r["stored"]])
+        counts[r["class"]][0] += accept(r["asked"], r["stored"], sim, threshold, guards) is None
+        counts[r["class"]][1] += 1
+    return {f"pairs_{c}_hit": hit / n for c, (hit, n) in counts.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data-dir", type=Path, default=None)
@@ -124,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     paws = load_jsonl(data / "paws_wiki" / "pairs.jsonl")
     texts = [t for r in squad for t in (r["question"], r["paraphrase"], *r["negatives_same_context"])]
     texts += [t for r in paws for t in (r["sentence1"], r["sentence2"])]
+    pairs = load_jsonl(PAIRS)
+    texts += [t for r in pairs for t in (r["stored"], r["asked"])]
     emb = embed_all(texts, RESULTS / "embeddings")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as out:
@@ -137,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 row |= evaluate_squad(squad, emb, threshold, GUARD_SETS[guard_name])
                 row |= evaluate_paws(paws, emb, threshold, GUARD_SETS[guard_name])
+                row |= evaluate_pairs(pairs, emb, threshold, GUARD_SETS[guard_name])
                 row = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
                 print(json.dumps(row))
                 out.write(json.dumps(row) + "\n")

@@ -425,3 +425,56 @@ def test_documents_endpoint_stores_rag_chunks(server: LiveServer) -> None:
     assert [d["tokens"] for d in data] == [len(c) for c in chunks]  # character tokenizer
     store = server.server.config.app.state.features.store
     assert all(store.contains(d["id"]) for d in data)
+
+
+def test_health_answers_while_a_big_request_is_processed(server: LiveServer) -> None:
+    """Issue 17.5: parsing and tokenising a big message happens off the event loop, so /health is answered meanwhile."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * 2**18}], "max_tokens": 2})
+    result: dict[str, Any] = {}
+
+    def send() -> None:  # 1.3 MiB: seconds of tokenising with the tiny tokenizer
+        result["r"] = httpx.post(
+            server.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=120
+        )
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    answered_in_flight = 0
+    deadline = time.monotonic() + 120
+    while sender.is_alive() and time.monotonic() < deadline:
+        r = httpx.get(server.url + "/health", timeout=2.0)  # a blocked event loop makes this raise
+        assert r.status_code == 200
+        answered_in_flight += sender.is_alive()
+        time.sleep(0.05)
+    sender.join(120)
+    assert result["r"].status_code == 400 and result["r"].json()["error"]["code"] == "context_length_exceeded"
+    assert answered_in_flight >= 1
+
+
+class SlowTokenizingEngine(Engine):
+    """Tokenising takes seconds (as a 7 MiB message does with a real tokenizer)."""
+
+    def encode_chat(self, prompt: Any, raw: bool = False) -> list[int]:
+        time.sleep(3.0)
+        return super().encode_chat(prompt, raw)
+
+
+def test_health_answers_while_a_prompt_is_tokenised() -> None:
+    """Tokenising runs off the event loop: /health (2 s client timeout) answers during a 3 s tokenisation."""
+    live = LiveServer(create_app(SlowTokenizingEngine(tiny_model("llama"), tiny_tokenizer()), model_name=MODEL))
+    try:
+        result: dict[str, Any] = {}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+        sender = threading.Thread(
+            target=lambda: result.update(r=httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60))
+        )
+        sender.start()
+        answered_in_flight = 0
+        while sender.is_alive():
+            assert httpx.get(live.url + "/health", timeout=2.0).status_code == 200
+            answered_in_flight += sender.is_alive()
+            time.sleep(0.05)
+        sender.join(60)
+        assert result["r"].status_code == 200 and answered_in_flight >= 1
+    finally:
+        live.close()

@@ -29,6 +29,12 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--max-queue", type=positive_int, default=16, help="waiting requests before 429s")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request (queueing included)")
     p.add_argument("--max-body-bytes", type=positive_int, default=8 * 2**20)
+    p.add_argument(
+        "--grace-period",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM gives the running generation; waiting requests get a 503 at once",
+    )
     p.add_argument("--chunk-size", type=positive_int, default=512, help="prefill chunk size in tokens")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_serve)
@@ -47,6 +53,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UserError(f"port must be in 1..65535, got {args.port}")
     if args.timeout <= 0:
         raise UserError(f"--timeout must be > 0, got {args.timeout}")
+    if not 0 <= args.grace_period < float("inf"):
+        raise UserError(f"--grace-period must be >= 0 seconds, got {args.grace_period}")
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer, chunk_size=args.chunk_size)
     app = create_app(
@@ -63,5 +71,31 @@ def run_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
     )
     print(f"kvforge: serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.grace_period + 1,  # bounds the drain even for a stuck connection
+    )
+    server = _draining_server_class()(config)
+    server.grace_period = args.grace_period
+    server.run()
     return 0
+
+
+def _draining_server_class() -> type:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):  # type: ignore[misc]
+        """On SIGTERM/SIGINT, first tell the app to drain (503 to waiting requests, grace period for the running)."""
+
+        grace_period = 30.0
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            drain = getattr(self.config.app.state, "drain", None) if hasattr(self.config.app, "state") else None
+            if drain is not None and not self.should_exit:
+                drain(self.grace_period)
+            super().handle_exit(sig, frame)
+
+    return DrainingServer

@@ -7,14 +7,20 @@ Routes only translate OpenAI schemas into :class:`GenerationSpec` s; one worker 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 
 from kvforge.decode import SamplingParams
 from kvforge.errors import UserError
@@ -24,12 +30,13 @@ from kvforge.serve.features import Features
 from kvforge.serve.metrics import Metrics
 from kvforge.serve.middleware import GuardMiddleware
 from kvforge.serve.runner import KEEP, GenerationSpec, run_generation, split_context_question
-from kvforge.serve.worker import Aborted, Job, QueueFullError, Worker
+from kvforge.serve.worker import Aborted, Job, QueueFullError, ShuttingDownError, Worker
 from kvforge.types import Generation
 
 logger = logging.getLogger(__name__)
 
 _DONE = object()
+_Body = TypeVar("_Body", bound=BaseModel)
 _POLL_S = 0.25  # how often a waiting non-streaming request checks for a client disconnect
 
 
@@ -74,16 +81,47 @@ def create_app(
     except APIError as e:
         raise UserError(e.message) from e
     worker = Worker(max_queue)
-    metrics = Metrics(lambda: worker.depth, features.store_stats)
+    stats = CachedStats(features.store_stats)
+    metrics = Metrics(lambda: worker.depth, stats.get)
+    stats.get()  # first fetch in the background now, so the first scrape has figures
+    # Body parsing, templating and tokenising run here, off the event loop, so /health answers while a 7 MiB request is
+    # prepared; one thread keeps the tokenizer used by at most this thread and the worker at once.
+    prep = ThreadPoolExecutor(1, thread_name_prefix="kvforge-prep")
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         worker.close()  # cancels waiting jobs, stops the running one at its next token
+        prep.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(prep, partial(fn, *args))
+
+    async def parse(request: Request, model: type[_Body]) -> _Body:
+        """The JSON body validated as ``model``, parsed in the prep thread (errors as FastAPI's 400s)."""
+        body = await request.body()
+
+        def validate() -> _Body:
+            try:
+                return model.model_validate_json(body)
+            except ValidationError as e:
+                raise RequestValidationError(e.errors(include_url=False)) from None
+
+        return await off_loop(validate)  # type: ignore[no-any-return]
 
     app = FastAPI(title="kvforge", version="0.1.0", lifespan=lifespan)
+    app.state.drain = worker.drain  # SIGTERM (commands/serve.py): stop taking work, finish the running job
     app.state.engine, app.state.worker, app.state.metrics, app.state.features = engine, worker, metrics, features
     app.add_middleware(GuardMiddleware, metrics=metrics, api_key=api_key, max_body_bytes=max_body_bytes)
     install_handlers(app)
+
+    @functools.cache
+    def longest_token() -> int:
+        """Characters of the longest vocabulary entry: a text needs at least len(text) / this many tokens."""
+        try:
+            return max(map(len, engine.tokenizer.get_vocab()), default=1) or 1
+        except Exception:  # a tokenizer without a vocabulary listing: no early check
+            return 2**31
 
     def spec_for(req: S._GenerationRequest, prompt: Any, raw: bool) -> tuple[GenerationSpec, int, str]:
         """Validate against the model (name, context, press, reuse); returns (spec, prompt tokens, reuse label)."""
@@ -103,10 +141,23 @@ def create_app(
             if opts.semantic_mode is not None and label != "semantic":
                 raise APIError(400, "kvforge.semantic_mode needs semantic reuse", param="kvforge.semantic_mode")
             spec_reuse = features.reuse(label, opts.semantic_mode or semantic_mode)
+        prompt_param = "prompt" if raw else "messages"
+        chars = (
+            len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt if isinstance(m, dict))
+        )
+        if chars > 2 * longest_token() * engine.max_positions:  # surely too long: no seconds of tokenising for a 400
+            raise APIError(
+                400,
+                f"prompt of {chars} characters exceeds the model's context of {engine.max_positions} tokens",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
         try:
             num_prompt = len(engine.encode_chat(prompt, raw=raw))
+        except UserError as e:  # a token id outside the vocabulary, ...
+            raise user_error(e, param=prompt_param) from e
         except (ValueError, TypeError) as e:
-            raise APIError(400, f"cannot tokenize the prompt: {e}", param="prompt") from e
+            raise APIError(400, f"cannot tokenize the prompt: {e}", param=prompt_param) from e
         room = engine.max_positions - num_prompt
         default = 16 if raw else min(default_max_tokens, room)
         max_tokens = req.max_tokens if req.max_tokens is not None else default
@@ -117,8 +168,9 @@ def create_app(
                 top_p=1.0 if req.top_p is None else req.top_p,
                 seed=req.seed,
             )
-        except UserError as e:
-            raise user_error(e, param="messages" if not raw else "prompt") from e
+        except UserError as e:  # the prompt alone fits: then it is max_tokens that is too large
+            fits = req.max_tokens is not None and num_prompt < engine.max_positions
+            raise user_error(e, param="max_tokens" if fits else prompt_param) from e
         qa = None
         if opts.query_aware is False and press_obj is not None:
             qa = split_context_question(prompt)
@@ -136,6 +188,8 @@ def create_app(
         except QueueFullError as e:
             metrics.rejected.inc()
             raise _queue_full(e) from e
+        except ShuttingDownError as e:
+            raise _shutting_down() from e
 
     def kvforge_field(gen: Generation, job: Job, label: str, opts: S.KVForgeOptions | None) -> dict[str, Any]:
         info = gen.info.get("reuse") or {}
@@ -192,6 +246,8 @@ def create_app(
             metrics.aborted.labels(reason).inc()
             if reason == "timeout":
                 raise timeout_error(request_timeout_s)
+            if reason == "shutdown":
+                raise _shutting_down()
             return None  # type: ignore[return-value]  # client gone: nobody reads the answer
         exc = job.future.exception()
         if isinstance(exc, UserError):
@@ -201,7 +257,7 @@ def create_app(
         return job.future.result()  # type: ignore[no-any-return]
 
     async def generate(request: Request, req: S._GenerationRequest, prompt: Any, raw: bool, endpoint: str) -> Response:
-        spec, _, label = spec_for(req, prompt, raw)
+        spec, _, label = await off_loop(spec_for, req, prompt, raw)
         rid = S.new_id("cmpl" if raw else "chatcmpl")
         if req.stream:
             return await stream(request, req, spec, label, rid, endpoint)
@@ -261,7 +317,8 @@ def create_app(
                     gen: Generation = await asyncio.wait_for(asyncio.shield(job.future), timeout=30.0)
                 except Aborted as e:
                     metrics.aborted.labels(e.reason).inc()
-                    yield S.sse(timeout_error(request_timeout_s).body())
+                    error = _shutting_down() if e.reason == "shutdown" else timeout_error(request_timeout_s)
+                    yield S.sse(error.body())
                     return
                 except UserError as e:
                     yield S.sse(user_error(e).body())
@@ -317,20 +374,25 @@ def create_app(
         return S.model_card(model_name)
 
     @app.post("/v1/completions")
-    async def completions(request: Request, req: S.CompletionRequest) -> Response:
+    async def completions(request: Request) -> Response:
+        req = await parse(request, S.CompletionRequest)
         return await generate(request, req, req.prompt, True, "/v1/completions")
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, req: S.ChatCompletionRequest) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        req = await parse(request, S.ChatCompletionRequest)
         return await generate(request, req, req.chat(), False, "/v1/chat/completions")
 
     @app.post("/v1/kv/documents")
-    async def documents(request: Request, req: S.DocumentsRequest) -> Response:
+    async def documents(request: Request) -> Response:
+        req = await parse(request, S.DocumentsRequest)
         if req.model is not None and req.model != model_name:
             raise APIError(404, f"model {req.model!r} not found", param="model", code="model_not_found")
         strategy = engine.reuse if req.mode == "prefix" and reuse_kind == "prefix" else None
         if req.mode == "prefix" and strategy is None:
-            strategy = features.reuse("prefix", strict=True)  # storing needs the store: 503 when it is down
+            strategy = await off_loop(
+                partial(features.reuse, "prefix", strict=True)
+            )  # storing needs the store: 503 when it is down
         job = submit(lambda j: features.precompute_documents(req.documents, req.mode, req.system, strategy))
         job.endpoint = "/v1/kv/documents"
         result = await wait(request, job)
@@ -341,12 +403,50 @@ def create_app(
     return app
 
 
+class CachedStats:
+    """The store's stats as last fetched, refreshed in a background thread: ``/metrics`` never waits on a store.
+
+    ``get`` returns at once (None until the first fetch ends) and starts a refresh when the value is older than
+    ``max_age_s`` and none is running; a store that fails or hangs leaves the last value in place.
+    """
+
+    def __init__(self, fetch: Callable[[], Any], max_age_s: float = 5.0) -> None:
+        self.fetch, self.max_age_s = fetch, max_age_s
+        self.value: Any = None
+        self.fetched_at = float("-inf")
+        self._running = threading.Lock()
+
+    def get(self) -> Any:
+        if time.monotonic() - self.fetched_at > self.max_age_s and self._running.acquire(blocking=False):
+            threading.Thread(target=self._refresh, name="kvforge-store-stats", daemon=True).start()
+        return self.value
+
+    def _refresh(self) -> None:
+        try:
+            self.value = self.fetch()
+        except Exception as e:  # a store that cannot answer keeps the last figures
+            logger.warning("store stats unavailable: %s", type(e).__name__)
+        finally:
+            self.fetched_at = time.monotonic()
+            self._running.release()
+
+
 def _context_mode(opts: S.KVForgeOptions, server_kind: str, server_mode: str) -> bool:
     """Whether this request's reuse is semantic in context mode."""
     if opts.reuse is None and opts.semantic_mode is None:
         return server_kind == "semantic" and server_mode == "context"
     kind = opts.reuse or server_kind
     return kind == "semantic" and (opts.semantic_mode or server_mode) == "context"
+
+
+def _shutting_down() -> APIError:
+    return APIError(
+        503,
+        "the server is shutting down; retry on another replica",
+        type="server_error",
+        code="shutting_down",
+        headers={"Retry-After": "1"},
+    )
 
 
 def _queue_full(e: QueueFullError) -> APIError:

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 REUSE_KINDS = ("prefix", "semantic", "none")
 SEMANTIC_MODES = ("canonical", "context")
@@ -23,7 +23,7 @@ class KVForgeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     press: StrictStr | None = None
-    compression_ratio: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
+    compression_ratio: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] | None = None
     reuse: Literal["prefix", "semantic", "none"] | None = None
     semantic_mode: Literal["canonical", "context"] | None = None
     query_aware: StrictBool | None = None
@@ -39,12 +39,12 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    n: Annotated[int, Field(ge=1, le=1)] | None = None  # one choice per request
+    seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=1)] | None = None  # one choice per request
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     kvforge: KVForgeOptions | None = None
@@ -69,7 +69,7 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: one raw prompt (text, or token ids), no chat template."""
 
-    prompt: StrictStr | list[StrictStr] | list[int] | list[list[int]]
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool = False
 
     @field_validator("prompt")

@@ -31,6 +31,10 @@ class QueueFullError(Exception):
         self.retry_after_s = retry_after_s
 
 
+class ShuttingDownError(Exception):
+    """The server is stopping: no new work is taken."""
+
+
 class Aborted(Exception):
     """A job stopped before its end: ``reason`` is "cancelled" (client gone) or "timeout"."""
 
@@ -100,6 +104,7 @@ class Worker:
         self.running: Job | None = None
         self.avg_job_s = 1.0  # moving average, for Retry-After
         self.num_done = 0
+        self.draining = False
         self._thread = threading.Thread(target=self._loop, name="kvforge-worker", daemon=True)
         self._thread.start()
 
@@ -125,6 +130,8 @@ class Worker:
         Raises :class:`QueueFullError` when ``max_queue`` jobs already wait, or when the jobs ahead would take longer
         than ``timeout_s`` (refusing now beats timing out later: the client can retry elsewhere).
         """
+        if self.draining:
+            raise ShuttingDownError("the server is shutting down")
         if timeout_s and self.expected_wait_s() + SHED_FACTOR * (self.avg_job_s if self.num_done else 0) > timeout_s:
             raise QueueFullError(self.retry_after_s())
         job = Job(fn, loop, timeout_s)
@@ -165,16 +172,31 @@ class Worker:
                 self.running = None  # idle BEFORE the answer is delivered: a caller woken by it sees an idle worker
             job._resolve(result=result, error=error)
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop after the running job; waiting jobs are cancelled."""
+    def drain(self, grace_s: float) -> None:
+        """Shutdown's first step (SIGTERM): take no more jobs, cancel the waiting ones (reason "shutdown"), and give
+        the running one ``grace_s`` seconds to finish before it is stopped at its next token."""
+        self.draining = True
+        self._cancel_waiting("shutdown")
+        running = self.running
+        if running is not None:
+            timer = threading.Timer(grace_s, running.cancel, args=("shutdown",))
+            timer.daemon = True
+            timer.start()
+
+    def _cancel_waiting(self, reason: str) -> None:
         while True:
             try:
                 job = self._queue.get_nowait()
             except queue.Empty:
-                break
+                return
             if job is not None:
-                job.cancel()
-                job._resolve(error=Aborted("cancelled"))
+                job.cancel(reason)
+                job._resolve(error=Aborted(reason))
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop after the running job; waiting jobs are cancelled."""
+        self.draining = True
+        self._cancel_waiting("cancelled")
         if self.running is not None:
             self.running.cancel()
         with contextlib.suppress(queue.Full):
