@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Any
 
-from kvforge.commands._common import add_model_args, load, positive_int, ratio
+from kvforge.commands._common import add_model_args, check_port_free, check_store_url, load, positive_int, ratio
 from kvforge.errors import UserError
 
 
@@ -43,8 +43,12 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UserError(f"the server needs the serve extra: pip install 'kvforge[serve]' ({e})") from e
     from kvforge.engine import Engine
 
-    if not 0 < args.port < 65536:
-        raise UserError(f"port must be in 1..65535, got {args.port}")
+    if args.press:  # a wrong press name fails before the model loads
+        from kvforge.presses import build_press
+
+        build_press(args.press, compression_ratio=args.compression_ratio)
+    check_store_url(args.store)
+    check_port_free(args.host, args.port)  # a port in use fails now, not after the model loaded
     if args.timeout <= 0:
         raise UserError(f"--timeout must be > 0, got {args.timeout}")
     model, tokenizer = load(args)
