@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 cache = KVCache.for_model(model)
                 secs, logits = timed(
                     lambda c=cache, x=ids, p=name: compress_prefill(
-                        model, x, c, build_press(p, args.ratio), args.chunk_size
+                        model, x, c, build_press(p, args.ratio), args.chunk_size, tokenizer=tokenizer
                     )
                 )
                 times.append(secs)

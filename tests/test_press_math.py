@@ -9,7 +9,11 @@ from kvforge.presses import (
     AdaKVPress,
     CriticalAdaKVPress,
     CriticalKVPress,
+    ExpectedAttentionPress,
     H2OPress,
+    KnormPress,
+    KVzipHeadPress,
+    KVzipPress,
     LayerContext,
     PyramidKVPress,
     SnapKVPress,
@@ -42,6 +46,10 @@ def make_ctx(s: int, seed: int = 0, w: int = 16, start: int = 0, layer_idx: int 
         window_queries=torch.randn(1, H, w, D, generator=g) * 2,
         window_positions=positions[:, -w:],
         output_weight=torch.randn(HIDDEN, H * D, generator=g),
+        reconstruction_scores=torch.rand(1, H, s, generator=g),
+        query_mean=torch.randn(1, H, D, generator=g),
+        query_cov=(lambda a: a @ a.transpose(-1, -2) / D)(torch.randn(1, H, D, D, generator=g)),
+        rope_angles=10000.0 ** (-torch.arange(D // 2) * 2.0 / D),
     )
 
 
@@ -60,6 +68,10 @@ UNIFORM = [
     lambda r: CriticalKVPress(press=SnapKVPress(compression_ratio=r, window_size=16)),
     lambda r: SurrogateKVPress(compression_ratio=r, surrogate="local"),
     lambda r: SurrogateKVPress(compression_ratio=r, surrogate="global", value_aware=True),
+    lambda r: SurrogateKVPress(compression_ratio=r, surrogate="global", scores="kvzip"),
+    lambda r: KnormPress(compression_ratio=r),
+    lambda r: ExpectedAttentionPress(compression_ratio=r),
+    lambda r: KVzipPress(compression_ratio=r, budget="head"),
 ]
 
 
@@ -76,6 +88,9 @@ HEADWISE = [
     lambda r: AdaKVPress(press=SnapKVPress(compression_ratio=r, window_size=16)),
     lambda r: CriticalAdaKVPress(press=SnapKVPress(compression_ratio=r, window_size=16)),
     lambda r: SurrogateKVPress(compression_ratio=r, headwise=True),
+    lambda r: KVzipPress(compression_ratio=r),
+    lambda r: KVzipPress(compression_ratio=r, value_aware=True),
+    lambda r: KVzipHeadPress(compression_ratio=r, head_scores=[[1.0, 3.0]]),
 ]
 
 

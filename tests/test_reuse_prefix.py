@@ -72,6 +72,12 @@ class DictStore:
     def get_blob(self, key: str) -> bytes | None:
         return self.blobs.get(key)
 
+    def delete_blob(self, key: str) -> None:
+        self.blobs.pop(key, None)
+
+    def blob_keys(self) -> list[str]:
+        return list(self.blobs)
+
 
 def ids_of(n: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)

@@ -274,3 +274,19 @@ def test_shutdown_stops_the_worker(engine: Engine) -> None:
         assert c.get("/health").json()["busy"] is False
     app.state.worker._thread.join(5)
     assert not app.state.worker._thread.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("body", "param_or_text"),
+    [
+        ({"prompt": "hi", "seed": 2**64}, "seed"),
+        ({"prompt": "hi", "seed": -1}, "seed"),
+        ({"prompt": [5, -1, 7]}, "outside the vocabulary"),
+        ({"prompt": [5, 10**6]}, "outside the vocabulary"),
+        ({"prompt": "hi", "temperature": "nan"}, "temperature"),
+        ({"prompt": "hi", "max_tokens": 10**12}, "exceeds the model's context"),
+    ],
+)
+def test_odd_inputs_are_400_never_500(client: Any, body: dict[str, Any], param_or_text: str) -> None:
+    error = _err(client.post("/v1/completions", json={"model": MODEL, "max_tokens": 2} | body), 400)
+    assert param_or_text in (error["param"] or "") + error["message"]

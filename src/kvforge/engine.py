@@ -65,6 +65,11 @@ class Engine:
         return model_fingerprint(self.model, self.tokenizer)
 
     # ------------------------------------------------------------------------------------------ tokens
+    @cached_property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding: token ids must lie in ``[0, vocab_size)``."""
+        return int(self.model.get_input_embeddings().num_embeddings)
+
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
@@ -72,7 +77,11 @@ class Engine:
     def encode_chat(self, prompt: Prompt, raw: bool = False) -> list[int]:
         """Token ids of ``prompt``: a string (a user message unless ``raw``), a message list, or ids."""
         if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
-            return [int(t) for t in prompt]  # type: ignore[arg-type]
+            ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            return ids
         if isinstance(prompt, str) and (raw or not self.has_chat_template):
             return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from kvforge.paths import default_store_url
+from kvforge.redact import redact_url
 
 STORE_ENV = "KVFORGE_STORE"
 
@@ -78,7 +79,7 @@ def run_clear(args: argparse.Namespace) -> int:
     store = open_store(args.store)
     num_entries = len(store.keys())
     store.clear()
-    print(f"cleared {num_entries} entries from {args.store}")
+    print(f"cleared {num_entries} entries from {redact_url(args.store)}")
     return 0
 
 
@@ -89,7 +90,7 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
     default = os.environ.get(STORE_ENV) or default_store_url()
     help_store = (
         f"store URL: memory://, file:///path, redis://host:port/db, or a comma-separated list for tiers "
-        f"(default ${STORE_ENV} or {default})"
+        f"(default ${STORE_ENV} or {redact_url(default)})"
     )
     for name, func, help_text in (
         ("ls", run_ls, "one line per stored segment: key, tokens, bytes, model, press"),

@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         read_examples(args.data, limit=args.limit)  # a malformed file fails before the model loads
     else:
         check_task_data(_names(args.task), args.data_dir or default_data_dir())  # before the model loads
-    trials = None if args.rag else press_trials(args.methods, args.compression_ratios, query_aware=not args.query_agnostic)
+    query_aware = not args.query_agnostic
+    trials = None if args.rag else press_trials(args.methods, args.compression_ratios, query_aware=query_aware)
     engine = load_engine(args)  # names, options and data were checked above: a mistake costs no model load
     if args.rag:
         trials = _rag_trials(args, engine)

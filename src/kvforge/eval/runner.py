@@ -181,7 +181,10 @@ class SharedPrefill:
             cache, shared_s = self.source.restore(), self.source.seconds["prefill"]
         else:
             cache = self.source.compress(press)
-            shared_s = self.source.seconds["prefill"] + cache.info["press"]["seconds"]["lookahead"]
+            info = cache.info["press"]
+            shared_s = self.source.seconds["prefill"] + info["seconds"]["lookahead"]
+            if info.get("replay_reused"):  # a KVzip replay shared with an earlier press: count it as if run here
+                shared_s += info["seconds"]["reconstruction"]
         logits = self.source.logits
         if self.question_ids:
             cache, logits = self.engine.prefill(self.question_ids, cache=cache)

@@ -18,9 +18,12 @@ from kvforge.presses.adakv import AdaKVPress
 from kvforge.presses.apply import CompressionSource, compress_prefill, compressible_layers
 from kvforge.presses.base import LayerContext, Needs, Press, ScorerPress, Selection, WrapperPress, num_kept
 from kvforge.presses.criticalkv import CriticalAdaKVPress, CriticalKVPress
+from kvforge.presses.expected_attention import ExpectedAttentionPress
 from kvforge.presses.full import FullPress
 from kvforge.presses.h2o import H2OPress
+from kvforge.presses.knorm import KnormPress
 from kvforge.presses.kvzip import KVzipPress
+from kvforge.presses.kvzip_heads import KVzipHeadPress
 from kvforge.presses.pyramidkv import PyramidKVPress
 from kvforge.presses.snapkv import SnapKVPress
 from kvforge.presses.streaming_llm import StreamingLLMPress
@@ -48,7 +51,13 @@ _SPECS: dict[str, tuple[type[Press], type[ScorerPress] | None, dict[str, Any]]] 
     "surrogatekv-ada": (SurrogateKVPress, None, {"surrogate": "global", "headwise": True}),
     "surrogatekv-lookahead": (SurrogateKVPress, None, {"surrogate": "global", "lookahead": DEFAULT_LOOKAHEAD}),
     "kvzip": (KVzipPress, None, {}),
-    "kvzip-ada": (AdaKVPress, KVzipPress, {}),
+    "kvzip-global": (KVzipPress, None, {"budget": "global"}),
+    "kvzip-plus": (KVzipPress, None, {"value_aware": True}),
+    "kvzip-head": (KVzipHeadPress, None, {}),
+    "kvzip-ada": (AdaKVPress, KVzipPress, {"budget": "head"}),
+    "knorm": (KnormPress, None, {}),
+    "expected_attention": (ExpectedAttentionPress, None, {}),
+    "surrogatekv-kvzip": (SurrogateKVPress, None, {"surrogate": "global", "scores": "kvzip"}),
 }
 
 
@@ -70,8 +79,14 @@ DESCRIPTIONS: dict[str, str] = {
     "surrogatekv-critical": "SurrogateKV-global with CriticalKV's value-aware token scores",
     "surrogatekv-ada": "SurrogateKV-global with per-head victims against one layer budget (AdaKV-style)",
     "surrogatekv-lookahead": "SurrogateKV-global with lookahead draft queries",
-    "kvzip": "context-reconstruction scoring (query-agnostic; one extra pass over the context)",
+    "kvzip": "KVzip: chat-turn context replay, max attention per (layer, head, token), one top-k per layer",
+    "kvzip-global": "KVzip with one top-k over all layers and heads (per-layer lengths differ)",
+    "kvzip-plus": "KVzip+: replay attention x projected value contribution ||V W_O||",
+    "kvzip-head": "KVzip head-level: calibrated per-head budgets (once per model), sinks + recent, no replay",
     "kvzip-ada": "KVzip scores with AdaKV head-adaptive budgets",
+    "knorm": "lowest key L2 norms kept (query-agnostic, free)",
+    "expected_attention": "expected attention of future queries (Gaussian query model, averaged RoPE) x ||v||",
+    "surrogatekv-kvzip": "SurrogateKV-global with KVzip replay token scores (query-agnostic)",
 }
 
 
@@ -132,9 +147,12 @@ __all__ = [
     "CompressionSource",
     "CriticalAdaKVPress",
     "CriticalKVPress",
+    "ExpectedAttentionPress",
     "FullPress",
     "H2OPress",
+    "KVzipHeadPress",
     "KVzipPress",
+    "KnormPress",
     "LayerContext",
     "Needs",
     "Press",

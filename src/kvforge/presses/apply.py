@@ -23,9 +23,10 @@ from kvforge.cache import CacheSnapshot, KVCache, KVLayer
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, forward, prefill
 from kvforge.presses.base import LayerContext, Needs, Press, Selection
 from kvforge.presses.hooks import Collector, attention_hooks, attention_modules, num_query_heads
-from kvforge.presses.kvzip import KVzipPress
+from kvforge.presses.kvzip import KVzipPress, header_length, replay_prefix
 
 logger = logging.getLogger(__name__)
+QUERY_SINKS = 4  # query statistics skip the first positions (attention sinks), as kvpress's Expected Attention
 
 
 def compressible_layers(cache: KVCache) -> list[int]:
@@ -86,9 +87,11 @@ class CompressionSource:
         self.model, self.cache, self.ids, self.needs = model, cache, ids, needs
         self.chunk_size, self.tokenizer = chunk_size, tokenizer
         self.layers = compressible_layers(cache)
+        self.header = header_length(tokenizer, ids[0].tolist())
         self.start = [layer.length for layer in cache.layers]
         final_position = cache.next_position + ids.shape[1] - 1
-        self.collector = Collector(cache, self.layers, needs.window_size if self.layers else 0, final_position)
+        window = needs.window_size if self.layers else 0
+        self.collector = Collector(cache, self.layers, window, final_position, QUERY_SINKS if needs.query_stats else -1)
         clock = [time.perf_counter()]
         with attention_hooks(model, self.collector):
             # the window must lie in the last chunk; with no window keep the plain chunking (bit-identical logits)
@@ -101,6 +104,7 @@ class CompressionSource:
         self.seconds = {"prefill": clock[1] - clock[0], "lookahead": clock[2] - clock[1]}
         self.snapshot = CacheSnapshot(cache)
         self.info = dict(cache.info)
+        self._replays: dict[tuple, tuple[dict[int, Tensor], float]] = {}  # replay setting -> (scores, seconds)
 
     def restore(self) -> KVCache:
         """The uncompressed cache, as the prefill left it."""
@@ -116,35 +120,66 @@ class CompressionSource:
         active = press.ratio() > 0 and bool(self.layers)
         if press.ratio() > 0 and not self.layers:
             logger.warning("every layer has a sliding window: %s compresses nothing", name)
-        if active and (needs.window_size > self.needs.window_size or needs.lookahead > self.needs.lookahead):
+        short = needs.window_size > self.needs.window_size or needs.lookahead > self.needs.lookahead
+        if active and (short or (needs.query_stats and not self.needs.query_stats)):
             raise ValueError(
                 f"{press.name} needs a window of {needs.window_size} and {needs.lookahead} lookahead drafts; this "
                 f"prefill collected {self.needs.window_size} and {self.needs.lookahead}"
             )
+        prepare = getattr(press, "prepare", None)
+        if active and prepare is not None:
+            prepare(self)  # e.g. KVzip head-level: load (or calibrate once) the model's head scores
+            cache = self.restore()
         clock = [time.perf_counter()]
         self.collector.reconstruction = {}
+        replay_seconds, reused = 0.0, False
         if active and needs.reconstruction:
-            with attention_hooks(self.model, self.collector):
-                _reconstruct(
-                    self.model, cache, self.ids, press, self.tokenizer, self.chunk_size, self.collector, self.start
-                )
+            kvzip = _find(press, KVzipPress) or KVzipPress()
+            key = (
+                tuple(kvzip.prompt_ids or ()),
+                kvzip.prompt,
+                kvzip.chat_template,
+                kvzip.replay_chunk,
+                kvzip.keep_header,
+            )
+            reused = key in self._replays
+            if not reused:  # one replay per replay setting, shared by every press and ratio using it
+                with attention_hooks(self.model, self.collector):
+                    _reconstruct(
+                        self.model, cache, self.ids, press, self.tokenizer, self.chunk_size, self.collector, self.start
+                    )
+                self._replays[key] = (self.collector.reconstruction, time.perf_counter() - clock[0])
+            self.collector.reconstruction, replay_seconds = self._replays[key]
         clock.append(time.perf_counter())
         modules = attention_modules(self.model)
         kept: list[int | None] = [None] * cache.num_layers
         window = needs.window_size if active else 0
         lookahead = needs.lookahead if active else 0
-        for rank, idx in enumerate(self.layers):
-            ctx = _layer_context(
-                cache.layers[idx], self.start[idx], modules[idx], rank, len(self.layers), self.collector, idx,
-                window, lookahead,
-            )  # fmt: skip
-            selection = press.compress(ctx)
+        contexts = [
+            _layer_context(
+                cache.layers[idx],
+                self.start[idx],
+                modules[idx],
+                rank,
+                len(self.layers),
+                self.collector,
+                idx,
+                window,
+                lookahead,
+                self.header,
+            )
+            for rank, idx in enumerate(self.layers)
+        ]
+        selections = press.compress_all(contexts) if contexts else []
+        for idx, ctx, selection in zip(self.layers, contexts, selections, strict=True):
             _check(selection, ctx, idx)
+        for idx, selection in zip(self.layers, selections, strict=True):
             install(cache.layers[idx], self.start[idx], selection)
             kept[idx] = int(selection.keep.sum())
         clock.append(time.perf_counter())
         seconds = {"prefill": self.seconds["prefill"], "lookahead": self.seconds["lookahead"] if lookahead else 0.0}
-        seconds |= {"reconstruction": clock[1] - clock[0], "compress": clock[2] - clock[1]}
+        # a replay shared with an earlier press reports what it cost when it ran (TTFT as if run alone)
+        seconds |= {"reconstruction": replay_seconds, "compress": clock[2] - clock[1]}
         cache.info["press"] = {
             "name": name,
             "compression_ratio": press.ratio(),
@@ -154,8 +189,25 @@ class CompressionSource:
             "uncompressed_layers": [i for i in range(cache.num_layers) if i not in self.layers],
             "nbytes": cache.nbytes(),
             "seconds": {stage: round(v, 4) for stage, v in seconds.items()},  # per stage, for overhead reports
+            "replay_reused": reused,  # the reconstruction ran for an earlier press of this source (not re-timed)
         }
         return cache
+
+    @torch.inference_mode()
+    def calibrate_heads(self, skip: int) -> list[list[float] | None]:
+        """KVzip head-level calibration on this prompt: one context replay, one mean score per (layer, KV head)."""
+        from kvforge.presses.kvzip_heads import head_scores_from_replay
+
+        cache = self.restore()
+        self.collector.reconstruction = {}
+        with attention_hooks(self.model, self.collector):
+            _reconstruct(self.model, cache, self.ids, KVzipPress(), self.tokenizer, self.chunk_size, self.collector,
+                         self.start)  # fmt: skip
+        modules = attention_modules(self.model)
+        group = {i: num_query_heads(modules[i]) // cache.layers[i].keys.shape[1] for i in self.layers}
+        scores = head_scores_from_replay(self.collector.reconstruction, cache.num_layers, group, skip)
+        self.collector.reconstruction = {}
+        return scores
 
 
 def _lookahead(model: Any, cache: KVCache, logits: Tensor, steps: int, collector: Collector) -> None:
@@ -182,23 +234,28 @@ def _reconstruct(
     start: list[int],
 ) -> None:
     """Teacher-force "repeat the context" + the context on top; keep max attention per context entry; undo."""
-    kvzip = _find(press, KVzipPress)
+    kvzip = _find(press, KVzipPress) or KVzipPress()  # presses reusing KVzip's scores replay with its defaults
     prompt: list[int] = []
-    if kvzip is not None and kvzip.prompt_ids is not None:
+    if kvzip.prompt_ids is not None:
         prompt = list(kvzip.prompt_ids)
-    elif tokenizer is not None and kvzip is not None:
-        prompt = list(tokenizer.encode(kvzip.prompt, add_special_tokens=False))
+    elif tokenizer is not None:
+        prompt = replay_prefix(tokenizer, kvzip.prompt, kvzip.chat_template)
     else:
         logger.warning("KVzip without tokenizer or prompt_ids: repeating the context without an instruction")
     context = ids[0].tolist()
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is not None and context and context[0] == bos:
         context = context[1:]
+    if kvzip.chat_template and kvzip.keep_header:  # the header is kept: no need to repeat it
+        context = context[header_length(tokenizer, context) :]
+    step = kvzip.replay_chunk or len(context) or 1
     snapshot = CacheSnapshot(cache)
     collector.mode = "reconstruct"
     collector.bounds = {i: (start[i], cache.layers[i].length) for i in collector.layers}
     try:
-        prefill(model, torch.tensor([prompt + context]), cache, chunk_size=chunk_size)
+        for a in range(0, max(1, len(context)), step):  # each chunk behind its own repeat request, then undone
+            prefill(model, torch.tensor([prompt + context[a : a + step]]), cache, chunk_size=chunk_size)
+            snapshot.restore()
     finally:
         collector.mode = "window"
         snapshot.restore()
@@ -220,11 +277,17 @@ def _layer_context(
     idx: int,
     window_size: int,
     lookahead: int,
+    header: int = 0,
 ) -> LayerContext:
     """The press's view of layer ``idx``: its new entries, the last ``window_size`` window queries and the first
     ``lookahead`` draft queries collected."""
     keys, values, positions, valid = layer.view()
     window = collector.window_queries.get(idx) if window_size > 0 else None
+    mean = cov = None
+    if idx in collector.query_moments:
+        total, outer, count = collector.query_moments[idx]
+        mean = total / count
+        cov = outer / count - mean[..., :, None] * mean[..., None, :]
     look = collector.lookahead_queries.get(idx, [])[:lookahead]
     return LayerContext(
         keys=keys[:, :, start:],
@@ -244,6 +307,11 @@ def _layer_context(
         prefix_keys=keys[:, :, :start],
         prefix_positions=positions[:, :, :start],
         prefix_valid=None if valid is None else valid[:, :, :start],
+        header_length=header,
+        rope_angles=collector.rope_angles.get(idx),
+        model_layer=idx,
+        query_mean=mean,
+        query_cov=cov,
     )
 
 

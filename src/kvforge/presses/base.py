@@ -36,12 +36,14 @@ class Needs:
     window_size: int = 0  # last prompt tokens whose queries are kept (observation window)
     lookahead: int = 0  # greedy draft tokens decoded with the full cache; their queries join the window
     reconstruction: bool = False  # KVzip: max attention received while the model repeats the context
+    query_stats: bool = False  # Expected Attention: mean/covariance of the prompt's pre-RoPE queries
 
     def merge(self, other: Needs) -> Needs:
         return Needs(
             max(self.window_size, other.window_size),
             max(self.lookahead, other.lookahead),
             self.reconstruction or other.reconstruction,
+            self.query_stats or other.query_stats,
         )
 
 
@@ -75,6 +77,11 @@ class LayerContext:
         output_weight: ``(hidden, H * D)`` the layer's output projection (CriticalKV's ``W_O``).
         prefix_keys, prefix_positions, prefix_valid: ``(B, H_kv, P, D)``, ``(B, H_kv, P)``, ``(B, H_kv, P)`` or None:
             entries already cached before this prefill (kept as they are; they only enter softmax denominators).
+        header_length: the first new entries that are the chat template's header (system prompt, role tokens).
+        rope_angles: ``(D/2,)`` RoPE angle per position step of each frequency (Expected Attention), or None.
+        model_layer: the layer's index in the model (``layer_idx`` counts compressed layers only).
+        query_mean, query_cov: ``(B, H, D)``, ``(B, H, D, D)`` mean and covariance of the prompt's pre-RoPE queries
+            (positions >= 4, the sinks excluded), or None.
     """
 
     keys: Tensor
@@ -92,6 +99,11 @@ class LayerContext:
     prefix_keys: Tensor | None = None
     prefix_positions: Tensor | None = None
     prefix_valid: Tensor | None = None
+    header_length: int = 0
+    rope_angles: Tensor | None = None
+    query_mean: Tensor | None = None
+    model_layer: int | None = None
+    query_cov: Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -210,6 +222,10 @@ class Press:
 
     def compress(self, ctx: LayerContext) -> Selection:
         raise NotImplementedError
+
+    def compress_all(self, contexts: list[LayerContext]) -> list[Selection]:
+        """Selections for every compressed layer at once (a press with a model-wide budget overrides this)."""
+        return [self.compress(ctx) for ctx in contexts]
 
     def ratio(self) -> float:
         """The fraction of new entries removed per layer."""

@@ -9,6 +9,7 @@ the prompt is never built: a reconstruction chunk's queries are scored in slices
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -49,14 +50,29 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def compute_queries(module: nn.Module, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> Tensor:
-    """Post-RoPE queries ``(B, H, Q, D)`` for ``hidden_states`` ``(B, Q, hidden)``, as the layer computes them."""
+def prerope_queries(module: nn.Module, hidden_states: Tensor) -> Tensor:
+    """Queries ``(B, H, Q, D)`` before RoPE (q_proj, then q_norm where the model has one)."""
     b, q, _ = hidden_states.shape
     head_dim = module.head_dim  # type: ignore[union-attr]
     queries = module.q_proj(hidden_states).view(b, q, -1, head_dim).transpose(1, 2)  # type: ignore[operator]
     q_norm = getattr(module, "q_norm", None)
-    if q_norm is not None:
-        queries = q_norm(queries)
+    return q_norm(queries) if q_norm is not None else queries
+
+
+def rope_angles(position_embeddings: tuple[Tensor, Tensor], positions: Tensor) -> Tensor | None:
+    """``(D/2,)`` angle per position step of each RoPE frequency, read off two consecutive positions' cos/sin."""
+    cos, sin = position_embeddings  # (B, Q, D)
+    if cos.shape[1] < 2 or int(positions[0, -1] - positions[0, -2]) != 1:
+        return None
+    half = cos.shape[-1] // 2
+    angle = torch.atan2(sin[0, -2:, :half].float(), cos[0, -2:, :half].float())
+    step = angle[1] - angle[0]
+    return torch.remainder(step + math.pi, 2 * math.pi) - math.pi
+
+
+def compute_queries(module: nn.Module, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> Tensor:
+    """Post-RoPE queries ``(B, H, Q, D)`` for ``hidden_states`` ``(B, Q, hidden)``, as the layer computes them."""
+    queries = prerope_queries(module, hidden_states)
     cos, sin = position_embeddings  # (B, Q, D)
     return queries * cos[:, None] + rotate_half(queries) * sin[:, None]
 
@@ -69,8 +85,13 @@ class Collector:
     (slots ``start[l]:end[l]``), the max attention received from the forward's queries.
     """
 
-    def __init__(self, cache: KVCache, layers: list[int], window_size: int, final_position: int) -> None:
+    def __init__(
+        self, cache: KVCache, layers: list[int], window_size: int, final_position: int, query_stats: int = -1
+    ) -> None:
         self.cache = cache
+        self.query_stats = query_stats  # >= 0: sum pre-RoPE query moments of prompt positions >= this (Exp. Attention)
+        self.query_moments: dict[int, tuple[Tensor, Tensor, int]] = {}
+        self.rope_angles: dict[int, Tensor] = {}
         self.layers = set(layers)
         self.window_size = window_size
         self.final_position = final_position
@@ -91,6 +112,12 @@ class Collector:
         if hidden is None or rope is None:
             raise RuntimeError(f"layer {idx}: attention hook got no hidden_states/position_embeddings")
         if self.mode == "window":
+            if self.query_stats >= 0:
+                self._moments(idx, module, hidden, qpos)
+            if int(qpos[:, -1].max()) == self.final_position:
+                angles = rope_angles(rope, qpos)
+                if angles is not None:
+                    self.rope_angles[idx] = angles
             if self.window_size <= 0 or int(qpos[:, -1].max()) != self.final_position:
                 return
             w = min(self.window_size, hidden.shape[1])
@@ -101,6 +128,15 @@ class Collector:
             self.lookahead_queries.setdefault(idx, []).append(compute_queries(module, hidden, rope))
         else:
             self._reconstruct(idx, module, compute_queries(module, hidden, rope), qpos)
+
+    def _moments(self, idx: int, module: nn.Module, hidden: Tensor, qpos: Tensor) -> None:
+        """Running sums of pre-RoPE queries and their outer products (first query_stats positions skipped)."""
+        sel = qpos[0] >= self.query_stats
+        if not bool(sel.any()):
+            return
+        q = prerope_queries(module, hidden[:, sel]).float()  # (B, H, Q, D)
+        total, outer, count = self.query_moments.get(idx, (0.0, 0.0, 0))
+        self.query_moments[idx] = (total + q.sum(2), outer + q.transpose(-1, -2) @ q, count + q.shape[2])
 
     def _reconstruct(self, idx: int, module: nn.Module, queries: Tensor, qpos: Tensor) -> None:
         """Running max attention (B, H, S_ctx) of this chunk's queries to the context entries, slice by slice."""

@@ -1,38 +1,154 @@
 """KVzip (Kim et al., 2025, arXiv 2505.23416): score entries by how much the model needs them to repeat the context.
 
-After the context is prefilled, a prompt asking to repeat it plus the context itself are teacher-forced on top of
-the cache (chunk by chunk); every context entry's score is the max attention it receives from those queries (max
-over the queries and the query heads of its GQA group). The reconstruction entries are removed afterwards, so the
-cost is one extra prefill of the context, paid once per document: the right trade for a query-agnostic cache that
-is stored and reused for many questions.
+After the context is prefilled, the model is asked to repeat it: by default as a proper chat turn of the model's
+template (user: "Repeat the previous context exactly.", assistant: the context, teacher-forced), chunk by chunk
+(``replay_chunk`` context tokens per forward, each chunk behind its own repeat prompt). An entry's score is the max
+attention it receives from those replay queries, per (layer, KV head, token): max over the queries and over the
+query heads of its GQA group. The replay entries are removed afterwards (cost: about one extra prefill of the
+context, paid once per document: the right trade for a query-agnostic cache that is stored and reused).
 
-Departure: per-layer, per-head uniform budgets (like every press here, so ratios compare); the paper ranks entries
-across all heads and layers at once. Wrap it in :class:`~kvforge.presses.adakv.AdaKVPress` for head-adaptive budgets.
+As in the paper (and each switchable so its effect is measured):
+- ``chat_template`` (True): the replay is a chat turn; False = the bare prompt + context (kvforge before issue 13).
+- ``budget``: ``"layer"`` (default) one top-k over all KV heads of a layer (non-uniform head budgets, exact layer
+  total); ``"global"`` one top-k over every (layer, head, token) of the model (the paper's ranking: per-layer lengths
+  differ, the model total is exact, memory is freed through the head-wise layout); ``"head"`` per-head uniform.
+- ``keep_header`` / ``keep_first``: the chat template header (system prompt, role tokens: found as the prompt's
+  common prefix with the template's own rendering) and the first ``keep_first`` entries are always kept (they count
+  in the budget).
+- ``value_aware`` (KVzip+): score x the entry's projected value contribution ``||V_i W_O||_1`` (CriticalKV's
+  :func:`~kvforge.presses.criticalkv.projected_value_norms`), normalised by its mean over the layer's entries so that
+  layers compare under a global budget (the paper normalises by the residual stream's norm; the layer mean of the
+  contributions plays that role here).
+
+The context-independent head-level mode is :class:`kvforge.presses.kvzip_heads.KVzipHeadPress`.
 Without a tokenizer (``compress_prefill(..., tokenizer=None)`` and no ``prompt_ids``) only the context is repeated.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 from torch import Tensor
 
-from kvforge.presses.base import LayerContext, Needs, ScorerPress
+from kvforge.presses.base import LayerContext, Needs, ScorerPress, Selection, num_kept, topk_mask
+from kvforge.presses.criticalkv import projected_value_norms
 
-REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
+REPEAT_PROMPT = "Repeat the previous context exactly."
+BUDGETS = ("head", "layer", "global")
 
 
 @dataclass
 class KVzipPress(ScorerPress):
-    """Context-reconstruction scoring; per-head top-k on the max attention received while repeating the context."""
+    """Context-reconstruction scoring with the paper's replay, budgets, protected header and KVzip+ option."""
 
     prompt: str = REPEAT_PROMPT
     prompt_ids: list[int] | None = field(default=None, repr=False)
+    chat_template: bool = True
+    replay_chunk: int = 2048
+    budget: str = "layer"
+    keep_header: bool = True
+    keep_first: int = 4
+    value_aware: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.budget not in BUDGETS:
+            raise ValueError(f"budget must be one of {BUDGETS}, got {self.budget!r}")
+        if self.replay_chunk < 0 or self.keep_first < 0:
+            raise ValueError("replay_chunk and keep_first must be >= 0 (replay_chunk 0 = the whole context at once)")
 
     def needs(self) -> Needs:
         return Needs(reconstruction=True)
 
+    def protected(self, ctx: LayerContext) -> Tensor:
+        """``(B, S)`` True for entries always kept: the first ``keep_first`` and the template header."""
+        n = self.keep_first + (ctx.header_length if self.keep_header else 0)
+        return torch.arange(ctx.size, device=ctx.keys.device)[None].expand(ctx.keys.shape[0], -1) < n
+
     def score(self, ctx: LayerContext) -> Tensor:
         if ctx.reconstruction_scores is None:
             raise ValueError("KVzip needs reconstruction scores (run it through compress_prefill)")
-        return ctx.group_reduce(ctx.reconstruction_scores, "max")
+        scores = ctx.group_reduce(ctx.reconstruction_scores, "max")  # (B, H_kv, S)
+        if self.value_aware:
+            norms = projected_value_norms(ctx)
+            scores = scores * (norms / norms.mean(dim=(1, 2), keepdim=True).clamp_min(1e-12))
+        return scores.masked_fill(self.protected(ctx)[:, None, :], float("inf"))
+
+    def compress(self, ctx: LayerContext) -> Selection:
+        if self.budget == "head":
+            return super().compress(ctx)
+        return self.compress_all([ctx])[0]
+
+    def compress_all(self, contexts: list[LayerContext]) -> list[Selection]:
+        """One top-k over every KV head of each layer (``"layer"``) or of all ``contexts`` at once (``"global"``)."""
+        if all(num_kept(c.size, self.compression_ratio) >= c.size for c in contexts):
+            return [
+                Selection(keep=torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device)) for c in contexts
+            ]
+        if self.budget != "global":
+            return [self._top([self.score(c)], [c])[0] for c in contexts]
+        return self._top([self.score(c) for c in contexts], contexts)
+
+    def _top(self, scores: list[Tensor], contexts: list[LayerContext]) -> list[Selection]:
+        b = scores[0].shape[0]
+        total = sum(c.keys.shape[1] * num_kept(c.size, self.compression_ratio) for c in contexts)
+        # every head keeps its best entry (a head with nothing left would attend to nothing); counts in the budget
+        forced = [s.float().nan_to_num(float("-inf")).masked_fill(topk_mask(s, 1), float("inf")) for s in scores]
+        flat = torch.cat([s.reshape(b, -1) for s in forced], dim=1)
+        keep = topk_mask(flat, total)
+        out, at = [], 0
+        for s in scores:
+            n = s[0].numel()
+            out.append(Selection(keep=keep[:, at : at + n].reshape(s.shape)))
+            at += n
+        return out
+
+
+def header_length(tokenizer: Any, ids: list[int]) -> int:
+    """Tokens of ``ids`` that are the chat template's header (system prompt + user role tokens), 0 without one.
+
+    The header is what two renderings of a one-message chat with different contents share; the prompt's header is
+    its common prefix with that.
+    """
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return 0
+    try:
+        a, b = (_render(tokenizer, [{"role": "user", "content": c}], False) for c in ("a", "b"))
+    except Exception:
+        return 0
+    return _common(a[: _common(a, b)], ids)
+
+
+def replay_prefix(tokenizer: Any, prompt: str, use_template: bool) -> list[int]:
+    """Token ids put before each teacher-forced context chunk: the repeat request as a later user turn of the chat
+    template (no system prompt: the cache holds it) ending in the assistant's turn, or the bare prompt."""
+    if use_template and tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        try:
+            earlier = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+            before = tokenizer.apply_chat_template(earlier, tokenize=False)
+            after = tokenizer.apply_chat_template(
+                [*earlier, {"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+        except Exception:
+            before, after = "", ""
+        if after.startswith(before) and after != before:
+            return list(tokenizer.encode(after[len(before) :], add_special_tokens=False))
+    if tokenizer is None:
+        return []
+    return list(tokenizer.encode("\n\n" + prompt + "\n", add_special_tokens=False))
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], generation: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -13,7 +13,9 @@ only its lowest-scored tokens (as many as needed); if merging every chunk is not
 and then the oldest suffix entries are dropped. (2) Keys are merged post-RoPE, as they sit in the cache.
 Extensions (kvforge): ``value_aware`` multiplies attention by CriticalKV's projected value norm before pooling
 (``surrogatekv-critical``); ``headwise`` lets every KV head pick its own victims against a shared layer budget
-(AdaKV-style, ``surrogatekv-ada``); ``lookahead`` adds draft-token queries to the recent suffix's.
+(AdaKV-style, ``surrogatekv-ada``); ``lookahead`` adds draft-token queries to the recent suffix's;
+``token_scores="kvzip"`` takes s_t from KVzip's context replay instead of the recent suffix (max attention received
+while the model repeats the context, max over each GQA group): a query-agnostic SurrogateKV (``surrogatekv-kvzip``).
 """
 
 from __future__ import annotations
@@ -75,9 +77,12 @@ class SurrogateKVPress(Press):
     value_aware: bool = False
     headwise: bool = False
     epsilon: float = 1e-4
+    scores: str = "attention"
 
     def __post_init__(self) -> None:
         check_ratio(self.compression_ratio)
+        if self.scores not in ("attention", "kvzip"):
+            raise ValueError(f"scores must be 'attention' or 'kvzip', got {self.scores!r}")
         if self.surrogate not in SURROGATES:
             raise ValueError(f"surrogate must be one of {SURROGATES}, got {self.surrogate!r}")
         if self.chunk_size < 2 or self.recent_size < 1 or self.kernel_size < 1 or self.lookahead < 0:
@@ -88,11 +93,17 @@ class SurrogateKVPress(Press):
         return f"SurrogateKVPress[{self.surrogate}]"
 
     def needs(self) -> Needs:
-        return Needs(window_size=self.recent_size, lookahead=self.lookahead)
+        return Needs(window_size=self.recent_size, lookahead=self.lookahead, reconstruction=self.scores == "kvzip")
 
     def token_scores(self, ctx: LayerContext) -> Tensor:
         """``(B, rows, S)`` s_t of eq. 1 (rows = 1, or H_kv when ``headwise``)."""
-        attn = ctx.observed_attention(self.recent_size)  # (B, H, S)
+        if self.scores == "kvzip":
+            if ctx.reconstruction_scores is None:
+                raise ValueError("SurrogateKV with KVzip scores needs reconstruction scores (run compress_prefill)")
+            grouped = ctx.group_reduce(ctx.reconstruction_scores, "max")  # (B, H_kv, S), every head of a group
+            attn = grouped.repeat_interleave(ctx.group_size, dim=1)  # (B, H, S) as the attention path gives
+        else:
+            attn = ctx.observed_attention(self.recent_size)  # (B, H, S)
         if self.value_aware:
             attn = (ctx.group_reduce(attn, "mean") + self.epsilon) * projected_value_norms(ctx)  # (B, H_kv, S)
         pooled = pool_tokens(attn, self.kernel_size)

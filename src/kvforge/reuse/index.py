@@ -1,7 +1,15 @@
-"""A FAISS inner-product index over unit vectors (= cosine), with the entries' store keys, saved as one store blob."""
+"""A FAISS inner-product index over unit vectors (= cosine), with the entries' store keys.
+
+Persistence: ONE small store blob per entry (:func:`record_bytes`), never one blob for the whole index, so writers in
+several processes, several server instances and restarts only ever add their own records: nothing is overwritten,
+nothing is lost, and a damaged record costs that one entry only. The in-memory index is the union of the records
+(rebuilt on open, extended with other writers' records before each search). The former single-blob format
+(``to_bytes``) is still read once to migrate an older store.
+"""
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 from dataclasses import dataclass
@@ -14,6 +22,7 @@ from kvforge.errors import UserError
 logger = logging.getLogger(__name__)
 
 MAGIC = b"KVFSEMIDX1\n"
+RECORD_MAGIC = b"KVFSEMREC1\n"
 
 
 @dataclass
@@ -94,3 +103,24 @@ class SemanticIndex:
         if out.index.ntotal != len(out.entries):
             raise ValueError(f"index holds {out.index.ntotal} vectors for {len(out.entries)} entries")
         return out
+
+
+def record_bytes(vector: np.ndarray, entry: IndexEntry) -> bytes:
+    """One index entry as a self-contained blob: its unit vector (float32, base64) and what it stands for."""
+    body = {"vector": base64.b64encode(np.asarray(vector, dtype=np.float32).tobytes()).decode(), **vars(entry)}
+    return RECORD_MAGIC + json.dumps(body).encode()
+
+
+def read_record(data: bytes, dim: int) -> tuple[np.ndarray, IndexEntry]:
+    """The ``(vector, entry)`` of a record blob; ValueError when it is not one or its vector is not ``dim`` long."""
+    if not data.startswith(RECORD_MAGIC):
+        raise ValueError("not a kvforge semantic index record")
+    try:
+        body = json.loads(data[len(RECORD_MAGIC) :])
+        vector = np.frombuffer(base64.b64decode(body.pop("vector")), dtype=np.float32)
+        entry = IndexEntry(**body)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"damaged semantic index record ({e})") from None
+    if vector.shape != (dim,) or not np.isfinite(vector).all():
+        raise ValueError(f"semantic index record holds a vector of {vector.size} values, expected {dim}")
+    return vector, entry

@@ -16,7 +16,9 @@ Modes:
 
 The donor's KV is never stored under the new prompt's key (``record`` refuses a cache that does not hold exactly the
 prompt's tokens, or that was built on approximate reuse). Index entries whose KV the store evicted are dropped from
-the FAISS index when met (and all at once on open), and the index is saved with the store (``put_blob``).
+the FAISS index when met (and all at once on open). The index lives in the store as one small record blob per entry
+(:mod:`kvforge.reuse.index`): concurrent writers and restarts merge, and before each search the records other
+processes added since are loaded, so no writer ever loses another's entries.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from kvforge.reuse.base import (
     segment_slice,
 )
 from kvforge.reuse.guards import DEFAULT_GUARDS, check, words
-from kvforge.reuse.index import IndexEntry, SemanticIndex
+from kvforge.reuse.index import IndexEntry, SemanticIndex, read_record, record_bytes
 from kvforge.types import KVSegment
 
 logger = logging.getLogger(__name__)
@@ -104,7 +106,9 @@ class SemanticReuse:
             self.guards = DEFAULT_GUARDS if self.mode == "canonical" else tuple(g for g in DEFAULT_GUARDS if g != "wh")
         check("", "", self.guards)  # validates the guard names
         self.namespace = digest("kvforge-semantic-v1", self.model_id)
-        self.index_key = f"{KEY_PREFIX}index-{digest(self.namespace, self.mode)}"
+        self.index_key = f"{KEY_PREFIX}index-{digest(self.namespace, self.mode)}"  # the former single-blob index
+        self.record_prefix = f"{KEY_PREFIX}rec-{digest(self.namespace, self.mode)[:24]}-"
+        self._records: dict[str, int | None] = {}  # record blob key -> index id (None: unreadable, skipped)
         self.index = self._open_index()
 
     # ------------------------------------------------------------------------------------------------ keys
@@ -167,6 +171,7 @@ class SemanticReuse:
     def _find(self, query: str, namespace: str) -> tuple[float, IndexEntry, KVSegment] | str:
         """Top-1 stored entry in ``namespace`` that passes the threshold and guards, with its KV; or why none."""
         vector = self.embedder.embed([query])[0]
+        self.refresh()  # entries other processes recorded since
         stale = []
         try:
             for similarity, vid in self._candidates(vector, namespace):
@@ -186,8 +191,7 @@ class SemanticReuse:
             return "no similar prompt stored"
         finally:
             if stale:
-                self.index.remove(stale)
-                self._save_index()
+                self._drop(stale)
 
     def _candidates(self, vector: np.ndarray, namespace: str) -> list[tuple[float, int]]:
         """Search results in ``namespace``, best first (widening the search until one is found or all are seen)."""
@@ -237,34 +241,92 @@ class SemanticReuse:
                 return
             segment.meta = {"layer_windows": windows, "text": query or "", "format": KEY_PREFIX + self.mode}
             self.store.put(key, segment)
-        if query and not self.index.has(key, query):  # a repeated prompt changes nothing: no index rewrite
-            self.index.add(self.embedder.embed([query])[0], IndexEntry(key=key, text=query, namespace=namespace))
-            self._save_index()
+        if query and not self.index.has(key, query):  # a repeated prompt changes nothing: no index write
+            self._add(self.embedder.embed([query])[0], IndexEntry(key=key, text=query, namespace=namespace))
 
     # ------------------------------------------------------------------------------------------------ index
-    def _open_index(self) -> SemanticIndex:
-        blob = self.store.get_blob(self.index_key)
-        if blob is not None:
+    def _record_key(self, entry: IndexEntry) -> str:
+        return self.record_prefix + digest(entry.key, entry.text, entry.namespace)[:32]
+
+    def _add(self, vector: np.ndarray, entry: IndexEntry, write: bool = True) -> None:
+        """Index ``entry``; with ``write`` its record blob is stored (one small put, never a rewrite of others)."""
+        record_key = self._record_key(entry)
+        if write:
+            self.store.put_blob(record_key, record_bytes(vector, entry))
+        for old_key, vid in list(self._records.items()):  # an entry with the same key is replaced (index.add)
+            if vid is not None and vid in self.index.entries and self.index.entries[vid].key == entry.key:
+                self._records.pop(old_key)
+        self._records[record_key] = self.index.add(vector, entry)
+
+    def _drop(self, ids: list[int]) -> None:
+        """Remove index ids whose KV is gone, and their record blobs."""
+        gone = set(ids)
+        for record_key, vid in list(self._records.items()):
+            if vid in gone:
+                self._records.pop(record_key)
+                delete = getattr(self.store, "delete_blob", None)
+                if delete is not None:
+                    delete(record_key)
+        self.index.remove(ids)
+
+    def _record_keys(self) -> list[str] | None:
+        list_blobs = getattr(self.store, "blob_keys", None)
+        if list_blobs is None:
+            return None
+        return [k for k in list_blobs() if k.startswith(self.record_prefix)]
+
+    def refresh(self) -> int:
+        """Load the index records written since the last look (by any process); returns how many were added.
+
+        A damaged record is skipped with a warning (the other entries are unaffected).
+        """
+        keys = self._record_keys()
+        if keys is None:
+            return 0
+        added = 0
+        for record_key in keys:
+            if record_key in self._records:
+                continue
+            blob = self.store.get_blob(record_key)
+            if blob is None:
+                continue
             try:
-                index = SemanticIndex.from_bytes(blob)
-                if index.dim == self.embedder.dim:
-                    self.index = index
-                    self.sync()
-                    return index
-                logger.warning(
-                    "stored semantic index has dim %d, embedder %d: starting empty", index.dim, self.embedder.dim
-                )
-            except (ValueError, KeyError) as e:
-                logger.warning("unreadable semantic index (%s): starting empty", e)
-        return SemanticIndex(self.embedder.dim)
+                vector, entry = read_record(blob, self.embedder.dim)
+            except ValueError as e:
+                logger.warning("semantic index record %s skipped: %s", record_key, e)
+                self._records[record_key] = None
+                continue
+            self._add(vector, entry, write=False)
+            added += 1
+        return added
+
+    def _open_index(self) -> SemanticIndex:
+        self.index = SemanticIndex(self.embedder.dim)
+        self._migrate_single_blob()
+        self.refresh()
+        self.sync()
+        return self.index
+
+    def _migrate_single_blob(self) -> None:
+        """Read an index saved by an older kvforge as one blob, and write its entries as records (kept as is)."""
+        blob = self.store.get_blob(self.index_key)
+        if blob is None:
+            return
+        try:
+            old = SemanticIndex.from_bytes(blob)
+        except (ValueError, KeyError) as e:
+            logger.warning("unreadable single-blob semantic index (%s): ignored", e)
+            return
+        if old.dim != self.embedder.dim:
+            logger.warning("stored semantic index has dim %d, embedder %d: ignored", old.dim, self.embedder.dim)
+            return
+        for vid, entry in old.entries.items():
+            if self._record_key(entry) not in self._records:
+                self._add(old.index.reconstruct(int(vid)), entry)
 
     def sync(self) -> int:
         """Drop index entries whose KV is no longer stored (evicted); returns how many were dropped."""
         stale = [vid for vid, e in self.index.entries.items() if not self.store.contains(e.key)]
         if stale:
-            self.index.remove(stale)
-            self._save_index()
+            self._drop(stale)
         return len(stale)
-
-    def _save_index(self) -> None:
-        self.store.put_blob(self.index_key, self.index.to_bytes())

@@ -70,7 +70,7 @@ def create_app(
     reuse_kind = reuse if isinstance(reuse, str) else ("custom" if reuse is not None else "none")
     try:  # fail at startup on an unknown default press or reuse strategy
         features.press(press, compression_ratio)
-        engine.reuse = features.reuse(reuse, semantic_mode) if isinstance(reuse, str) else reuse
+        engine.reuse = features.reuse(reuse, semantic_mode, strict=True) if isinstance(reuse, str) else reuse
     except APIError as e:
         raise UserError(e.message) from e
     worker = Worker(max_queue)
@@ -330,7 +330,7 @@ def create_app(
             raise APIError(404, f"model {req.model!r} not found", param="model", code="model_not_found")
         strategy = engine.reuse if req.mode == "prefix" and reuse_kind == "prefix" else None
         if req.mode == "prefix" and strategy is None:
-            strategy = features.reuse("prefix")
+            strategy = features.reuse("prefix", strict=True)  # storing needs the store: 503 when it is down
         job = submit(lambda j: features.precompute_documents(req.documents, req.mode, req.system, strategy))
         job.endpoint = "/v1/kv/documents"
         result = await wait(request, job)

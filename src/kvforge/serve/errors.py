@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvforge.errors import UserError
+from kvforge.errors import StoreUnavailableError, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 def user_error(e: UserError, param: str | None = None) -> APIError:
     """A :class:`UserError` from the library (unknown press, prompt too long...) as a 400."""
+    if isinstance(e, StoreUnavailableError):  # never describe a store (its URL, host, error) to an API client
+        return APIError(503, "store unavailable", type="store_unavailable", code="store_unavailable")
     message = str(e)
     code = "context_length_exceeded" if "exceeds the model's context" in message else None
     return APIError(400, message, param=param, code=code)

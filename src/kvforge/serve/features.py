@@ -10,10 +10,13 @@ import hashlib
 import importlib
 import logging
 import threading
+import time
 from typing import Any
 
-from kvforge.errors import UserError
+from kvforge.errors import StoreUnavailableError, UserError
 from kvforge.serve.errors import APIError
+
+STORE_RETRY_S = 10  # a store found unreachable is not tried again for this long (no per-request connect wait)
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ class Features:
         self._store: Any = None
         self._strategies: dict[tuple[str, str], Any] = {}
         self._lock = threading.Lock()
+        self._store_retry_at = 0.0
 
     # ------------------------------------------------------------------------------------------ press
     def press(self, name: str | None, compression_ratio: float) -> Any:
@@ -65,8 +69,14 @@ class Features:
         with self._lock:
             if self._store is None:
                 store_mod = _import("kvforge.store", "the KV store", "kvforge.reuse")
+                if time.monotonic() < self._store_retry_at:
+                    raise StoreUnavailableError(f"store unavailable (retried after {STORE_RETRY_S}s)")
                 try:
                     self._store = store_mod.open_store(self.store_url or "memory://")
+                except StoreUnavailableError as e:
+                    self._store_retry_at = time.monotonic() + STORE_RETRY_S
+                    logger.warning("%s; requests run without KV reuse, retrying in %ds", e, STORE_RETRY_S)
+                    raise  # its message names the URL redacted; API clients get only "store unavailable" (errors.py)
                 except (UserError, ValueError) as e:
                     raise _bad(e, "store") from e
             return self._store
@@ -79,8 +89,12 @@ class Features:
         return self._store.stats() if self._store is not None else None
 
     # ------------------------------------------------------------------------------------------ reuse
-    def reuse(self, kind: str | None, semantic_mode: str | None = None) -> Any:
-        """The strategy for ``kind`` ("prefix" | "semantic"; "none"/None -> None), built once per (kind, mode)."""
+    def reuse(self, kind: str | None, semantic_mode: str | None = None, strict: bool = False) -> Any:
+        """The strategy for ``kind`` ("prefix" | "semantic"; "none"/None -> None), built once per (kind, mode).
+
+        A store that cannot be reached makes this None (the request runs without reuse) unless ``strict`` (server
+        start, storing documents), where it raises :class:`StoreUnavailableError`.
+        """
         if kind is None or kind == "none":
             return None
         mode = semantic_mode or "canonical"
@@ -96,7 +110,12 @@ class Features:
                 param="kvforge.reuse",
                 code="invalid_value",
             )
-        store = self.store
+        try:
+            store = self.store
+        except StoreUnavailableError:
+            if strict:
+                raise
+            return None  # a store that cannot be reached is a miss: the request is answered without reuse
         device = getattr(self.engine.model, "device", None)
         try:
             if hasattr(reuse_mod, "build_reuse"):

@@ -43,7 +43,7 @@ class _GenerationRequest(BaseModel):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     n: Annotated[int, Field(ge=1, le=1)] | None = None  # one choice per request
     stream: StrictBool = False
     stream_options: StreamOptions | None = None

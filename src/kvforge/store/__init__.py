@@ -13,6 +13,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvforge.errors import UserError
 from kvforge.paths import cache_dir, default_store_url
+from kvforge.redact import redact_url
 from kvforge.store.base import ByteStore, KVStore, check_key, parse_size
 from kvforge.store.codec import check_segment, decode, encode
 from kvforge.store.disk import DiskStore
@@ -22,11 +23,14 @@ from kvforge.store.tiered import TieredStore
 SCHEMES = ("memory://", "file://", "redis://", "rediss://")
 _PARAMS = {
     "memory": {"max_bytes", "quant"},
-    "file": {"max_bytes", "fsync", "quant"},
-    "redis": {"max_bytes", "chunk_bytes", "prefix", "quant"},  # other parameters go to the redis client
+    "file": {"max_bytes", "fsync", "quant", "read_only"},
+    "redis": {"max_bytes", "chunk_bytes", "prefix", "quant", "timeout", "connect_timeout"},
 }
-
-
+# redis-py ``from_url`` options passed through to the client; anything else in a redis URL is an error
+_REDIS_CLIENT_PARAMS = {
+    "client_name", "health_check_interval", "password", "socket_keepalive", "ssl_ca_certs", "ssl_cert_reqs",
+    "ssl_certfile", "ssl_keyfile", "username",
+}  # fmt: skip
 def _bool(value: str) -> bool:
     if value.lower() in ("1", "true", "yes", "on"):
         return True
@@ -35,20 +39,34 @@ def _bool(value: str) -> bool:
     raise ValueError(f"expected a boolean (1/0, true/false), got {value!r}")
 
 
+def _number(name: str, text: str, low: float, high: float) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {text!r}") from None
+    if not low <= value <= high:  # also refuses nan and inf
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {text!r}")
+    return value
+
+
 def _open_one(url: str) -> ByteStore:
-    parts = urlsplit(url)
+    shown = redact_url(url)
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (validates the port)
+    except ValueError as e:
+        raise UserError(f"bad store URL {shown!r}: {e}") from None
     scheme = "redis" if parts.scheme == "rediss" else parts.scheme
     if scheme not in _PARAMS or "://" not in url:
         raise UserError(
-            f"unknown store URL {url!r}: supported are {', '.join(SCHEMES)} (e.g. file:///abs/path, "
+            f"unknown store URL {shown!r}: supported are {', '.join(SCHEMES)} (e.g. file:///abs/path, "
             "redis://127.0.0.1:6379/0), or a comma-separated list of them for a tiered store"
         )
     params = dict(parse_qsl(parts.query, keep_blank_values=True))
-    unknown = set(params) - _PARAMS[scheme]
-    if unknown and scheme != "redis":
-        raise UserError(
-            f"unknown option(s) {sorted(unknown)} in store URL {url!r}; {scheme} takes {sorted(_PARAMS[scheme])}"
-        )
+    unknown = set(params) - _PARAMS[scheme] - (_REDIS_CLIENT_PARAMS if scheme == "redis" else set())
+    if unknown:
+        allowed = sorted(_PARAMS[scheme] | (_REDIS_CLIENT_PARAMS if scheme == "redis" else set()))
+        raise UserError(f"unknown option(s) {sorted(unknown)} in store URL {shown!r}; {scheme} takes {allowed}")
     kwargs: dict[str, Any] = {}
     try:
         if "max_bytes" in params:
@@ -58,21 +76,34 @@ def _open_one(url: str) -> ByteStore:
         if scheme == "memory":
             return MemoryStore(**kwargs)
         if scheme == "file":
-            path = parts.netloc + parts.path  # file:///abs -> /abs; file://rel/dir -> rel/dir
+            if parts.netloc not in ("", "localhost"):
+                raise ValueError(
+                    f"a file store needs an absolute path: file:///abs/path (three slashes); {parts.netloc!r} would "
+                    "be read as a relative folder"
+                )
             if "fsync" in params:
                 kwargs["fsync"] = _bool(params["fsync"])
-            return DiskStore(path or str(cache_dir() / "kv"), **kwargs)
+            if "read_only" in params:
+                kwargs["read_only"] = _bool(params["read_only"])
+            return DiskStore(parts.path or str(cache_dir() / "kv"), **kwargs)
         from kvforge.store.redis import RedisStore
 
+        db = parts.path.strip("/") or "0"
+        if not db.isdigit() or int(db) > 65535:
+            raise ValueError(f"the database must be a number (redis://host:port/0), got {parts.path!r}")
         if "chunk_bytes" in params:
             kwargs["chunk_bytes"] = parse_size(params["chunk_bytes"])
         if "prefix" in params:
             kwargs["prefix"] = params["prefix"]
-        client_query = urlencode({k: v for k, v in params.items() if k in unknown})
-        client_url = urlunsplit((parts.scheme, parts.netloc, parts.path or "/0", client_query, ""))
+        if "timeout" in params:
+            kwargs["timeout_s"] = _number("timeout", params["timeout"], 0.01, 3600)
+        if "connect_timeout" in params:
+            kwargs["connect_timeout_s"] = _number("connect_timeout", params["connect_timeout"], 0.01, 3600)
+        client_query = urlencode({k: v for k, v in params.items() if k in _REDIS_CLIENT_PARAMS})
+        client_url = urlunsplit((parts.scheme, parts.netloc, f"/{int(db)}", client_query, ""))
         return RedisStore(client_url, **kwargs)
-    except ValueError as e:
-        raise UserError(f"bad store URL {url!r}: {e}") from e
+    except (ValueError, OverflowError) as e:
+        raise UserError(f"bad store URL {shown!r}: {e}") from None
 
 
 def open_store(url: str) -> KVStore:

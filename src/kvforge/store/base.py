@@ -40,6 +40,8 @@ class KVStore(Protocol):
     def clear(self) -> None: ...
     def put_blob(self, key: str, data: bytes) -> None: ...
     def get_blob(self, key: str) -> bytes | None: ...
+    def delete_blob(self, key: str) -> None: ...
+    def blob_keys(self) -> list[str]: ...
 
 
 def check_key(key: str) -> str:
@@ -123,7 +125,7 @@ class ByteStore(ABC):
 
     def touch(self, key: str) -> None:
         """Mark an entry as just used (LRU) without decoding it; e.g. prefixes after their suffixes."""
-        self.read(key)
+        self.read(check_key(key))
 
     def ping(self) -> None:  # noqa: B027 (optional hook)
         """Raise :class:`kvforge.errors.StoreUnavailableError` when the backend cannot be reached."""
@@ -289,6 +291,9 @@ def parse_size(text: str | int) -> int:
     if not m or unit not in _SIZE_UNITS:
         raise ValueError(f"invalid size {text!r}: use bytes or a unit (KB, MB, GB, KiB, MiB, GiB)")
     try:
-        return int(float(m.group(1)) * _SIZE_UNITS[unit])
+        value = float(m.group(1)) * _SIZE_UNITS[unit]
     except ValueError as e:
         raise ValueError(f"invalid size {text!r}") from e
+    if not 0 <= value < 2**63:
+        raise ValueError(f"invalid size {text!r}: out of range")
+    return int(value)

@@ -26,13 +26,18 @@ import numpy as np
 
 from kvforge.errors import UserError
 from kvforge.store import codec
-from kvforge.store.base import _KEY_RE, ByteStore, Kind
+from kvforge.store.base import _KEY_RE, ByteStore, Kind, check_key
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DISK_BYTES = 10 * 1024**3
 SEG_SUFFIX, BLOB_SUFFIX, TMP_SUFFIX = ".kvseg", ".blob", ".tmp"
 STALE_TMP_S = 3600.0  # a tmp file older than this is a crashed write: removed on open
+_READ_ONLY_ERRNOS = (errno.EACCES, errno.EROFS, errno.EPERM)
+
+
+def _is_read_only_error(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in _READ_ONLY_ERRNOS
 
 
 class DiskStore(ByteStore):
@@ -45,6 +50,8 @@ class DiskStore(ByteStore):
         quant: optional int8 quantisation of stored segments.
         rescan_s: on a write, re-read the folder's listing when the last scan is older than this, so files written
             by other processes count against ``max_bytes`` (it is always re-read before evicting).
+        read_only: serve hits, never write (``?read_only=1``); also switched on, with ONE warning, the first time the
+            folder refuses a write (a read-only mount, another user's folder): hits are still served.
     """
 
     scheme = "file"
@@ -56,6 +63,7 @@ class DiskStore(ByteStore):
         fsync: bool = True,
         quant: str | None = None,
         rescan_s: float = 1.0,
+        read_only: bool = False,
     ) -> None:
         super().__init__(quant)
         if max_bytes <= 0:
@@ -66,11 +74,17 @@ class DiskStore(ByteStore):
         self.rescan_s = rescan_s
         self._last_scan = 0.0
         self._last_ns = 0
+        self.read_only = read_only
+        if read_only and not self.root.is_dir():
+            raise UserError(f"read-only disk store {self.root} does not exist")
         try:
             for sub in ("segments", "blobs", "tmp"):
-                (self.root / sub).mkdir(parents=True, exist_ok=True)
+                if not (self.root / sub).is_dir():
+                    (self.root / sub).mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise UserError(f"cannot use {self.root} as a disk store: {e}") from e
+            if not (_is_read_only_error(e) and self.root.is_dir()):
+                raise UserError(f"cannot use {self.root} as a disk store: {e}") from e
+            self._went_read_only(e)
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recently used first
         self._bytes = 0
         self._remove_stale_tmp()
@@ -104,10 +118,17 @@ class DiskStore(ByteStore):
             self._bytes = sum(self._index.values())
             self._last_scan = time.monotonic()
 
+    def _went_read_only(self, e: OSError) -> None:
+        if not self.read_only:
+            self.read_only = True
+            log.warning("disk store %s is read-only (%s): hits are served, writes are skipped", self.root, e.strerror)
+
     def _remove_stale_tmp(self) -> None:
+        if self.read_only:
+            return
         now = time.time()
         for p in (self.root / "tmp").glob(f"*{TMP_SUFFIX}"):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 if now - p.stat().st_mtime > STALE_TMP_S:
                     p.unlink()
                     log.info("disk store: removed a leftover partial write %s", p.name)
@@ -130,7 +151,7 @@ class DiskStore(ByteStore):
             return None
         data = data[:n]
         if kind == "seg":
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # gone meanwhile, or a read-only folder: the hit still counts
                 self._stamp(path)  # the mtime is the last use: the LRU order survives restarts
             with self.lock:
                 if key in self._index:
@@ -145,13 +166,15 @@ class DiskStore(ByteStore):
 
     def write_parts(self, key: str, parts: list[bytes | memoryview], kind: Kind = "seg") -> None:
         size = sum(memoryview(p).nbytes for p in parts)
+        if self.read_only:
+            return
         if kind == "seg" and size > self.max_bytes:
             log.warning("disk store: entry %s (%d bytes) exceeds max_bytes=%d; not stored", key, size, self.max_bytes)
             return
         path = self.path(key, kind)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.root / "tmp" / f"{key}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)  # inside the try: a full disk here is handled too
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             with open(fd, "wb") as f:
                 for part in parts:
@@ -167,6 +190,9 @@ class DiskStore(ByteStore):
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
                 log.warning("disk store: no space left for %s (%s); not stored", key, e)
                 return  # a cache that cannot grow is not an error for the caller
+            if _is_read_only_error(e):
+                self._went_read_only(e)  # type: ignore[arg-type]
+                return
             raise
         if self.fsync:
             self._fsync_dir(path.parent)
@@ -218,8 +244,17 @@ class DiskStore(ByteStore):
                 log.debug("disk store: evicted %s", old)
 
     def remove(self, key: str, kind: Kind = "seg") -> None:
-        with contextlib.suppress(FileNotFoundError):
+        if self.read_only:
+            return
+        try:
             self.path(key, kind).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            if not _is_read_only_error(e):
+                raise
+            self._went_read_only(e)
+            return
         if kind == "seg":
             self._forget(key)
 
@@ -249,13 +284,16 @@ class DiskStore(ByteStore):
             return None
 
     def touch(self, key: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        check_key(key)
+        with contextlib.suppress(OSError):  # gone, or a read-only folder (no LRU stamp then)
             self._stamp(self.path(key))
             with self.lock:
                 if key in self._index:
                     self._index.move_to_end(key)
 
     def clear(self) -> None:
+        if self.read_only:
+            raise UserError(f"disk store {self.root} is read-only: nothing was cleared")
         super().clear()
         self._remove_stale_tmp()
 

@@ -21,8 +21,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvforge.errors import StoreUnavailableError
+from kvforge.redact import redact_url
 from kvforge.store import codec
 from kvforge.store.base import ByteStore, Kind
 
@@ -40,6 +42,11 @@ class RedisStore(ByteStore):
         chunk_bytes: largest single Redis value; bigger entries are split.
         prefix: namespace of every Redis key, so several stores can share a database.
         connect_timeout_s: how long to wait for a connection before declaring Redis unavailable.
+        timeout_s: how long one socket read or write may wait (a hung server is then unavailable, never a stall).
+
+    Once opened, a Redis that stops answering is a miss for reads and a skipped write, with ONE warning per outage
+    (and one when it answers again): a request never fails because its cache tier went away. The URL appears in
+    messages only redacted (``redis://:***@host``).
     """
 
     scheme = "redis"
@@ -51,7 +58,8 @@ class RedisStore(ByteStore):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         prefix: str = "kvforge",
         quant: str | None = None,
-        connect_timeout_s: float = 2.0,
+        connect_timeout_s: float = 1.0,
+        timeout_s: float = 2.0,
     ) -> None:
         super().__init__(quant)
         try:
@@ -63,12 +71,14 @@ class RedisStore(ByteStore):
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
         self.url, self.max_bytes, self.chunk_bytes, self.prefix = url, max_bytes, chunk_bytes, prefix
+        self.display_url = redact_url(url)
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
         self._response_error = redis.exceptions.ResponseError
-        self.client = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=60)
+        self._down = False
+        self.client = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s)
 
     def __repr__(self) -> str:
-        return f"RedisStore({self.url!r})"
+        return f"RedisStore({self.display_url!r})"
 
     @contextmanager
     def _guard(self) -> Iterator[None]:
@@ -76,15 +86,60 @@ class RedisStore(ByteStore):
             yield
         except self._errors as e:
             raise StoreUnavailableError(
-                f"Redis store {self.url} is unavailable ({e}); start redis-server or use another --store"
+                f"Redis store {self.display_url} is unavailable ({self._scrub(str(e))}); start redis-server or use "
+                "another --store"
             ) from e
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         with self._guard():
             return fn()
 
+    def _scrub(self, text: str) -> str:
+        """``text`` without the URL's password (client errors name the host only, but never trust that)."""
+        password = urlsplit(self.url).password
+        return text.replace(password, "***") if password else text
+
     def ping(self) -> None:
-        self._call(self.client.ping)
+        try:
+            self._call(self.client.ping)
+        except self._response_error as e:  # e.g. "DB index is out of range"
+            message = f"Redis store {self.display_url} refused the connection: {self._scrub(str(e))}"
+            raise StoreUnavailableError(message) from None
+
+    def _soft(self, fn: Callable[[], Any], default: Any) -> Any:
+        """``fn()``, or ``default`` with one warning per outage when Redis does not answer (dead or hung)."""
+        try:
+            out = fn()
+        except StoreUnavailableError as e:
+            if not self._down:
+                self._down = True
+                log.warning("%s: reads are misses and writes are skipped until it answers again", e)
+            return default
+        if self._down:
+            self._down = False
+            log.warning("Redis store %s is available again", self.display_url)
+        return out
+
+    def get(self, key: str) -> Any:
+        return self._soft(lambda: super(RedisStore, self).get(key), None)
+
+    def put(self, key: str, segment: Any) -> None:
+        self._soft(lambda: super(RedisStore, self).put(key, segment), None)
+
+    def contains(self, key: str) -> bool:
+        return bool(self._soft(lambda: super(RedisStore, self).contains(key), False))
+
+    def get_blob(self, key: str) -> bytes | None:
+        return self._soft(lambda: super(RedisStore, self).get_blob(key), None)
+
+    def put_blob(self, key: str, data: bytes) -> None:
+        self._soft(lambda: super(RedisStore, self).put_blob(key, data), None)
+
+    def delete_blob(self, key: str) -> None:
+        self._soft(lambda: super(RedisStore, self).delete_blob(key), None)
+
+    def blob_keys(self) -> list[str]:
+        return list(self._soft(lambda: super(RedisStore, self).blob_keys(), []))
 
     def close(self) -> None:
         self.client.close()
@@ -223,7 +278,7 @@ class RedisStore(ByteStore):
         blob_sizes = [int(v) for v in self._call(lambda: self.client.hvals(self._sizes("blob")))]
         info = self._call(lambda: self.client.info("memory"))
         return {
-            "url": self.url,
+            "url": self.display_url,
             "entries": len(sizes),
             "bytes": sum(sizes),
             "capacity": self.max_bytes,

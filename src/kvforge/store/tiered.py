@@ -169,6 +169,12 @@ class TieredStore:
                 return found
         return None
 
+    def blob_keys(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for i, t in enumerate(self.tiers):
+            seen.update(dict.fromkeys(self._run(i, t.blob_keys, [])))
+        return list(seen)
+
     def delete_blob(self, key: str) -> None:
         for i, t in enumerate(self.tiers):
             self._run(i, partial(t.delete_blob, key), None)

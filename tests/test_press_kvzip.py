@@ -1,0 +1,186 @@
+"""KVzip as its paper does it, Knorm and Expected Attention: budgets, protected header, replay turn, calibration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvforge.presses.apply as apply_mod
+from kvforge.cache import KVCache
+from kvforge.errors import UserError
+from kvforge.presses import KVzipPress, LayerContext, build_press, compress_prefill, compressible_layers, num_kept
+from kvforge.presses.expected_attention import ExpectedAttentionPress, averaged_rope, rotate
+from kvforge.presses.kvzip import REPEAT_PROMPT, header_length, replay_prefix
+from kvforge.presses.kvzip_heads import calibration_path, load_head_scores, save_head_scores
+from kvforge.testing import tiny_model, tiny_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TEXT = "The quick brown fox jumps over the lazy dog; the secret code is 4711. " * 3
+
+
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path / "kvforge-cache"))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def chat_ids(tok, text: str = TEXT) -> torch.Tensor:
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False)
+    return torch.tensor([tok.encode(rendered, add_special_tokens=False)])
+
+
+def ctx(s: int, seed: int, header: int = 0, layer: int = 0) -> LayerContext:
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(1, 4, s, generator=g) * (1 + 9 * layer)  # later layers: larger scores
+    scores[..., :10] = 0.0  # the first entries look useless: they must still be kept when protected
+    return LayerContext(
+        keys=torch.randn(1, 2, s, 8, generator=g),
+        values=torch.randn(1, 2, s, 8, generator=g),
+        positions=torch.arange(s)[None],
+        num_heads=4,
+        reconstruction_scores=scores,
+        output_weight=torch.randn(16, 32, generator=g),
+        header_length=header,
+    )
+
+
+@pytest.mark.parametrize("ratio", [0.3, 0.75, 0.9])
+def test_global_budget_sum_over_layers_is_exact_and_lengths_differ(ratio):
+    s = 120
+    contexts = [ctx(s, seed=i, layer=i) for i in range(3)]
+    sels = KVzipPress(compression_ratio=ratio, budget="global").compress_all(contexts)
+    kept = [int(sel.keep.sum()) for sel in sels]
+    assert sum(kept) == 3 * 2 * num_kept(s, ratio)
+    assert len(set(kept)) > 1  # one top-k over the model: layers keep different amounts
+    assert all(int(c) >= 1 for sel in sels for c in sel.keep.sum(-1).flatten())  # no head left empty
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("ratio", [0.5, 0.8])
+def test_global_budget_exact_per_model(tok, arch, ratio):
+    model = tiny_model(arch)
+    ids = chat_ids(tok)
+    cache = KVCache.for_model(model)
+    compress_prefill(model, ids, cache, build_press("kvzip-global", ratio), chunk_size=64, tokenizer=tok)
+    layers = compressible_layers(cache)
+    n, h_kv = ids.shape[1], model.config.num_key_value_heads
+    assert sum(cache.layers[i].num_entries() for i in layers) == len(layers) * h_kv * num_kept(n, ratio)
+    full = KVCache.for_model(model)
+    apply_mod.prefill(model, ids, full, chunk_size=64)
+    assert cache.nbytes() < full.nbytes()  # memory really freed (head-wise layout)
+
+
+@pytest.mark.parametrize("budget", ["head", "layer", "global"])
+def test_header_and_first_tokens_always_kept(budget):
+    press = KVzipPress(compression_ratio=0.9, budget=budget, keep_first=2)
+    for sel in press.compress_all([ctx(100, seed=1, header=5), ctx(100, seed=2, header=5)]):
+        assert bool(sel.keep[..., :7].all())
+    off = KVzipPress(compression_ratio=0.9, budget=budget, keep_first=0, keep_header=False)
+    assert not bool(off.compress_all([ctx(100, seed=1, header=5)])[0].keep[..., :7].all())
+
+
+def test_header_kept_through_compress_prefill(tok):
+    model = tiny_model("llama")
+    ids = chat_ids(tok)
+    assert header_length(tok, ids[0].tolist()) == 3  # "<u>"
+    cache = KVCache.for_model(model)
+    compress_prefill(model, ids, cache, build_press("kvzip", 0.9, keep_first=1), chunk_size=64, tokenizer=tok)
+    for layer in cache.layers:
+        _, _, positions, valid = layer.view()
+        for head in range(positions.shape[1]):
+            pos = positions[0, head] if valid is None else positions[0, head][valid[0, head]]
+            assert {0, 1, 2, 3} <= set(pos.tolist())
+
+
+def test_replay_is_a_chunked_chat_turn(tok, monkeypatch):
+    calls: list[list[int]] = []
+    real = apply_mod.prefill
+
+    def spy(model, ids, cache, **kw):
+        calls.append(torch.as_tensor(ids)[0].tolist())
+        return real(model, ids, cache, **kw)
+
+    monkeypatch.setattr(apply_mod, "prefill", spy)
+    model, ids = tiny_model("llama"), chat_ids(tok)
+    compress_prefill(model, ids, KVCache.for_model(model), build_press("kvzip", 0.5, replay_chunk=50), tokenizer=tok)
+    prefix = replay_prefix(tok, REPEAT_PROMPT, True)
+    assert tok.decode(prefix) == "<u>" + REPEAT_PROMPT + "\n<a>"  # a user turn, then the assistant's answer
+    context = ids[0].tolist()[3:]  # the header is kept, not repeated
+    replays = calls[1:]
+    assert replays == [prefix + context[a : a + 50] for a in range(0, len(context), 50)]
+    assert len(replays) > 1  # chunked
+    bare = replay_prefix(tok, REPEAT_PROMPT, False)
+    assert tok.decode(bare) == "\n\n" + REPEAT_PROMPT + "\n"
+
+
+def test_calibration_refused_for_another_model(tok, tmp_path):
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    ids = chat_ids(tok)
+    compress_prefill(a, ids, KVCache.for_model(a), build_press("kvzip-head", 0.5), tokenizer=tok)
+    files = list((tmp_path / "kvforge-cache" / "kvzip-heads").glob("*.json"))
+    assert len(files) == 1
+    with pytest.raises(UserError, match="was made for model"):
+        press = build_press("kvzip-head", 0.5, calibration=str(files[0]))
+        compress_prefill(b, ids, KVCache.for_model(b), press, tokenizer=tok)
+    path = tmp_path / "x.json"
+    save_head_scores(path, "model-A", [[1.0, 2.0]])
+    assert load_head_scores(path, "model-A") == [[1.0, 2.0]]
+    with pytest.raises(UserError, match="model-A"):
+        load_head_scores(path, "model-B")
+    path.write_text("{not json")
+    with pytest.raises(UserError, match="cannot read"):
+        load_head_scores(path, "model-A")
+    assert calibration_path("A:b/c").name == "A_b_c.json"
+
+
+def test_head_level_reuses_calibration_without_replay(tok, monkeypatch):
+    model, ids = tiny_model("llama"), chat_ids(tok)
+    compress_prefill(model, ids, KVCache.for_model(model), build_press("kvzip-head", 0.5), tokenizer=tok)
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("head-level mode replayed the context after calibration")
+
+    monkeypatch.setattr(apply_mod, "_reconstruct", no_replay)
+    cache = KVCache.for_model(model)
+    compress_prefill(model, chat_ids(tok, TEXT[::-1]), cache, build_press("kvzip-head", 0.75), tokenizer=tok)
+    n = chat_ids(tok, TEXT[::-1]).shape[1]
+    assert all(layer.num_entries() == 2 * num_kept(n, 0.75) for layer in cache.layers)
+
+
+def test_knorm_keeps_lowest_key_norms():
+    c = ctx(50, seed=3)
+    keep = build_press("knorm", 0.8).compress(c).keep
+    norms = c.keys.norm(dim=-1)
+    for h in range(2):
+        assert norms[0, h][keep[0, h]].max() <= norms[0, h][~keep[0, h]].min()
+
+
+def test_averaged_rope_is_the_mean_rotation():
+    angles = 10000.0 ** (-torch.arange(4) * 2.0 / 8)
+    x = torch.randn(3, 8)
+    cos, sin = averaged_rope(angles, 10, 7)
+    want = torch.stack([rotate(x, (p * angles).cos(), (p * angles).sin()) for p in range(11, 18)]).mean(0)
+    torch.testing.assert_close(rotate(x, cos, sin), want, rtol=1e-5, atol=1e-5)
+
+
+def test_expected_attention_matches_the_gaussian_formula():
+    c = ctx(40, seed=4)
+    g = torch.Generator().manual_seed(5)
+    c.query_mean = torch.randn(1, 4, 8, generator=g)
+    a = torch.randn(1, 4, 8, 8, generator=g)
+    c.query_cov = a @ a.transpose(-1, -2) / 8
+    scores = ExpectedAttentionPress(compression_ratio=0.5, n_sink=0).score(c)
+    d = 8**-0.5
+    for h in range(4):
+        k = c.keys[0, h // 2]
+        logits = k @ c.query_mean[0, h] * d + ((k @ c.query_cov[0, h]) * k).sum(-1) * d * d / 2
+        if h % 2 == 0:
+            group = logits.softmax(-1) / 2
+        else:
+            torch.testing.assert_close(
+                scores[0, h // 2], (group + logits.softmax(-1) / 2) * c.values[0, h // 2].norm(dim=-1)
+            )

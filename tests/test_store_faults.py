@@ -1,0 +1,195 @@
+"""Store faults: passwords never in any output, odd store URLs are one-line errors, a hung or dead Redis is a miss."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from store_helpers import free_port, make_segment, redis_server
+
+from kvforge.cli import main
+from kvforge.errors import StoreUnavailableError, UserError
+from kvforge.redact import redact_url
+from kvforge.store import DiskStore, open_store
+from kvforge.store.codec import segments_equal
+
+SECRET = "s3cr3t-Pa55"
+
+
+def _down_redis(password: str = SECRET) -> str:
+    return f"redis://:{password}@127.0.0.1:{free_port()}/0"
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:pw@h:6379/0", "redis://:***@h:6379/0"),
+        ("redis://user:pw@h/1,file:///x", "redis://user:***@h/1,file:///x"),
+        ("rediss://pw@h/0", "rediss://***@h/0"),
+        ("redis://h/0?password=pw&prefix=a", "redis://h/0?password=***&prefix=a"),
+        ("memory://?max_bytes=1GB", "memory://?max_bytes=1GB"),
+        ("file:///tmp/kv", "file:///tmp/kv"),
+    ],
+)
+def test_redact_url(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+
+
+@pytest.mark.parametrize("command", ["ls", "stats", "clear"])
+def test_cache_commands_never_print_the_password(command: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["cache", command, "--store", _down_redis()]) == 2
+    out, err = capsys.readouterr()
+    assert SECRET not in out + err and ":***@127.0.0.1" in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_help_never_shows_the_password_of_the_default_store(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("KVFORGE_STORE", _down_redis())
+    with pytest.raises(SystemExit):
+        main(["cache", "ls", "--help"])
+    assert SECRET not in capsys.readouterr().out
+
+
+def test_tiered_warning_never_shows_the_password(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG):
+        store = open_store(f"memory://,file://{tmp_path}/kv,{_down_redis()}")
+        store.put("aa", make_segment())
+        assert store.get("aa") is not None
+    assert caplog.records and all(SECRET not in r.getMessage() for r in caplog.records)
+    assert SECRET not in str(store.stats()) and SECRET not in repr(store.tiers[2])
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("memory://?max_bytes=1e400", "out of range"),
+        ("memory://?max_bytes=-5", "invalid size"),
+        ("file://rel/path", "absolute path"),
+        ("file://../rel", "absolute path"),
+        ("redis://127.0.0.1:6379/abc", "database must be a number"),
+        ("redis://127.0.0.1:99999/0", "bad store URL"),
+        ("redis://127.0.0.1:6379/0?socket_timout=1", "unknown option(s) ['socket_timout']"),
+        ("redis://127.0.0.1:6379/0?timeout=nan", "timeout must be in"),
+        ("file:///tmp/x?fsync=maybe", "expected a boolean"),
+    ],
+)
+def test_odd_store_urls_are_one_line_errors(url: str, message: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(UserError, match=re.escape(message)):
+        open_store(url)
+    assert main(["cache", "stats", "--store", url]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_redis_db_out_of_range_is_a_clear_error(tmp_path: Path) -> None:
+    with redis_server(tmp_path) as url, pytest.raises(StoreUnavailableError, match="refused the connection"):
+        open_store(url.rsplit("/", 1)[0] + "/99")
+
+
+def test_disk_store_validates_keys_in_every_method(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path / "kv")
+    for method in (store.get, store.contains, store.delete, store.touch, store.get_blob):
+        with pytest.raises(ValueError, match="key"):
+            method("../escape")
+
+
+def test_a_hung_redis_is_a_miss_within_the_timeout(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """SIGSTOP'd redis-server: reads are misses and writes are skipped after the socket timeout, with ONE warning
+    per outage and one when it answers again; no call stalls."""
+    import subprocess
+
+    with redis_server(tmp_path) as url:
+        store = open_store(url + "?timeout=0.5&connect_timeout=0.5&prefix=hung")
+        store.put("aa", make_segment())
+        pid = int(subprocess.run(["pgrep", "-f", f"redis-server 127.0.0.1:{url.split(':')[2].split('/')[0]}"],
+                                 capture_output=True, text=True).stdout.split()[0])  # fmt: skip
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with caplog.at_level(logging.WARNING):
+                start = time.monotonic()
+                assert store.get("aa") is None
+                store.put("bb", make_segment(seed=1))
+                assert store.get("bb") is None and not store.contains("aa")
+                elapsed = time.monotonic() - start
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert elapsed < 10  # four calls, each bounded by the 0.5 s timeout (not redis-py's default of none)
+        assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
+        with caplog.at_level(logging.WARNING):
+            assert segments_equal(store.get("aa"), make_segment())
+        assert any("available again" in r.getMessage() for r in caplog.records)
+        store.clear()
+
+
+def test_server_answers_without_reuse_when_its_store_is_down(caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from kvforge.engine import Engine
+    from kvforge.serve import create_app
+    from kvforge.testing import tiny_model, tiny_tokenizer
+
+    engine = Engine(tiny_model("llama"), tiny_tokenizer())
+    with pytest.raises(StoreUnavailableError, match=r":\*\*\*@") as exc:  # a default reuse needs its store at start
+        create_app(engine, model_name="tiny", store_url=_down_redis(), reuse="prefix")
+    assert SECRET not in str(exc.value)
+    app = create_app(engine, model_name="tiny", store_url=_down_redis())
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2,
+            "kvforge": {"reuse": "prefix"}}  # fmt: skip
+    with caplog.at_level(logging.DEBUG), TestClient(app) as client:
+        for _ in range(2):
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        docs = client.post("/v1/kv/documents", json={"documents": ["some text"]})
+        metrics = client.get("/metrics").text
+    assert docs.status_code == 503 and docs.json()["error"]["message"] == "store unavailable", docs.text
+    assert all(SECRET not in text for text in (r.text, docs.text, metrics))
+    assert all(SECRET not in rec.getMessage() for rec in caplog.records)
+
+
+def test_read_only_disk_store_serves_hits_and_skips_writes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    url = f"file://{tmp_path}/kv"
+    open_store(url).put("aa", make_segment())
+    store = open_store(url + "?read_only=1")
+    assert segments_equal(store.get("aa"), make_segment())
+    store.put("bb", make_segment(seed=1))
+    store.delete("aa")
+    assert store.get("bb") is None and store.contains("aa")
+    with pytest.raises(UserError, match="read-only"):
+        store.clear()
+    assert main(["cache", "clear", "--store", url + "?read_only=1"]) == 2
+    err = capsys.readouterr().err
+    assert "read-only" in err and "Traceback" not in err and err.count("\n") == 1
+    assert open_store(url).contains("aa")
+
+
+def test_a_folder_that_refuses_writes_becomes_read_only_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read-only mount (EROFS): we run as root, so the refusal is simulated at os.open."""
+    import errno
+
+    import kvforge.store.disk as disk
+
+    store = DiskStore(tmp_path / "kv")
+    store.put("aa", make_segment())
+    real_open = os.open
+
+    def refuse(path, flags, *args):  # type: ignore[no-untyped-def]
+        if flags & os.O_WRONLY:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(disk.os, "open", refuse)
+    with caplog.at_level(logging.WARNING):
+        for seed in range(3):
+            store.put(f"b{seed}", make_segment(seed=seed))
+        assert segments_equal(store.get("aa"), make_segment())
+    assert store.read_only and not store.contains("b0")
+    assert len([r for r in caplog.records if "read-only" in r.getMessage()]) == 1
