@@ -80,3 +80,37 @@ def test_help_shows_defaults_without_torch_and_hides_secrets():
     serve = subprocess.run([sys.executable, "-m", "kvforge", "serve", "--help"], capture_output=True, text=True,
                            check=True, env=env).stdout
     assert "sekret-123" not in serve
+
+
+class _Stream:
+    def __init__(self, tty: bool) -> None:
+        self.tty, self.text = tty, ""
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, s: str) -> None:
+        self.text += s
+
+    def flush(self) -> None:
+        pass
+
+
+def test_prefill_progress_bar_on_long_prompts_or_terminals(tokenizer):
+    from kvforge.commands._common import prefill_progress
+    from kvforge.engine import Engine
+    from kvforge.presses import build_press
+    from kvforge.testing import tiny_model
+
+    engine = Engine(tiny_model("llama"), tokenizer, chunk_size=8)
+    quiet, tty = _Stream(False), _Stream(True)
+    engine.on_prefill_chunk = prefill_progress(stream=quiet)
+    engine.prefill(list(range(3, 40)))
+    assert quiet.text == ""  # short prompt, not a terminal
+    engine.on_prefill_chunk = prefill_progress(stream=tty)
+    engine.prefill(list(range(3, 40)))
+    assert "prefill" in tty.text and "37/37" in tty.text
+    long = _Stream(False)
+    engine.on_prefill_chunk = prefill_progress(min_tokens=30, stream=long)
+    engine.prefill(list(range(3, 40)), press=build_press("snapkv", 0.5, window_size=4))
+    assert "37/37" in long.text  # through a press's prefill too

@@ -56,6 +56,7 @@ class Engine:
         self.window = window
         self.num_sink = num_sink if window is not None else 0
         self.reuse = reuse
+        self.on_prefill_chunk: Callable[[int, int], None] | None = None  # progress: (tokens done, total)
         self.max_positions = context_length(model)
         self.eos_token_ids = eos_ids(model, tokenizer)
 
@@ -141,12 +142,13 @@ class Engine:
         cache = cache if cache is not None else self.new_cache()
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.model.device)
         if press is None:
-            logits = prefill(self.model, input_ids, cache, chunk_size=self.chunk_size)
+            logits = prefill(self.model, input_ids, cache, chunk_size=self.chunk_size, on_chunk=self.on_prefill_chunk)
         else:
             from kvforge.presses import compress_prefill
 
             logits = compress_prefill(
-                self.model, input_ids, cache, press, chunk_size=self.chunk_size, tokenizer=self.tokenizer
+                self.model, input_ids, cache, press, chunk_size=self.chunk_size, tokenizer=self.tokenizer,
+                on_chunk=self.on_prefill_chunk,
             )
         return cache, logits
 

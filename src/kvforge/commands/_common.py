@@ -100,3 +100,27 @@ def check_port_free(host: str, port: int) -> None:
             sock.bind(address)
         except OSError as e:
             raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def prefill_progress(min_tokens: int = 4096, stream: Any = None) -> Any:
+    """An ``on_chunk(done, total)`` hook drawing a tqdm bar on stderr for a prefill of several chunks, when stderr
+    is a terminal or the prompt has ``min_tokens`` tokens or more (long runs logged to a file show progress too)."""
+    import sys
+
+    stream = sys.stderr if stream is None else stream
+    state: dict[str, Any] = {"bar": None}
+
+    def on_chunk(done: int, total: int) -> None:
+        bar = state["bar"]
+        if bar is None:
+            if done >= total or not (stream.isatty() or total >= min_tokens):
+                return  # one chunk only, or a short prompt on a non-terminal: no bar
+            from tqdm.auto import tqdm
+
+            bar = state["bar"] = tqdm(total=total, desc="prefill", unit="tok", file=stream, leave=False)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+            state["bar"] = None
+
+    return on_chunk

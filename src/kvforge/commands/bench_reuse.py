@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from kvforge.commands._common import add_model_args, check_store_url, load, positive_int
+from kvforge.commands._common import add_model_args, check_store_url, load, positive_int, prefill_progress
 from kvforge.errors import UserError
 
 
@@ -51,6 +51,7 @@ def run_bench_reuse(args: argparse.Namespace) -> int:
         check_store_url(url)
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer, chunk_size=args.chunk_size)
+    engine.on_prefill_chunk = prefill_progress()
     for row in measure_reuse_ttft(
         engine, args.store or ["memory://"], lengths, repeats=args.repeats, block_size=args.block_size
     ):

@@ -6,7 +6,16 @@ import argparse
 import sys
 from typing import Any
 
-from kvforge.commands._common import add_model_args, check_store_url, load, non_negative_float, positive_int, ratio, read_text_file
+from kvforge.commands._common import (
+    add_model_args,
+    check_store_url,
+    load,
+    non_negative_float,
+    positive_int,
+    prefill_progress,
+    ratio,
+    read_text_file,
+)
 from kvforge.errors import UserError
 
 
@@ -78,6 +87,7 @@ def run_generate(args: argparse.Namespace) -> int:
         check_store_url(args.store)
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer, chunk_size=args.chunk_size, window=args.window, num_sink=args.num_sink)
+    engine.on_prefill_chunk = prefill_progress()
     if args.reuse:
         attach_reuse(engine, args, store)
     ids = engine.encode_chat(text, raw=args.raw)
