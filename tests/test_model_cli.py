@@ -103,3 +103,19 @@ def test_mistakes_fail_before_the_model_loads_with_a_suggestion(argv, message, t
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_fingerprint_follows_weight_changes(tiny_llama_dir):
+    import torch
+
+    model, tokenizer = load_model(str(tiny_llama_dir), device="cpu")
+    fp = model_fingerprint(model, tokenizer)
+    assert model_fingerprint(model, tokenizer) == fp
+    model.to(torch.bfloat16)
+    bf16 = model_fingerprint(model, tokenizer)
+    assert bf16 != fp and bf16.endswith(":bfloat16")
+    model.to(torch.float32)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # in place: same storage, new version counter
+    changed = model_fingerprint(model, tokenizer)
+    assert changed != fp and changed.split(":")[1] != fp.split(":")[1]

@@ -123,3 +123,25 @@ def test_cli_bench_reuse(tiny_llama_dir, tmp_path, capsys):
         assert r["reused_tokens"] == r["prompt_tokens"] - 1 and r["max_abs_logit_diff"] < 1e-4
         assert r["cold_ttft_s"] > 0 and r["warm_ttft_s"] > 0 and r["ttft_reduction"] < 1
     assert main([*argv[:4], "--lengths", "1"]) == 2
+
+
+def test_stored_kv_of_another_shape_is_a_miss_not_a_wrong_answer(engine, caplog):
+    """A segment carrying this model's id but KV of another shape (someone wrote the store): checked against the
+    model's config before use, and the answer is the full prefill's."""
+    import torch
+
+    baseline = engine.generate(PROMPT, max_new_tokens=4)
+    store = DictStore()
+    engine.reuse = PrefixReuse(store, engine.model_id, block_size=16)
+    try:
+        engine.generate(PROMPT, max_new_tokens=4)
+        for key in list(store.data):  # forge: same keys and ids, KV cast to another dtype
+            seg = store.data[key]
+            seg.keys = [k.to(torch.float16) for k in seg.keys]
+            seg.values = [v.to(torch.float16) for v in seg.values]
+        with caplog.at_level("WARNING"):
+            forged = engine.generate(PROMPT, max_new_tokens=4)
+    finally:
+        engine.reuse = None
+    assert forged.reused_tokens == 0 and forged.token_ids == baseline.token_ids
+    assert any("does not fit this model" in r.getMessage() for r in caplog.records)

@@ -81,7 +81,7 @@ def test_check_segment_after_a_store_get() -> None:
 
 def test_refuses_another_format_version() -> None:
     data = encode(make_segment())
-    patched = data.replace(b'"version":1,', b'"version":9,', 1)  # same length: the header stays well-formed
+    patched = data.replace(b'"version":%d,' % codec.VERSION, b'"version":9,', 1)  # same length: still well-formed
     assert patched != data
     with pytest.raises(ModelMismatchError, match="format version 9"):
         decode(patched)
@@ -199,3 +199,30 @@ def test_header_is_self_describing_json() -> None:
         "full_bytes",
         "payload_bytes",
     } <= header.keys()
+
+
+def test_every_header_byte_flip_is_caught() -> None:
+    """The checksum covers the header too: no single flipped header byte gives a segment silently."""
+    data = bytearray(encode(make_segment(), checksum_algo="sha256"))
+    accepted = []
+    for i in range(16, codec.header_size(data)):
+        flipped = bytearray(data)
+        flipped[i] ^= 0x01
+        try:
+            decode(flipped)
+        except (CorruptSegmentError, ModelMismatchError):
+            continue
+        accepted.append(i)
+    assert accepted == []
+
+
+def test_version_1_segments_without_a_header_checksum_still_load() -> None:
+    seg = make_segment()
+    data = encode(seg)
+    header = codec.read_header(data)
+    del header["header_checksum"]
+    header["version"] = 1
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 16) % 8)
+    old = codec._PREFIX.pack(codec.MAGIC, len(raw)) + raw + bytes(data[codec.header_size(data) :])
+    assert segments_equal(decode(old), seg)

@@ -193,3 +193,31 @@ def test_a_folder_that_refuses_writes_becomes_read_only_with_one_warning(
         assert segments_equal(store.get("aa"), make_segment())
     assert store.read_only and not store.contains("b0")
     assert len([r for r in caplog.records if "read-only" in r.getMessage()]) == 1
+
+
+def test_redis_chunks_of_an_uncommitted_write_expire(tmp_path: Path) -> None:
+    """Data chunks are written with a TTL that the metadata write clears: a writer killed between the two leaves
+    chunks that expire, never orphans forever."""
+    import redis
+
+    from kvforge.store.redis import ORPHAN_TTL_S, RedisStore
+
+    with redis_server(tmp_path) as url:
+        store = RedisStore(url, chunk_bytes=1000, prefix="ttl")
+        store.put("aa", make_segment())
+        client = redis.Redis.from_url(url)
+        chunks = [k for k in client.keys("ttl:seg:aa:data:*")]
+        assert len(chunks) > 1 and all(client.ttl(k) == -1 for k in chunks)  # committed: no expiry
+        real_pipeline = store.client.pipeline
+
+        def dies_before_commit(transaction: bool = True, **kw):  # the writer is killed after its data chunks
+            if transaction:
+                raise redis.exceptions.ConnectionError("killed")
+            return real_pipeline(transaction=transaction, **kw)
+
+        store.client.pipeline = dies_before_commit  # type: ignore[method-assign]
+        store.put("bb", make_segment(seed=1))  # a miss-with-warning for the caller
+        store.client.pipeline = real_pipeline  # type: ignore[method-assign]
+        orphans = client.keys("ttl:seg:bb:data:*")
+        assert orphans and all(0 < client.ttl(k) <= ORPHAN_TTL_S for k in orphans) and store.get("bb") is None
+        assert segments_equal(store.get("aa"), make_segment())

@@ -100,15 +100,19 @@ def attend(probs: Tensor, value: Tensor) -> Tensor:
 
 
 def register_attention() -> None:
-    """Register :func:`kvforge_attention` with transformers (idempotent).
+    """Register :func:`kvforge_attention` with transformers, with sdpa's mask function (idempotent).
 
-    No mask function is registered: kvforge builds its masks from the cache, and the model only runs with
-    ``"kvforge"`` attention inside :func:`kvforge_attention_scope`, so transformers never has to build a padding mask
-    for it.
+    kvforge switches a model to this attention only inside its own calls (:func:`kvforge_attention_scope`); the
+    mask function covers a model the user switched to ``"kvforge"`` themselves: their ``model.generate`` on a
+    left-padded batch gets the padding mask sdpa would get, and
+    :func:`kvforge_attention` without a kvforge cache applies it exactly as sdpa does. kvforge's own forwards build
+    their masks from the cache's positions and ignore it.
     """
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, kvforge_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
 def _model_configs(model: Any) -> list[Any]:

@@ -479,6 +479,30 @@ class CacheSnapshot:
         self.cache.query_positions = None
 
 
+def mismatch_with_model(cache: KVCache, model: Any) -> str | None:
+    """Why ``cache`` cannot be this model's KV (layer count, KV heads, head dim, dtype), or None when it fits.
+
+    Stored segments carry the model's fingerprint, but a segment written by someone who can write the store could
+    still hold KV of another shape: it is checked against the model's own config before any forward uses it.
+    """
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if cache.num_layers != config.num_hidden_layers:
+        return f"{cache.num_layers} layers, the model has {config.num_hidden_layers}"
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    for i, layer in enumerate(cache.layers):
+        if layer.keys is None or layer.values is None:
+            continue
+        if layer.keys.shape[1] != kv_heads or layer.values.shape[1] != kv_heads:
+            return f"layer {i} holds {layer.keys.shape[1]} KV heads, the model has {kv_heads}"
+        if layer.keys.shape[3] != head_dim:
+            return f"layer {i} holds head dim {layer.keys.shape[3]}, the model has {head_dim}"
+        if layer.keys.dtype != dtype or layer.values.dtype != dtype:
+            return f"layer {i} holds {layer.keys.dtype} entries, the model runs in {dtype}"
+    return None
+
+
 def native_layer_windows(config: Any) -> list[int | None]:
     """Per-layer sliding window of a model config (None for full-attention layers)."""
     n = config.num_hidden_layers

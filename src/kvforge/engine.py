@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvforge.cache import KVCache
+from kvforge.cache import KVCache, mismatch_with_model
 from kvforge.decode import SamplingParams, decode, eos_ids, trim_at_stop
 from kvforge.errors import UserError
 from kvforge.model import context_length, model_fingerprint
@@ -60,7 +60,7 @@ class Engine:
         self.max_positions = context_length(model)
         self.eos_token_ids = eos_ids(model, tokenizer)
 
-    @cached_property
+    @property
     def model_id(self) -> str:
         """Fingerprint of model + tokenizer (keys stored caches)."""
         return model_fingerprint(self.model, self.tokenizer)
@@ -273,6 +273,11 @@ class Engine:
         self.check_length(len(ids), max_new_tokens)
         start = time.perf_counter()
         plan = self.reuse.plan(ids, text=text, context=context)
+        if plan.cache is not None and (problem := mismatch_with_model(plan.cache, self.model)) is not None:
+            logger.warning("stored KV does not fit this model (%s): treated as a miss", problem)
+            from kvforge.reuse import miss_plan
+
+            plan = miss_plan(ids, reason=f"stored KV does not fit the model: {problem}")
         plan_s = time.perf_counter() - start
         self.check_length(len(plan.token_ids), max_new_tokens)
         cache, logits = self.prefill(plan.prefill_ids, plan.cache)

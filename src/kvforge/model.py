@@ -149,7 +149,7 @@ def load_model(
     if digest_file is not None and torch_dtype == torch.float32 and (folder / _COMPLETE).is_file():  # type: ignore[operator]
         if not digest_file.is_file():  # made by an older kvforge: add it once
             digest_file.write_text(weights_digest(model))
-        model._kvforge_weights_digest = digest_file.read_text().strip()
+        model._kvforge_weights_digest = (digest_file.read_text().strip(), weights_state(model))
     use_kvforge_attention(model)
     logger.info("loaded %s in %.1fs", name, time.perf_counter() - start)
     return model, tokenizer
@@ -201,17 +201,27 @@ def _dequantized_folder(gguf: Path) -> Path:
 def model_fingerprint(model: Any, tokenizer: Any) -> str:
     """A stable id of (architecture, weights, tokenizer, dtype), identical across processes and machines.
 
-    Format: ``"<ModelClass>:<weights sha256[:16]>:<tokenizer sha256[:16]>:<dtype>"``. Cached on the model object.
+    Format: ``"<ModelClass>:<weights sha256[:16]>:<tokenizer sha256[:16]>:<dtype>"``. Cached on the model object
+    together with :func:`weights_state`, so the cache is dropped as soon as the weights change (``model.to(dtype)``,
+    an in-place update, a reload of the state dict): a stale fingerprint would key another model's caches.
     """
+    state = weights_state(model)
     cached = getattr(model, "_kvforge_fingerprint", None)
+    if cached is not None and cached[2:] == (state, id(tokenizer)):
+        return str(cached[0])  # same weights, same tokenizer object: no hashing on the request path
     tok_digest = tokenizer_fingerprint(tokenizer)
-    if cached is not None and cached[1] == tok_digest:
-        return str(cached[0])
-    digest = getattr(model, "_kvforge_weights_digest", None) or weights_digest(model)
+    known = getattr(model, "_kvforge_weights_digest", None)  # from the model folder's digest file, if still valid
+    digest = known[0] if isinstance(known, tuple) and known[1] == state else weights_digest(model)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     fingerprint = f"{type(model).__name__}:{digest[:16]}:{tok_digest}:{dtype}"
-    model._kvforge_fingerprint = (fingerprint, tok_digest)
+    model._kvforge_fingerprint = (fingerprint, tok_digest, state, id(tokenizer))
     return fingerprint
+
+
+def weights_state(model: Any) -> tuple[Any, ...]:
+    """A cheap token that changes whenever any weight tensor is replaced, moved, cast or modified in place
+    (storage pointers, dtypes and autograd version counters; no data is read)."""
+    return tuple((p.data_ptr(), p.dtype, p._version) for p in model.parameters())
 
 
 def weights_digest(model: Any) -> str:

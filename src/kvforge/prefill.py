@@ -12,6 +12,10 @@ from kvforge.attention import kvforge_attention_scope
 from kvforge.cache import KVCache
 
 DEFAULT_CHUNK_SIZE = 512
+# kvforge's forwards build every mask from the cache's positions (kvforge.attention). Handing the model an already
+# "prepared" 4D mask makes transformers skip its own mask construction for them (which would need the cache's sizes
+# and cost a (Q, K) mask per forward); kvforge_attention ignores it whenever a kvforge cache is passed.
+_MASKS_FROM_CACHE = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
 
 def _as_batch(input_ids: Tensor | list[int]) -> Tensor:
@@ -50,7 +54,7 @@ def forward(
                 use_cache=True,
                 kv_cache=cache,
                 logits_to_keep=logits_to_keep,
-                **model_kwargs,
+                **({"attention_mask": _MASKS_FROM_CACHE} | model_kwargs),
             )
     except BaseException:
         cache.abort()  # roll back the entries this forward appended: the cache stays usable

@@ -149,19 +149,21 @@ class Worker:
             self.running = job
             job.started = time.monotonic()
             job.call_soon(job.started_event.set)
+            result: Any = None
+            error: BaseException | None = None
             try:
                 result = job.fn(job)
                 elapsed = time.monotonic() - job.started  # completed jobs only feed the estimate
                 self.avg_job_s = 0.8 * self.avg_job_s + 0.2 * elapsed if self.num_done else elapsed
                 self.num_done += 1
-                job._resolve(result=result)
             except Aborted as e:
                 logger.info("generation stopped: %s", e.reason)
-                job._resolve(error=e)
+                error = e
             except BaseException as e:  # the request answers with the error; the worker keeps going
-                job._resolve(error=e)
+                error = e
             finally:
-                self.running = None
+                self.running = None  # idle BEFORE the answer is delivered: a caller woken by it sees an idle worker
+            job._resolve(result=result, error=error)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop after the running job; waiting jobs are cancelled."""

@@ -30,7 +30,8 @@ from kvforge.types import KVSegment
 
 MAGIC = b"KVFORGE\n"
 FORMAT = "kvforge-segment"
-VERSION = 1
+VERSION = 2  # 2: the header carries a checksum of itself (``header_checksum``); 1 (payload checksum only) still reads
+READABLE_VERSIONS = (1, 2)
 _PREFIX = struct.Struct("<8sQ")  # magic, header length
 
 
@@ -118,11 +119,18 @@ def encode_parts(
         "meta": segment.meta,
     }
     try:
+        header["header_checksum"] = checksum([_header_json(header)], algo)  # a flipped header byte is caught too
         raw = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
     except (TypeError, ValueError) as e:
         raise ValueError(f"segment.meta must be JSON-serialisable: {e}") from e
     raw += b" " * (-(len(raw) + _PREFIX.size) % 8)  # payload starts 8-byte aligned
     return [_PREFIX.pack(MAGIC, len(raw)), raw, *payload]
+
+
+def _header_json(header: dict[str, Any]) -> bytes:
+    """The bytes the header checksum covers: the header's JSON without ``header_checksum`` (key order kept)."""
+    return json.dumps({k: v for k, v in header.items() if k != "header_checksum"}, separators=(",", ":"),
+                      allow_nan=False).encode()  # fmt: skip
 
 
 def encode(segment: KVSegment, quant: str | None = None, checksum_algo: str | None = None) -> bytes:
@@ -162,7 +170,7 @@ def check_header(
     expect_dtype: torch.dtype | None = None,
 ) -> None:
     """Raise :class:`ModelMismatchError` when the segment is of another format version, model, tokenizer or dtype."""
-    if header.get("version") != VERSION:
+    if header.get("version") not in READABLE_VERSIONS:
         raise ModelMismatchError(
             f"stored segment has format version {header.get('version')}, this kvforge reads "
             f"version {VERSION}; clear the store (kvforge cache clear) or use a matching kvforge"
@@ -217,6 +225,10 @@ def decode(
             raise CorruptSegmentError(
                 f"segment truncated: payload is {len(payload)} bytes, header says {header['payload_bytes']}"
             )
+        header_sum = header.get("header_checksum")
+        algo = header["checksum_algo"]
+        if verify and header["version"] >= 2 and checksum([_header_json(header)], algo) != header_sum:
+            raise CorruptSegmentError("segment header checksum mismatch (the stored header was altered)")
         if verify and checksum([payload], header["checksum_algo"]) != header["checksum"]:
             raise CorruptSegmentError("segment checksum mismatch (the stored bytes were altered)")
         tensors = read_payload(payload)

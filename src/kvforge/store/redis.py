@@ -31,6 +31,7 @@ from kvforge.store.base import ByteStore, Kind
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 64 * 1024**2
+ORPHAN_TTL_S = 3600  # data chunks expire unless the metadata write that commits them follows
 
 
 class RedisStore(ByteStore):
@@ -205,11 +206,13 @@ class RedisStore(ByteStore):
         chunk_keys = self._chunk_keys(key, kind, meta)
         try:
             with self._guard():
-                pipe = self.client.pipeline(transaction=False)  # 1) data
-                for i, name in enumerate(chunk_keys):
-                    pipe.set(name, view[i * self.chunk_bytes : (i + 1) * self.chunk_bytes])
+                pipe = self.client.pipeline(transaction=False)  # 1) data, with a TTL: a writer killed before
+                for i, name in enumerate(chunk_keys):  # its metadata leaves chunks that expire on their own
+                    pipe.set(name, view[i * self.chunk_bytes : (i + 1) * self.chunk_bytes], ex=ORPHAN_TTL_S)
                 pipe.execute()
                 pipe = self.client.pipeline(transaction=True)  # 2) metadata, sizes and LRU together
+                for name in chunk_keys:
+                    pipe.persist(name)  # committed: the chunks now live as long as their metadata
                 pipe.set(self._meta_key(key, kind), json.dumps(meta))
                 pipe.hset(self._sizes(kind), key, size)
                 if kind == "seg":
