@@ -38,3 +38,17 @@ def test_compressed_cache_is_refused():
         layer.replace(k[:, :, ::2].clone(), v[:, :, ::2].clone(), p[:, :, ::2].clone())
     with pytest.raises(ValueError, match="cannot represent"):
         cache.to_dynamic()
+
+
+def test_answer_many_compresses_once_and_equals_answer(tokenizer):
+    from kvforge.engine import Engine
+    from kvforge.presses import build_press
+
+    engine = Engine(tiny_model("llama"), tokenizer, chunk_size=16)
+    context = "The red boat sails at noon. The blue boat waits in the harbour until the tide turns."
+    questions = ["Which boat sails?", "When does it sail?"]
+    press = build_press("snapkv", compression_ratio=0.5, window_size=4)
+    many = engine.answer_many(context, questions, press=press, max_new_tokens=5)
+    for question, gen in zip(questions, many, strict=True):
+        one = engine.answer(context, question, press=press, query_aware=False, max_new_tokens=5)
+        assert gen.token_ids == one.token_ids and gen.info["cache_entries"] == one.info["cache_entries"]
