@@ -35,6 +35,12 @@ def register(sub: Any, bench_sub: Any) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    check_store_url(args.store)  # cheap checks first: a bad URL or a port in use fails before anything heavy loads
+    check_port_free(args.host, args.port)
+    if args.press:  # a wrong press name fails before the model loads
+        from kvforge.presses import build_press
+
+        build_press(args.press, compression_ratio=args.compression_ratio)
     try:
         import uvicorn
 
@@ -43,12 +49,6 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UserError(f"the server needs the serve extra: pip install 'kvforge[serve]' ({e})") from e
     from kvforge.engine import Engine
 
-    if args.press:  # a wrong press name fails before the model loads
-        from kvforge.presses import build_press
-
-        build_press(args.press, compression_ratio=args.compression_ratio)
-    check_store_url(args.store)
-    check_port_free(args.host, args.port)  # a port in use fails now, not after the model loaded
     if args.timeout <= 0:
         raise UserError(f"--timeout must be > 0, got {args.timeout}")
     model, tokenizer = load(args)
