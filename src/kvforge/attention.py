@@ -8,6 +8,8 @@ and heads different entries. Without a cache it is plain causal (or sliding-wind
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -100,8 +102,9 @@ def attend(probs: Tensor, value: Tensor) -> Tensor:
 def register_attention() -> None:
     """Register :func:`kvforge_attention` with transformers, with sdpa's mask function (idempotent).
 
-    The mask function matters for calls kvforge does not make: a model switched to kvforge attention and then used
-    by its owner (``model.generate`` on a left-padded batch) gets the padding mask sdpa would get, and
+    kvforge switches a model to this attention only inside its own calls (:func:`kvforge_attention_scope`); the
+    mask function covers a model the user switched to ``"kvforge"`` themselves: their ``model.generate`` on a
+    left-padded batch gets the padding mask sdpa would get, and
     :func:`kvforge_attention` without a kvforge cache applies it exactly as sdpa does. kvforge's own forwards build
     their masks from the cache's positions and ignore it.
     """
@@ -112,10 +115,46 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
-def use_kvforge_attention(model: Any) -> Any:
-    """Switch ``model`` to kvforge attention (needed for caches with per-layer/per-head lengths). Returns the model."""
+def _model_configs(model: Any) -> list[Any]:
+    """Every config whose ``_attn_implementation`` the model's attention layers read (top, sub-configs, submodels)."""
+    configs: dict[int, Any] = {}
+    pending = [model.config]
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation_internal"):
+            pending.append(config)
+    while pending:
+        config = pending.pop()
+        if id(config) in configs:
+            continue
+        configs[id(config)] = config
+        for key in getattr(config, "sub_configs", {}) or {}:
+            sub = getattr(config, key, None)
+            if sub is not None and hasattr(sub, "_attn_implementation_internal"):
+                pending.append(sub)
+    return list(configs.values())
+
+
+@contextmanager
+def kvforge_attention_scope(model: Any) -> Iterator[Any]:
+    """Run ``model`` with kvforge attention inside the block and give back the user's implementation after.
+
+    kvforge never leaves a model switched: the user's own ``model.generate`` (padded batches included) keeps the
+    attention, and so the masks, it had before kvforge ran. Re-entrant (an inner scope finds "kvforge" and leaves it).
+    """
     register_attention()
-    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        logger.debug("attention implementation of %s set to %r", type(model).__name__, ATTN_IMPLEMENTATION)
+    configs = [c for c in _model_configs(model) if c._attn_implementation_internal != ATTN_IMPLEMENTATION]
+    previous = [c._attn_implementation_internal for c in configs]
+    for config in configs:
+        config._attn_implementation_internal = ATTN_IMPLEMENTATION
+    try:
+        yield model
+    finally:
+        for config, impl in zip(configs, previous, strict=True):
+            config._attn_implementation_internal = impl
+
+
+def use_kvforge_attention(model: Any) -> Any:
+    """Register kvforge attention; the model is switched only inside kvforge calls (see kvforge_attention_scope)."""
+    register_attention()
     return model

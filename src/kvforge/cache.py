@@ -411,6 +411,49 @@ class KVCache:
         cache.info = dict(segment.meta)
         return cache
 
+    # ------------------------------------------------------------------------ transformers' DynamicCache
+    def to_dynamic(self) -> Any:
+        """This cache as a ``transformers.DynamicCache`` (copies), for code that expects one.
+
+        Only an uncompressed cache converts exactly (a DynamicCache has no positions: entry i is position i of the
+        last ``len`` tokens); a compressed, head-wise or re-positioned cache is refused instead of silently changing
+        what the model attends to.
+        """
+        from transformers import DynamicCache
+
+        data = []
+        for i, layer in enumerate(self.layers):
+            if layer.keys is None:
+                raise ValueError("empty cache: nothing to convert")
+            k, v, pos, valid = layer.view()
+            expected = torch.arange(self.next_position - layer.length, self.next_position, device=pos.device)
+            if valid is not None or not bool((pos == expected).all()):
+                raise ValueError(
+                    f"layer {i} holds compressed or re-positioned entries: a DynamicCache cannot represent them "
+                    "(keep the KVCache, or convert before compressing)"
+                )
+            data.append((k.clone(), v.clone()))
+        return DynamicCache(data)
+
+    @classmethod
+    def from_dynamic(cls, dynamic: Any, model: Any = None, **kwargs: Any) -> KVCache:
+        """A KVCache holding a ``transformers.DynamicCache``'s entries (copies), positions continuing after them."""
+        layers = list(dynamic.layers)
+        cache = cls.for_model(model, **kwargs) if model is not None else cls(len(layers), **kwargs)
+        if cache.num_layers != len(layers):
+            raise ValueError(f"DynamicCache has {len(layers)} layers, the model has {cache.num_layers}")
+        total = dynamic.get_seq_length()
+        for i, (ours, theirs) in enumerate(zip(cache.layers, layers, strict=True)):
+            keys, values = theirs.keys, theirs.values
+            if keys is None or not isinstance(keys, Tensor) or keys.dim() != 4:
+                raise ValueError(f"DynamicCache layer {i} is empty")
+            total = max(total, dynamic.get_seq_length(i))
+            held = keys.shape[2]
+            positions = torch.arange(total - held, total, device=keys.device)[None].expand(keys.shape[0], -1)
+            ours.replace(keys.clone(), values.clone(), positions)
+        cache.next_position = total
+        return cache
+
 
 class CacheSnapshot:
     """Remember a cache's content so extra forwards (lookahead drafts, reconstruction) can be undone exactly.

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvforge.cache import KVCache, mismatch_with_model
+from kvforge.cache import CacheSnapshot, KVCache, mismatch_with_model
 from kvforge.decode import SamplingParams, decode, eos_ids, trim_at_stop
 from kvforge.errors import UserError
 from kvforge.model import context_length, model_fingerprint
@@ -56,6 +56,7 @@ class Engine:
         self.window = window
         self.num_sink = num_sink if window is not None else 0
         self.reuse = reuse
+        self.on_prefill_chunk: Callable[[int, int], None] | None = None  # progress: (tokens done, total)
         self.max_positions = context_length(model)
         self.eos_token_ids = eos_ids(model, tokenizer)
 
@@ -141,12 +142,13 @@ class Engine:
         cache = cache if cache is not None else self.new_cache()
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.model.device)
         if press is None:
-            logits = prefill(self.model, input_ids, cache, chunk_size=self.chunk_size)
+            logits = prefill(self.model, input_ids, cache, chunk_size=self.chunk_size, on_chunk=self.on_prefill_chunk)
         else:
             from kvforge.presses import compress_prefill
 
             logits = compress_prefill(
-                self.model, input_ids, cache, press, chunk_size=self.chunk_size, tokenizer=self.tokenizer
+                self.model, input_ids, cache, press, chunk_size=self.chunk_size, tokenizer=self.tokenizer,
+                on_chunk=self.on_prefill_chunk,
             )
         return cache, logits
 
@@ -227,6 +229,49 @@ class Engine:
         if query_aware or not q_ids:
             return self._run([ctx_ids + q_ids], max_new_tokens, sampling, stop, [press], None)
         return self._run([ctx_ids, q_ids], max_new_tokens, sampling, stop, [press, None], None)
+
+    def answer_many(
+        self,
+        context: str,
+        questions: Sequence[str],
+        press: Any = None,
+        system: str | None = None,
+        answer_prefix: str = "",
+        max_new_tokens: int = 64,
+        sampling: SamplingParams | None = None,
+        stop: Sequence[str] | None = None,
+    ) -> list[Generation]:
+        """Answer several ``questions`` about one ``context``: the context is prefilled (and compressed by ``press``,
+        query-agnostic) once, then each question is prefilled and decoded on it and undone before the next one.
+
+        Each answer equals ``answer(context, q, press=press, query_aware=False)``; the first answer's TTFT includes
+        the context's prefill, later ones only their question's.
+        """
+        if not questions:
+            return []
+        ctx_ids, _ = self.encode_qa(context, questions[0], system=system, answer_prefix=answer_prefix)
+        start = time.perf_counter()
+        cache, _ = self.prefill(ctx_ids, press=press)
+        context_s = time.perf_counter() - start
+        snapshot = CacheSnapshot(cache)
+        results = []
+        for i, question in enumerate(questions):
+            ids, q_ids = self.encode_qa(context, question, system=system, answer_prefix=answer_prefix)
+            if ids != ctx_ids or not q_ids:
+                raise UserError("answer_many needs a question after the context (the chat template split differs)")
+            self.check_length(len(ctx_ids) + len(q_ids), max_new_tokens)
+            start = time.perf_counter()
+            _, logits = self.prefill(q_ids, cache)
+            prefill_s = time.perf_counter() - start + (context_s if i == 0 else 0.0)
+            gen = self.decode(cache, logits, max_new_tokens, sampling, stop)
+            gen.ttft_s += prefill_s
+            gen.prompt_tokens = len(ctx_ids) + len(q_ids)
+            gen.info.update(cache.info)
+            gen.info["prefill_s"] = prefill_s
+            gen.info["cache_entries"] = cache.num_entries()
+            results.append(gen)
+            snapshot.restore()
+        return results
 
     def _run(
         self,

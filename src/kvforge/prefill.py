@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvforge.attention import ATTN_IMPLEMENTATION, use_kvforge_attention
+from kvforge.attention import kvforge_attention_scope
 from kvforge.cache import KVCache
 
 DEFAULT_CHUNK_SIZE = 512
@@ -38,8 +38,6 @@ def forward(
     Positions continue from ``cache.next_position`` (tokens processed), whatever the cache holds, unless
     ``position_ids`` ``(B, S)`` are given (RAG re-assembly places tokens explicitly).
     """
-    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
-        use_kvforge_attention(model)
     ids = _as_batch(input_ids).to(model.device)
     b, s = ids.shape
     if s == 0:
@@ -48,15 +46,16 @@ def forward(
         position_ids = torch.arange(cache.next_position, cache.next_position + s, device=ids.device)[None].expand(b, -1)
     cache.begin(position_ids)
     try:
-        out = model(
-            input_ids=ids,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            kv_cache=cache,
-            logits_to_keep=logits_to_keep,
-            **({"attention_mask": _MASKS_FROM_CACHE} | model_kwargs),
-        )
+        with kvforge_attention_scope(model):
+            out = model(
+                input_ids=ids,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                kv_cache=cache,
+                logits_to_keep=logits_to_keep,
+                **({"attention_mask": _MASKS_FROM_CACHE} | model_kwargs),
+            )
     except BaseException:
         cache.abort()  # roll back the entries this forward appended: the cache stays usable
         raise

@@ -65,3 +65,62 @@ def read_text_file(path: str) -> str:
         return p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read {path}: {e}") from e
+
+
+def check_store_url(url: str | None) -> None:
+    """Refuse a store URL with an unknown scheme or a relative ``file://`` path before the model loads."""
+    if not url:
+        return
+    from urllib.parse import urlsplit
+
+    for part in (p.strip() for p in url.split(",")):
+        scheme = part.split("://", 1)[0] + "://" if "://" in part else ""
+        if scheme not in ("memory://", "file://", "redis://", "rediss://"):
+            raise UserError(f"unknown store URL {part!r}: use memory://, file:///abs/dir, redis://host:port/db")
+        if scheme == "file://":
+            parts = urlsplit(part)
+            if parts.netloc or not parts.path.startswith("/"):
+                raise UserError(f"store URL {part!r} is not an absolute path: write file:///abs/dir (three slashes)")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail now, not after the model loaded, when ``host:port`` cannot be bound."""
+    import socket
+
+    if not 0 < port < 65536:
+        raise UserError(f"port must be in 1..65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise UserError(f"cannot resolve --host {host!r}: {e}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def prefill_progress(min_tokens: int = 4096, stream: Any = None) -> Any:
+    """An ``on_chunk(done, total)`` hook drawing a tqdm bar on stderr for a prefill of several chunks, when stderr
+    is a terminal or the prompt has ``min_tokens`` tokens or more (long runs logged to a file show progress too)."""
+    import sys
+
+    stream = sys.stderr if stream is None else stream
+    state: dict[str, Any] = {"bar": None}
+
+    def on_chunk(done: int, total: int) -> None:
+        bar = state["bar"]
+        if bar is None:
+            if done >= total or not (stream.isatty() or total >= min_tokens):
+                return  # one chunk only, or a short prompt on a non-terminal: no bar
+            from tqdm.auto import tqdm
+
+            bar = state["bar"] = tqdm(total=total, desc="prefill", unit="tok", file=stream, leave=False)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+            state["bar"] = None
+
+    return on_chunk

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from kvforge.commands._common import add_model_args, load, positive_int
+from kvforge.commands._common import add_model_args, check_store_url, load, positive_int, prefill_progress
 from kvforge.errors import UserError
 
 
@@ -47,8 +47,11 @@ def run_bench_reuse(args: argparse.Namespace) -> int:
     lengths = _lengths(args.lengths)
     if args.threads:
         torch.set_num_threads(args.threads)
+    for url in args.store or []:
+        check_store_url(url)
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer, chunk_size=args.chunk_size)
+    engine.on_prefill_chunk = prefill_progress()
     for row in measure_reuse_ttft(
         engine, args.store or ["memory://"], lengths, repeats=args.repeats, block_size=args.block_size
     ):
@@ -58,9 +61,9 @@ def run_bench_reuse(args: argparse.Namespace) -> int:
     return 0
 
 
-def attach_reuse(engine: Any, args: argparse.Namespace) -> None:
-    """Give ``engine`` the reuse strategy named by ``--reuse`` over the store of ``--store``."""
-    from kvforge.reuse import build_reuse
+def check_reuse_args(args: argparse.Namespace) -> Any:
+    """Check ``--reuse`` and its options and open its store (an unreachable server fails here, before the model
+    loads); returns the store."""
     from kvforge.store import default_store_url, open_store
 
     if getattr(args, "press", None):
@@ -69,7 +72,16 @@ def attach_reuse(engine: Any, args: argparse.Namespace) -> None:
         raise UserError("--reuse cannot be combined with --window")
     if args.threshold is not None and not -1 <= args.threshold <= 1:
         raise UserError(f"--threshold is a cosine similarity in [-1, 1], got {args.threshold}")
-    store = open_store(args.store or default_store_url())
+    check_store_url(args.store)
+    return open_store(args.store or default_store_url())
+
+
+def attach_reuse(engine: Any, args: argparse.Namespace, store: Any = None) -> None:
+    """Give ``engine`` the reuse strategy named by ``--reuse`` over the store of ``--store`` (or ``store``)."""
+    from kvforge.reuse import build_reuse
+
+    if store is None:
+        store = check_reuse_args(args)
     engine.reuse = build_reuse(
         args.reuse,
         store,

@@ -7,7 +7,7 @@ import random
 import sys
 from typing import Any
 
-from kvforge.commands._common import add_model_args, load
+from kvforge.commands._common import add_model_args, load, prefill_progress
 
 FILLER = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -47,6 +47,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"kvforge demo: loading {args.model} (offline)...", flush=True)
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer)
+    engine.on_prefill_chunk = prefill_progress()
     question = "What is the capital of France? Answer in one word."
     print(f"\n1) Q: {question}\n   A: ", end="", flush=True)
     gen = engine.generate(question, max_new_tokens=16)

@@ -6,7 +6,16 @@ import argparse
 import sys
 from typing import Any
 
-from kvforge.commands._common import add_model_args, load, non_negative_float, positive_int, ratio, read_text_file
+from kvforge.commands._common import (
+    add_model_args,
+    check_store_url,
+    load,
+    non_negative_float,
+    positive_int,
+    prefill_progress,
+    ratio,
+    read_text_file,
+)
 from kvforge.errors import UserError
 
 
@@ -69,12 +78,18 @@ def run_generate(args: argparse.Namespace) -> int:
         from kvforge.presses import build_press
 
         press = build_press(args.press, compression_ratio=args.compression_ratio)
+    store = None
+    if args.reuse:  # combinations, the store URL and the store's server are checked before the model loads
+        from kvforge.commands.bench_reuse import attach_reuse, check_reuse_args
+
+        store = check_reuse_args(args)
+    else:
+        check_store_url(args.store)
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer, chunk_size=args.chunk_size, window=args.window, num_sink=args.num_sink)
+    engine.on_prefill_chunk = prefill_progress()
     if args.reuse:
-        from kvforge.commands.bench_reuse import attach_reuse
-
-        attach_reuse(engine, args)
+        attach_reuse(engine, args, store)
     ids = engine.encode_chat(text, raw=args.raw)
     engine.check_length(len(ids), args.max_new_tokens)
     if args.no_cache:

@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Any
 
-from kvforge.commands._common import add_model_args, load, positive_int, ratio
+from kvforge.commands._common import add_model_args, check_port_free, check_store_url, load, positive_int, ratio
 from kvforge.errors import UserError
 
 
@@ -41,6 +41,12 @@ def register(sub: Any, bench_sub: Any) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    check_store_url(args.store)  # cheap checks first: a bad URL or a port in use fails before anything heavy loads
+    check_port_free(args.host, args.port)
+    if args.press:  # a wrong press name fails before the model loads
+        from kvforge.presses import build_press
+
+        build_press(args.press, compression_ratio=args.compression_ratio)
     try:
         import uvicorn
 
@@ -49,8 +55,6 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UserError(f"the server needs the serve extra: pip install 'kvforge[serve]' ({e})") from e
     from kvforge.engine import Engine
 
-    if not 0 < args.port < 65536:
-        raise UserError(f"port must be in 1..65535, got {args.port}")
     if args.timeout <= 0:
         raise UserError(f"--timeout must be > 0, got {args.timeout}")
     if not 0 <= args.grace_period < float("inf"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ def compress_prefill(
     press: Press,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     tokenizer: Any = None,
+    on_chunk: Callable[[int, int], None] | None = None,
 ) -> Tensor:
     """Prefill ``input_ids`` ``(1, S)`` on ``cache`` and compress the S new entries of every layer with ``press``.
 
@@ -50,7 +52,9 @@ def compress_prefill(
     """
     active = press.ratio() > 0 and bool(compressible_layers(cache))
     needs = press.needs() if active else Needs()
-    source = CompressionSource(model, input_ids, cache, needs, chunk_size=chunk_size, tokenizer=tokenizer)
+    source = CompressionSource(
+        model, input_ids, cache, needs, chunk_size=chunk_size, tokenizer=tokenizer, on_chunk=on_chunk
+    )
     source.compress(press)
     return source.logits
 
@@ -79,6 +83,7 @@ class CompressionSource:
         needs: Needs,
         chunk_size: int | None = DEFAULT_CHUNK_SIZE,
         tokenizer: Any = None,
+        on_chunk: Callable[[int, int], None] | None = None,
     ) -> None:
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         ids = ids[None] if ids.dim() == 1 else ids
@@ -96,7 +101,7 @@ class CompressionSource:
         with attention_hooks(model, self.collector):
             # the window must lie in the last chunk; with no window keep the plain chunking (bit-identical logits)
             min_last = needs.window_size if self.layers else 0
-            self.logits = prefill(model, ids, cache, chunk_size=chunk_size, min_last_chunk=min_last)
+            self.logits = prefill(model, ids, cache, chunk_size=chunk_size, min_last_chunk=min_last, on_chunk=on_chunk)
             clock.append(time.perf_counter())
             if self.layers and needs.lookahead > 0:
                 _lookahead(model, cache, self.logits, needs.lookahead, self.collector)

@@ -21,7 +21,7 @@ def _load(*args: Any, **kwargs: Any) -> Any:
     try:
         import datasets
     except ImportError as e:
-        raise UserError("hub tasks need the `datasets` package: pip install datasets") from e
+        raise UserError("hub tasks need the `datasets` package: pip install 'kvforge[hub]'") from e
     return datasets.load_dataset(*args, **kwargs)
 
 
