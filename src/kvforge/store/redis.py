@@ -76,6 +76,8 @@ class RedisStore(ByteStore):
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
         self._response_error = redis.exceptions.ResponseError
         self._down = False
+        self._failed_at = 0.0
+        self.retry_s = 5.0  # after a failed call, answer misses at once for this long before asking Redis again
         self.client = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s)
 
     def __repr__(self) -> str:
@@ -108,10 +110,16 @@ class RedisStore(ByteStore):
             raise StoreUnavailableError(message) from None
 
     def _soft(self, fn: Callable[[], Any], default: Any) -> Any:
-        """``fn()``, or ``default`` with one warning per outage when Redis does not answer (dead or hung)."""
+        """``fn()``, or ``default`` with one warning per outage when Redis does not answer (dead or hung).
+
+        After a failure Redis is not asked again for ``retry_s`` seconds, so an outage costs one timeout, not one
+        per call."""
+        if self._down and time.monotonic() < self._failed_at + self.retry_s:
+            return default
         try:
             out = fn()
         except StoreUnavailableError as e:
+            self._failed_at = time.monotonic()
             if not self._down:
                 self._down = True
                 log.warning("%s: reads are misses and writes are skipped until it answers again", e)
