@@ -187,3 +187,32 @@ def test_softcapped_eager_path_matches_sdpa_when_the_cap_is_inactive():
     plain, _ = kvforge_attention(module, query, key, value, None)
     capped, _ = kvforge_attention(module, query, key, value, None, softcap=0.5)
     assert not torch.allclose(capped, plain)  # a real cap changes the result
+
+
+def test_attention_hook_is_the_declared_way_to_replace_attention(model):
+    """A hook that inherits nothing, set as ``cache.attention_hook``, replaces the softmax of every layer."""
+    from kvforge.attention import attend, attention_scores
+
+    ids = _ids(20, seed=3)
+    plain = prefill(model, ids, KVCache.for_model(model), chunk_size=None)
+    calls: list[int] = []
+
+    class Eager:  # same math as sdpa, so the logits must not change
+        def __call__(self, module, query, key, value, mask, is_causal, scaling, softcap):
+            calls.append(module.layer_idx)
+            return attend(torch.softmax(attention_scores(query, key, mask, is_causal, scaling, softcap), dim=-1), value)
+
+    cache = KVCache.for_model(model)
+    assert cache.attention_hook is None
+    cache.attention_hook = Eager()
+    hooked = prefill(model, ids, cache, chunk_size=None)
+    assert sorted(set(calls)) == list(range(model.config.num_hidden_layers))
+    torch.testing.assert_close(hooked, plain, atol=1e-4, rtol=0)
+
+    class Zero:  # a hook that changes attention must change the logits: the hook is really used
+        def __call__(self, module, query, key, value, mask, is_causal, scaling, softcap):
+            return torch.zeros_like(query).transpose(1, 2)
+
+    cache = KVCache.for_model(model)
+    cache.attention_hook = Zero()
+    assert not torch.allclose(prefill(model, ids, cache, chunk_size=None), plain, atol=1e-3)

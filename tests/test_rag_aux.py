@@ -118,7 +118,7 @@ def test_attention_capture_over_several_layers_is_the_mean_of_single_layers():
         cache = KVCache.for_model(model)
         prefill(model, ids[0, :16].tolist(), cache)
         capture = AttentionCapture(cache, layers, min_query_position=16)
-        cache.attention_override = capture
+        cache.attention_hook = capture
         forward(model, ids[:, 16:], cache)
         scores[str(layers)] = capture.scores_by_position(24)
     for s in scores.values():  # mean attention of the 8 queries: a distribution over the 24 positions

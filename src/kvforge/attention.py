@@ -50,9 +50,9 @@ def kvforge_attention(
     else:
         mask = _plain_mask(query, key, sliding_window, attention_mask)
         is_causal = mask is None and q_len > 1 and q_len == key.shape[2]
-    override = getattr(kv_cache, "attention_override", None)  # set by RAG strategies (APE, auxiliary scoring)
-    if override is not None:
-        return override(module, query, key, value, mask, is_causal, scaling, softcap), None
+    hook = kv_cache.attention_hook if kv_cache is not None else None  # declared AttentionHook (APE, aux scoring)
+    if hook is not None:
+        return hook(module, query, key, value, mask, is_causal, scaling, softcap), None
     if softcap is not None:
         scores = attention_scores(query, key, mask, is_causal, scaling, softcap)  # eager: soft-capping
         return attend(torch.softmax(scores, dim=-1), value), None
@@ -72,6 +72,12 @@ def _plain_mask(query: Tensor, key: Tensor, sliding_window: int | None, attentio
     q_pos = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
     k_pos = torch.arange(k_len, device=query.device)[None, :]
     return ((k_pos <= q_pos) & (q_pos - k_pos < sliding_window))[None, None]
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """RoPE's half rotation ``(x1, x2) -> (-x2, x1)`` on the last dim (keys re-rotated by RAG, queries by presses)."""
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
 
 
 def attention_scores(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -265,6 +265,19 @@ class KVLayer:
         return self.length == self.num_new == query_positions.shape[1] and self.window is None and self.valid is None
 
 
+class AttentionHook(Protocol):
+    """A declared way to change attention for one cache (RAG: APE's merge, auxiliary-model score capture).
+
+    :func:`kvforge.attention.kvforge_attention` calls it, with the mask it built from the cache positions, instead of
+    its own softmax; it returns the attention output ``(B, Q, H, D)``. Set it as ``cache.attention_hook``.
+    """
+
+    def __call__(
+        self, module: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool,
+        scaling: float | None, softcap: float | None,
+    ) -> Tensor: ...
+
+
 class KVCache:
     """The KV cache of one batch of sequences, all layers, plus the count of tokens processed.
 
@@ -304,6 +317,7 @@ class KVCache:
         self._first_position = 0
         self.token_ids: list[int] = []  # tokens processed, in order (single-sequence caches)
         self.info: dict[str, Any] = {}  # facts about how the cache was built (press, reuse), for reports
+        self.attention_hook: AttentionHook | None = None  # replaces the softmax in kvforge_attention (RAG)
 
     @classmethod
     def for_model(cls, model: Any, **kwargs: Any) -> KVCache:

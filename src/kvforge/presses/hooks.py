@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from kvforge.attention import rotate_half
 from kvforge.cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -43,11 +44,6 @@ def attention_modules(model: Any) -> list[nn.Module]:
 
 def num_query_heads(module: nn.Module) -> int:
     return module.q_proj.out_features // module.head_dim  # type: ignore[union-attr,operator]
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def prerope_queries(module: nn.Module, hidden_states: Tensor) -> Tensor:

@@ -1,6 +1,7 @@
 """Attention overrides for RAG: APE's context temperature/scale merge, and capture of one layer's attention.
 
-Both are installed as ``cache.attention_override`` and called by :func:`kvforge.attention.kvforge_attention` with the
+Both are installed as ``cache.attention_hook`` (a declared :class:`~kvforge.cache.AttentionHook`) and called by
+:func:`kvforge.attention.kvforge_attention` with the
 mask it built from the cache positions; they compute attention eagerly (fp32 softmax).
 """
 

@@ -85,7 +85,7 @@ class AuxScorer:
         cache = build_cache(self.aux.model, asm, torch.zeros(asm.num_tokens, dtype=torch.bool))
         question_start = asm.num_tokens - len(aux_prompt.question_ids)
         capture = AttentionCapture(cache, self.aux.num_layers - 1, int(asm.positions[question_start]))
-        cache.attention_override = capture  # type: ignore[attr-defined]
+        cache.attention_hook = capture
         recompute_tokens(self.aux.model, asm, cache, asm.fresh_idx)
         by_pos = capture.scores_by_position(int(asm.positions.max()) + 1)
         aux_ctx = by_pos[asm.positions[asm.context_idx]]  # (N_ctx_aux,)

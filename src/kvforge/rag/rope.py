@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kvforge.attention import rotate_half
 from kvforge.errors import UserError
 
 #: rope types whose frequencies do not depend on the sequence length (HF ``rope_type`` names).
@@ -55,11 +56,6 @@ class RopeSpec:
                 self._tables.clear()
             table = self._tables[key] = rotation_table(delta, keys.shape[-2], freq, keys.device)
         return apply_rotation(keys, *table)
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def rotation_table(delta: Tensor | int, num_tokens: int, inv_freq: Tensor, device: Any) -> tuple[Tensor, Tensor]:

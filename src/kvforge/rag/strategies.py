@@ -106,7 +106,7 @@ class APEStrategy:
         recompute = torch.zeros(asm.num_tokens, dtype=torch.bool)
         cache = build_cache(rag.model, asm, recompute)
         p = asm.prefix_len
-        cache.attention_override = APEAttention(  # type: ignore[attr-defined]
+        cache.attention_hook = APEAttention(
             cache, p, p + max(len(c) for c in prompt.chunk_ids), self.temperature, self.scale
         )
         logits = recompute_tokens(rag.model, asm, cache, asm.fresh_idx)
