@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -120,28 +119,10 @@ def read_only(tmp: Path) -> str:
     return f"{hit}/{put}/{clear}"
 
 
-WRITER = textwrap.dedent(
-    """
-    import sys, torch
-    torch.set_num_threads(1)
-    from kvforge.cache import KVCache
-    from kvforge.prefill import prefill
-    from kvforge.reuse import FakeEmbedder, SemanticReuse
-    from kvforge.store import open_store
-    from kvforge.testing import tiny_model, tiny_tokenizer
-    model, tok = tiny_model("llama"), tiny_tokenizer()
-    reuse = SemanticReuse(open_store(sys.argv[1]), "tiny", FakeEmbedder(), threshold=0.6)
-    for i in range(25):
-        text = f"writer {sys.argv[2]} asks question {i}"
-        ids = tok(text, add_special_tokens=False).input_ids
-        cache = KVCache.for_model(model)
-        prefill(model, ids, cache)
-        reuse.record(ids, cache, text=text)
-    """
-)
-
-
 def _two_writers(url: str, tmp: Path) -> str:
+    """The concurrency test's two writer processes (25 prompts each), then who is indexed and found."""
+    from test_semantic_index_concurrency import WRITER, _texts
+
     from kvforge.reuse import FakeEmbedder, SemanticReuse
 
     script = tmp / "writer.py"
@@ -151,7 +132,7 @@ def _two_writers(url: str, tmp: Path) -> str:
     if [p.wait(timeout=600) for p in procs] != [0, 0]:
         return "writer failed"
     reuse = SemanticReuse(open_store(url), "tiny", FakeEmbedder(), threshold=0.6)
-    found = sum(not isinstance(reuse._find(f"writer {w} asks question {i}", ""), str) for w in "AB" for i in range(25))
+    found = sum(not isinstance(reuse._find(text, ""), str) for text in _texts())
     return f"{len(reuse.index)} indexed, {found} found"
 
 
