@@ -16,7 +16,7 @@ from kvforge.cli import main
 from kvforge.errors import StoreUnavailableError, UserError
 from kvforge.redact import redact_url
 from kvforge.store import DiskStore, open_store
-from kvforge.store.codec import segments_equal
+from kvforge.store.codec import encode, segments_equal
 
 SECRET = "s3cr3t-Pa55"
 
@@ -223,3 +223,17 @@ def test_redis_chunks_of_an_uncommitted_write_expire(tmp_path: Path) -> None:
         orphans = client.keys("ttl:seg:bb:data:*")
         assert orphans and all(0 < client.ttl(k) <= ORPHAN_TTL_S for k in orphans) and store.get("bb") is None
         assert segments_equal(store.get("aa"), make_segment())
+
+
+def test_partial_writes_left_by_a_killed_writer_count_against_max_bytes(tmp_path: Path) -> None:
+    size = len(encode(make_segment()))
+    store = DiskStore(tmp_path / "kv", max_bytes=3 * size, rescan_s=0.0)
+    store.put("aa", make_segment())
+    store.put("bb", make_segment(seed=1))
+    (tmp_path / "kv" / "tmp" / "cc.123.dead.tmp").write_bytes(b"x" * size)  # what kill -9 mid-write leaves
+    store.put("dd", make_segment(seed=2))  # 3 entries + the partial write > 3 entries: the oldest goes
+    assert not store.contains("aa") and store.contains("bb") and store.contains("dd")
+    assert store.stats()["tmp_bytes"] == size
+    old = time.time() - 2 * 3600
+    os.utime(tmp_path / "kv" / "tmp" / "cc.123.dead.tmp", (old, old))
+    assert DiskStore(tmp_path / "kv", max_bytes=3 * size).stats()["tmp_bytes"] == 0  # removed by age on open

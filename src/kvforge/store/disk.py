@@ -45,7 +45,8 @@ class DiskStore(ByteStore):
 
     Args:
         root: folder (created if missing).
-        max_bytes: bound on the bytes of segment files (blobs not counted).
+        max_bytes: bound on the bytes of segment files plus the partial writes in ``tmp/`` (a writer killed mid-write
+            leaves one; it counts until it is removed, by age, when a store opens the folder). Blobs are not counted.
         fsync: fsync each file and its folder before the write returns (durable across power loss).
         quant: optional int8 quantisation of stored segments.
         rescan_s: on a write, re-read the folder's listing when the last scan is older than this, so files written
@@ -87,6 +88,7 @@ class DiskStore(ByteStore):
             self._went_read_only(e)
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recently used first
         self._bytes = 0
+        self._tmp_bytes = 0  # partial writes (other processes' in flight, or left by a killed writer)
         self._remove_stale_tmp()
         self._rescan()
 
@@ -116,7 +118,15 @@ class DiskStore(ByteStore):
         with self.lock:
             self._index = OrderedDict((key, size) for _, key, size in sorted(self._scan("seg")))
             self._bytes = sum(self._index.values())
+            self._tmp_bytes = self._scan_tmp_bytes()
             self._last_scan = time.monotonic()
+
+    def _scan_tmp_bytes(self) -> int:
+        total = 0
+        for p in (self.root / "tmp").glob(f"*{TMP_SUFFIX}"):
+            with contextlib.suppress(FileNotFoundError):
+                total += p.stat().st_size
+        return total
 
     def _went_read_only(self, e: OSError) -> None:
         if not self.read_only:
@@ -231,13 +241,13 @@ class DiskStore(ByteStore):
             is_stale = time.monotonic() - self._last_scan > self.rescan_s
             if is_stale:
                 self._rescan()  # other processes may have written entries
-            if self._bytes <= self.max_bytes:
+            if self._bytes + self._tmp_bytes <= self.max_bytes:
                 return
             if not is_stale:
                 self._rescan()  # ... or used them: take the LRU order from the files' mtimes
             if keep in self._index:
                 self._index.move_to_end(keep)
-            while self._bytes > self.max_bytes and len(self._index) > 1:
+            while self._bytes + self._tmp_bytes > self.max_bytes and len(self._index) > 1:
                 old = next(iter(self._index))
                 self.remove(old)
                 self.num_evicted += 1
@@ -309,4 +319,5 @@ class DiskStore(ByteStore):
                 "blobs": len(blobs),
                 "blob_bytes": sum(size for _, _, size in blobs),
                 "tmp_files": sum(1 for _ in (self.root / "tmp").glob(f"*{TMP_SUFFIX}")),
+                "tmp_bytes": self._tmp_bytes,
             }
