@@ -15,6 +15,7 @@ from store_helpers import make_segment
 from kvforge.errors import UserError
 from kvforge.store import DiskStore, KVStore, MemoryStore, TieredStore, default_store_url, open_store
 from kvforge.store.codec import encode, segments_equal
+from kvforge.store.disk import shard
 
 
 @pytest.fixture(params=["memory", "disk"])
@@ -175,13 +176,104 @@ def test_disk_ignores_foreign_files(tmp_path: Path) -> None:
     (tmp_path / "segments" / "ab").mkdir(parents=True)
     (tmp_path / "README.txt").write_text("mine")
     (tmp_path / "segments" / "ab" / "notes.txt").write_text("mine")
-    (tmp_path / "segments" / "zz").mkdir()
-    (tmp_path / "segments" / "zz" / "ab12.kvseg").write_text("wrong folder")
+    wrong = next(f"{i:02x}" for i in range(256) if f"{i:02x}" not in (shard("ab12"), "ab"))
+    (tmp_path / "segments" / wrong).mkdir()
+    (tmp_path / "segments" / wrong / "ab12.kvseg").write_text("wrong folder")
     store = DiskStore(tmp_path)
     store.put("ab12", make_segment())
     assert store.keys() == ["ab12"] and store.stats()["bytes"] == entry_size()
     store.clear()
     assert (tmp_path / "README.txt").exists() and (tmp_path / "segments" / "ab" / "notes.txt").exists()
+
+
+def test_disk_spreads_keys_sharing_a_start_over_folders(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, fsync=False)
+    seg = make_segment(lengths=(1,))
+    keys = [f"prefix-v1-{i:04d}" for i in range(64)]
+    for key in keys:
+        store.put(key, seg)
+    folders = {p.parent.name for p in (tmp_path / "segments").glob("*/*.kvseg")}
+    assert len(folders) > 32  # 64 keys in 256 hashed folders (one folder with the former key[:2] layout)
+    assert sorted(store.keys()) == keys and all(store.path(k).parent.name == shard(k) for k in keys)
+
+
+def _to_old_layout(root: Path, keys: list[str]) -> None:
+    """Move segment files where kvforge put them before the hashed layout: segments/<key[:2]>/ (mtimes kept)."""
+    for key in keys:
+        new = root / "segments" / shard(key) / f"{key}.kvseg"
+        old = root / "segments" / key[:2] / f"{key}.kvseg"
+        old.parent.mkdir(exist_ok=True)
+        st = new.stat()
+        os.replace(new, old)
+        os.utime(old, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_disk_old_layout_is_migrated_on_open_with_its_lru_order(tmp_path: Path) -> None:
+    keys = ["prefix-v1-a", "prefix-v1-b", "prefix-v1-c"]
+    store = DiskStore(tmp_path)
+    for i, key in enumerate(keys):
+        store.put(key, make_segment(seed=i))
+    store.get(keys[0])  # LRU order now b, c, a
+    _to_old_layout(tmp_path, keys)
+    assert not list((tmp_path / "segments").glob(f"{shard(keys[0])}/*.kvseg"))
+    reopened = DiskStore(tmp_path)
+    assert reopened.keys() == [keys[1], keys[2], keys[0]]
+    assert not (tmp_path / "segments" / "pr").exists() or not list((tmp_path / "segments" / "pr").iterdir())
+    for i, key in enumerate(keys):
+        assert (tmp_path / "segments" / shard(key) / f"{key}.kvseg").is_file()
+        assert segments_equal(reopened.get(key), make_segment(seed=i))
+    _to_old_layout(tmp_path, keys[:1])  # a straggler written by an older kvforge while this one runs
+    assert sorted(reopened.keys()) == sorted(keys) and reopened.path(keys[0]).parent.name == shard(keys[0])
+
+
+def test_disk_old_layout_is_read_in_place_by_a_read_only_store(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path)
+    store.put("prefix-v1-a", make_segment())
+    _to_old_layout(tmp_path, ["prefix-v1-a"])
+    ro = DiskStore(tmp_path, read_only=True)
+    assert ro.keys() == ["prefix-v1-a"] and ro.contains("prefix-v1-a")
+    assert segments_equal(ro.get("prefix-v1-a"), make_segment()) and ro.describe("prefix-v1-a")["num_tokens"] == 7
+    assert (tmp_path / "segments" / "pr" / "prefix-v1-a.kvseg").is_file()  # not moved: the store is read-only
+
+
+def test_disk_store_validates_the_key_in_every_method(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path)
+    calls = [
+        lambda k: store.path(k), lambda k: store.read(k), lambda k: store.read(k, "blob"),
+        lambda k: store.write(k, b"x"), lambda k: store.write_parts(k, [b"x"], "blob"), lambda k: store.remove(k),
+        lambda k: store.has(k), lambda k: store.read_header(k), lambda k: store.stored_size(k),
+        lambda k: store.touch(k), lambda k: store.describe(k), lambda k: store.get(k), lambda k: store.contains(k),
+        lambda k: store.delete(k), lambda k: store.put(k, make_segment()), lambda k: store.get_blob(k),
+        lambda k: store.put_blob(k, b"x"), lambda k: store.delete_blob(k),
+    ]  # fmt: skip
+    for key in ("../escape", "a/b", "", ".hidden"):
+        for call in calls:
+            with pytest.raises(ValueError, match="invalid store key"):
+                call(key)
+    assert not list(tmp_path.rglob("*escape*")) and list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_disk_full_while_creating_a_shard_folder_is_a_skipped_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = DiskStore(tmp_path)
+    real_mkdir = Path.mkdir
+
+    def full(self: Path, *args: object, **kwargs: object) -> None:
+        if self.parent.name == "segments" and not self.exists():
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        real_mkdir(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "mkdir", full)
+    with caplog.at_level(logging.WARNING):
+        for i in range(3):
+            store.put(f"key{i}", make_segment(seed=i))  # no exception: a cache that cannot grow skips the write
+    assert store.keys() == [] and list((tmp_path / "tmp").iterdir()) == []
+    assert len([r for r in caplog.records if "no space left" in r.getMessage()]) == 1
+    monkeypatch.undo()
+    with caplog.at_level(logging.WARNING):
+        store.put("key0", make_segment())
+    assert segments_equal(store.get("key0"), make_segment()) and "writes succeed again" in caplog.text
 
 
 def test_disk_two_instances_share_a_folder(tmp_path: Path) -> None:

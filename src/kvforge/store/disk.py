@@ -2,18 +2,24 @@
 
 Layout under the root folder::
 
-    segments/<key[:2]>/<key>.kvseg   encoded segments (their mtime is the last use, for LRU)
+    segments/<shard>/<key>.kvseg     encoded segments (their mtime is the last use, for LRU); <shard> = two hex digits
+                                     of a hash of the key (256 folders), so keys sharing a start still spread out
     blobs/<key>.blob                 opaque blobs (reuse indexes), never evicted
     tmp/                             files being written (tmp + fsync + rename: a reader never sees a partial entry)
 
 The in-memory LRU index is rebuilt from the files on open (ordered by mtime) and re-synced from the folder when an
 eviction is due, so several processes can share one folder. Files that do not follow the layout are ignored.
+
+Stores written by kvforge before the hashed layout kept segments in ``segments/<key[:2]>/``: such files are moved into
+their hashed folder when a writable store scans the folder (on open, and on each re-scan, so a straggler written by an
+older process moves too); a read-only store reads them where they are.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import logging
 import os
 import secrets
@@ -34,6 +40,11 @@ DEFAULT_DISK_BYTES = 10 * 1024**3
 SEG_SUFFIX, BLOB_SUFFIX, TMP_SUFFIX = ".kvseg", ".blob", ".tmp"
 STALE_TMP_S = 3600.0  # a tmp file older than this is a crashed write: removed on open
 _READ_ONLY_ERRNOS = (errno.EACCES, errno.EROFS, errno.EPERM)
+
+
+def shard(key: str) -> str:
+    """The folder of a segment under ``segments/``: two hex digits of a hash of the key (256 folders)."""
+    return hashlib.blake2b(key.encode(), digest_size=1).hexdigest()
 
 
 def _is_read_only_error(e: BaseException) -> bool:
@@ -75,6 +86,8 @@ class DiskStore(ByteStore):
         self.rescan_s = rescan_s
         self._last_scan = 0.0
         self._last_ns = 0
+        self._legacy: set[str] = set()  # keys still in the pre-hash layout (a read-only store cannot move them)
+        self._full_warned = False  # ONE warning per stretch of full-disk write failures
         self.read_only = read_only
         if read_only and not self.root.is_dir():
             raise UserError(f"read-only disk store {self.root} does not exist")
@@ -94,24 +107,70 @@ class DiskStore(ByteStore):
 
     # ------------------------------------------------------------------------------------------ paths, index
     def path(self, key: str, kind: Kind = "seg") -> Path:
+        """Where the entry ``key`` lives (every method goes through here: the key is validated)."""
+        check_key(key)
         if kind == "blob":
             return self.root / "blobs" / f"{key}{BLOB_SUFFIX}"
+        if key in self._legacy:
+            return self._legacy_path(key)
+        return self.root / "segments" / shard(key) / f"{key}{SEG_SUFFIX}"
+
+    def _legacy_path(self, key: str) -> Path:
         return self.root / "segments" / key[:2] / f"{key}{SEG_SUFFIX}"
 
     def _scan(self, kind: Kind) -> list[tuple[int, str, int]]:
-        """(mtime, key, size) of the files of ``kind`` on disk, foreign files skipped."""
-        out = []
+        """(mtime, key, size) of the files of ``kind`` on disk, foreign files skipped, old-layout files migrated."""
+        found: dict[str, tuple[int, str, int]] = {}
         pattern = f"*/*{SEG_SUFFIX}" if kind == "seg" else f"*{BLOB_SUFFIX}"
         for p in (self.root / ("segments" if kind == "seg" else "blobs")).glob(pattern):
             key = p.name[: -len(p.suffix)]
-            if not _KEY_RE.match(key) or (kind == "seg" and p.parent.name != key[:2]):
+            if not _KEY_RE.match(key):
+                continue
+            home = kind == "blob" or p.parent.name == shard(key)
+            if not home:
+                if p.parent.name != key[:2]:
+                    continue  # not ours
+                moved = self._migrate(key, p)
+                if moved is None:
+                    continue
+                p, home = moved, moved != p
+            elif kind == "seg":
+                self._legacy.discard(key)  # the hashed copy is the one to use
+            if key in found and not home:
                 continue
             try:
                 st = p.stat()
             except FileNotFoundError:  # removed meanwhile by another process
                 continue
-            out.append((st.st_mtime_ns, key, st.st_size))
-        return out
+            found[key] = (st.st_mtime_ns, key, st.st_size)
+        return list(found.values())
+
+    def _migrate(self, key: str, old: Path) -> Path | None:
+        """Move a segment of the pre-hash layout into its hashed folder; the path to use, or None if it is gone."""
+        new = self.root / "segments" / shard(key) / f"{key}{SEG_SUFFIX}"
+        if self.read_only:
+            if new.is_file():
+                return None  # the hashed copy wins
+            self._legacy.add(key)
+            return old
+        try:
+            if new.is_file():
+                old.unlink()  # written again since, under the new layout: that copy is the current one
+                return None
+            new.parent.mkdir(exist_ok=True)
+            os.replace(old, new)  # keeps the mtime: the LRU order survives the move
+        except FileNotFoundError:  # moved or removed meanwhile by another process
+            return new if new.is_file() else None
+        except OSError as e:
+            if _is_read_only_error(e):
+                self._went_read_only(e)
+            elif not self._legacy:
+                log.warning("disk store: could not move %s into the hashed layout (%s); read in place", old, e)
+            self._legacy.add(key)
+            return old
+        self._legacy.discard(key)
+        log.debug("disk store: moved %s into the hashed layout", key)
+        return new
 
     def _rescan(self) -> None:
         """Rebuild the LRU index from the files (oldest mtime first)."""
@@ -175,13 +234,14 @@ class DiskStore(ByteStore):
         self.write_parts(key, [data], kind)
 
     def write_parts(self, key: str, parts: list[bytes | memoryview], kind: Kind = "seg") -> None:
+        check_key(key)
         size = sum(memoryview(p).nbytes for p in parts)
         if self.read_only:
             return
         if kind == "seg" and size > self.max_bytes:
             log.warning("disk store: entry %s (%d bytes) exceeds max_bytes=%d; not stored", key, size, self.max_bytes)
             return
-        path = self.path(key, kind)
+        path = self.root / "segments" / shard(key) / f"{key}{SEG_SUFFIX}" if kind == "seg" else self.path(key, kind)
         tmp = self.root / "tmp" / f"{key}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)  # inside the try: a full disk here is handled too
@@ -198,16 +258,26 @@ class DiskStore(ByteStore):
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                log.warning("disk store: no space left for %s (%s); not stored", key, e)
-                return  # a cache that cannot grow is not an error for the caller
+                # a cache that cannot grow is not an error for the caller; ONE warning until a write succeeds again
+                (log.debug if self._full_warned else log.warning)(
+                    "disk store: no space left for %s (%s); not stored (writes are skipped while the disk is full)",
+                    key,
+                    e.strerror,
+                )
+                self._full_warned = True
+                return
             if _is_read_only_error(e):
                 self._went_read_only(e)  # type: ignore[arg-type]
                 return
             raise
+        if self._full_warned:
+            self._full_warned = False
+            log.warning("disk store %s: writes succeed again", self.root)
         if self.fsync:
             self._fsync_dir(path.parent)
         if kind == "seg":
             with self.lock:
+                self._legacy.discard(key)  # written under the hashed layout now
                 self._forget(key)
                 self._index[key] = size
                 self._bytes += size
