@@ -18,7 +18,11 @@ The donor's KV is never stored under the new prompt's key (``record`` refuses a 
 prompt's tokens, or that was built on approximate reuse). Index entries whose KV the store evicted are dropped from
 the FAISS index when met (and all at once on open). The index lives in the store as one small record blob per entry
 (:mod:`kvforge.reuse.index`): concurrent writers and restarts merge, and before each search the records other
-processes added since are loaded, so no writer ever loses another's entries.
+processes added since are loaded, so no writer ever loses another's entries. The stored segments are the ground
+truth: each carries its text and namespace in its header (``meta``), so an entry whose record is missing or damaged
+(a writer killed between its segment and its record, a flipped byte, a deleted blob) is indexed again from its
+segment (:meth:`SemanticReuse.reconcile`): on open, after every write, when a damaged record is met, and at least
+every ``reconcile_s`` seconds before a search. Stored KV is never unreachable for longer than one write.
 """
 
 from __future__ import annotations
@@ -83,6 +87,8 @@ class SemanticReuse:
             them in canonical mode, all but the question-word guard in context mode (documents are not questions).
         min_text_ratio: context mode: minimum word-level edit ratio between the documents.
         device: where loaded entries go.
+        reconcile_s: before a search, index stored segments that have no index record if the last such check is
+            older than this (it also runs on open, after each write and when a damaged record is met).
     """
 
     store: Any
@@ -93,6 +99,7 @@ class SemanticReuse:
     guards: Sequence[str] | None = None
     min_text_ratio: float = 0.9
     device: Any = None
+    reconcile_s: float = 60.0
     index: SemanticIndex = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +116,8 @@ class SemanticReuse:
         self.index_key = f"{KEY_PREFIX}index-{digest(self.namespace, self.mode)}"  # the former single-blob index
         self.record_prefix = f"{KEY_PREFIX}rec-{digest(self.namespace, self.mode)[:24]}-"
         self._records: dict[str, int | None] = {}  # record blob key -> index id (None: unreadable, skipped)
+        self._unindexable: set[str] = set()  # stored keys of this mode that are not ours (another model, no text)
+        self._reconciled_at = float("-inf")
         self.index = self._open_index()
 
     # ------------------------------------------------------------------------------------------------ keys
@@ -239,10 +248,16 @@ class SemanticReuse:
             if not full_layers_complete(segment, windows, len(stored_ids)):
                 logger.debug("cache lacks entries of the prompt (compressed?): not recorded")
                 return
-            segment.meta = {"layer_windows": windows, "text": query or "", "format": KEY_PREFIX + self.mode}
+            segment.meta = {
+                "layer_windows": windows,
+                "text": query or "",
+                "namespace": namespace,  # with the text: what rebuilds the index entry if its record is lost
+                "format": KEY_PREFIX + self.mode,
+            }
             self.store.put(key, segment)
         if query and not self.index.has(key, query):  # a repeated prompt changes nothing: no index write
             self._add(self.embedder.embed([query])[0], IndexEntry(key=key, text=query, namespace=namespace))
+            self.reconcile()  # segments another writer stored without their record (killed between the two)
 
     # ------------------------------------------------------------------------------------------------ index
     def _record_key(self, entry: IndexEntry) -> str:
@@ -278,27 +293,96 @@ class SemanticReuse:
     def refresh(self) -> int:
         """Load the index records written since the last look (by any process); returns how many were added.
 
-        A damaged record is skipped with a warning (the other entries are unaffected).
+        A damaged record is skipped with a warning and its entry is indexed again from its stored segment.
         """
+        added, damaged = self._load_records()
+        if damaged or time.monotonic() - self._reconciled_at > self.reconcile_s:
+            added += self.reconcile()
+        return added
+
+    def _load_records(self) -> tuple[int, bool]:
+        """Load the records not seen yet: (how many were added, whether a listed record was unreadable)."""
         keys = self._record_keys()
         if keys is None:
-            return 0
+            return 0, False
         added = 0
+        damaged = False
         for record_key in keys:
             if record_key in self._records:
                 continue
             blob = self.store.get_blob(record_key)
-            if blob is None:
+            if blob is None:  # listed but unreadable: the store found it corrupt (and removed it), or it just went
+                damaged = True
                 continue
             try:
                 vector, entry = read_record(blob, self.embedder.dim)
             except ValueError as e:
-                logger.warning("semantic index record %s skipped: %s", record_key, e)
+                logger.warning("semantic index record %s skipped: %s (its entry is indexed again from its KV)",
+                               record_key, e)  # fmt: skip
                 self._records[record_key] = None
+                damaged = True
                 continue
             self._add(vector, entry, write=False)
             added += 1
-        return added
+        return added, damaged
+
+    def reconcile(self) -> int:
+        """Index the stored segments of this model and mode that have no index entry, from their own header (text,
+        namespace) and write their records again; returns how many were indexed.
+
+        What makes the index and the segments agree again after a writer was killed between its segment and its
+        record, or after a record was damaged or deleted. Segments of other models are recognised from their
+        summary (no payload read) and remembered; only segments of this model without an entry are read.
+        """
+        list_keys = getattr(self.store, "keys", None)
+        if list_keys is None:
+            return 0
+        self._reconciled_at = time.monotonic()
+        self._load_records()  # entries other writers indexed meanwhile are not missing
+        prefix = f"{KEY_PREFIX}{self.mode}-"
+        indexed = {e.key for e in self.index.entries.values()}
+        describe = getattr(self.store, "describe", None)
+        found: list[IndexEntry] = []
+        for key in list_keys():
+            if not key.startswith(prefix) or key in indexed or key in self._unindexable:
+                continue
+            summary = describe(key) if describe is not None else {"model_id": self.model_id}
+            if summary is None:
+                continue  # gone meanwhile, or an unreadable header (a miss when met)
+            entry = None
+            if summary.get("model_id") == self.model_id:
+                segment = self.store.get(key)
+                if segment is None:
+                    continue
+                entry = self._entry_from(key, segment)
+            if entry is None:
+                self._unindexable.add(key)
+            else:
+                found.append(entry)
+        if found:
+            vectors = self.embedder.embed([e.text for e in found])
+            for vector, entry in zip(vectors, found, strict=True):
+                self._add(vector, entry)
+            logger.info("semantic index: %d stored entr%s indexed again from their KV", len(found),
+                        "y" if len(found) == 1 else "ies")  # fmt: skip
+        return len(found)
+
+    def _entry_from(self, key: str, segment: KVSegment) -> IndexEntry | None:
+        """The index entry a stored segment stands for, or None when it is not one of ours (or cannot say)."""
+        meta = segment.meta
+        text, namespace = meta.get("text"), meta.get("namespace")
+        if namespace is None and self.mode == "context":
+            namespace = ""  # context mode has one namespace
+        if (
+            segment.model_id != self.model_id
+            or meta.get("format") != KEY_PREFIX + self.mode
+            or not isinstance(text, str)
+            or not text
+            or not isinstance(namespace, str)  # canonical segments of an older kvforge: the context is unknown
+            or key != self.entry_key(segment.token_ids)
+        ):
+            return None
+        return IndexEntry(key=key, text=text, namespace=namespace)
 
     def _open_index(self) -> SemanticIndex:
         self.index = SemanticIndex(self.embedder.dim)
