@@ -209,16 +209,14 @@ def test_redis_chunks_of_an_uncommitted_write_expire(tmp_path: Path) -> None:
         client = redis.Redis.from_url(url)
         chunks = [k for k in client.keys("ttl:seg:aa:data:*")]
         assert len(chunks) > 1 and all(client.ttl(k) == -1 for k in chunks)  # committed: no expiry
-        real_pipeline = store.client.pipeline
+        real_commit = store._commit_script
 
-        def dies_before_commit(transaction: bool = True, **kw):  # the writer is killed after its data chunks
-            if transaction:
-                raise redis.exceptions.ConnectionError("killed")
-            return real_pipeline(transaction=transaction, **kw)
+        def dies_before_commit(**kw):  # type: ignore[no-untyped-def]  # the writer is killed after its data chunks
+            raise redis.exceptions.ConnectionError("killed")
 
-        store.client.pipeline = dies_before_commit  # type: ignore[method-assign]
+        store._commit_script = dies_before_commit  # type: ignore[method-assign]
         store.put("bb", make_segment(seed=1))  # a miss-with-warning for the caller
-        store.client.pipeline = real_pipeline  # type: ignore[method-assign]
+        store._commit_script = real_commit  # type: ignore[method-assign]
         store.retry_s = 0.0  # the failed write marked Redis down for a while: ask again at once
         orphans = client.keys("ttl:seg:bb:data:*")
         assert orphans and all(0 < client.ttl(k) <= ORPHAN_TTL_S for k in orphans) and store.get("bb") is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,16 +63,10 @@ def test_overwrite_and_delete_leave_no_chunks(rstore) -> None:  # type: ignore[n
 
 
 def test_half_written_entry_is_a_miss(rstore, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    calls = {"n": 0}
-    real_pipeline = rstore.client.pipeline
+    def dies(**kwargs):  # type: ignore[no-untyped-def]
+        raise KeyboardInterrupt  # the data went in; the process dies before its commit
 
-    def pipeline(transaction: bool = True):  # type: ignore[no-untyped-def]
-        calls["n"] += 1
-        if calls["n"] == 2:  # the data went in; the process dies before the metadata
-            raise KeyboardInterrupt
-        return real_pipeline(transaction=transaction)
-
-    monkeypatch.setattr(rstore.client, "pipeline", pipeline)
+    monkeypatch.setattr(rstore, "_commit_script", dies)
     with pytest.raises(KeyboardInterrupt):
         rstore.put("ab01", make_segment())
     monkeypatch.undo()
@@ -160,3 +155,74 @@ def test_tiered_survives_redis_going_down(tmp_path: Path, caplog: pytest.LogCapt
             assert segments_equal(store.get("bb"), make_segment(seed=3)) and store.get("zz") is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "redis" in warnings[0].getMessage()
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, sys.argv[2])
+    from store_helpers import make_segment
+    from kvforge.store.redis import RedisStore
+
+    store = RedisStore(sys.argv[1], chunk_bytes=64 * 1024, prefix="sk")
+    print("ready", flush=True)
+    i = 0
+    while True:  # overwrites (old chunks dropped by the commit), deletes and new entries, until killed
+        store.put(f"k{i % 5}", make_segment(seed=i, lengths=(600, 300), num_heads=4, head_dim=64))
+        if i % 3 == 2:
+            store.delete(f"k{(i + 2) % 5}")
+        store.put_blob(f"b{i % 3}", bytes(range(256)) * (400 + i))
+        i += 1
+    """
+)
+
+
+def test_a_writer_killed_with_sigkill_leaves_no_partial_entry_and_no_keys_without_ttl(tmp_path: Path) -> None:
+    """A real writer process SIGKILLed at random moments, several times, on a real redis-server: every entry that is
+    visible reads back whole (checksum verified), and every data key is either pointed to by a metadata record (no
+    TTL) or expires (TTL set): no orphans forever, no half entries."""
+    import json
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from kvforge.store.redis import ORPHAN_TTL_S, RedisStore
+
+    rng = random.Random(0)
+    with redis_server(tmp_path) as url:
+        script = tmp_path / "writer.py"
+        script.write_text(WRITER)
+        killed_mid_data = 0
+        for _ in range(6):
+            proc = subprocess.Popen([sys.executable, str(script), url, str(Path(__file__).parent)],
+                                    stdout=subprocess.PIPE, text=True)  # fmt: skip
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            time.sleep(rng.uniform(0.1, 1.5))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+            client = redis.Redis.from_url(url)
+            metas = {k.decode(): json.loads(client.get(k)) for k in client.scan_iter("sk:*:meta")}
+            live = set()
+            for name, meta in metas.items():
+                base = name.removesuffix(":meta")
+                live |= {f"{base}:data:{meta['nonce']}:{i}" for i in range(meta["chunks"])}
+            data = {k.decode() for k in client.scan_iter("sk:*:data:*")}
+            assert live <= data  # every committed entry has all its chunks
+            for name in data:
+                ttl = client.ttl(name)
+                assert (ttl == -1) if name in live else (0 < ttl <= ORPHAN_TTL_S), (name, ttl)
+            killed_mid_data += bool(data - live)
+            store = RedisStore(url, prefix="sk")
+            seg_keys = sorted(k.split(":")[2] for k in metas if k.startswith("sk:seg:"))
+            blob_keys = sorted(k.split(":")[2] for k in metas if k.startswith("sk:blob:"))
+            assert sorted(store.keys()) == seg_keys and sorted(store.blob_keys()) == blob_keys  # sizes/LRU agree
+            for key in seg_keys:
+                seg = store.get(key)
+                assert seg is not None and seg.num_tokens == 600
+            for key in blob_keys:
+                assert store.get_blob(key) is not None
+            assert store.num_corrupt == 0
+        assert seg_keys  # the writer got somewhere
+    print(f"killed while data chunks were in flight: {killed_mid_data} of 6")

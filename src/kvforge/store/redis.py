@@ -3,13 +3,17 @@
 Keys (``P`` = ``prefix``, default ``kvforge``)::
 
     P:seg:<key>:data:<nonce>:<i>   the encoded bytes, in chunks of at most ``chunk_bytes`` (Redis caps values)
-    P:seg:<key>:meta               JSON {nonce, chunks, bytes, summary}: written AFTER the data, removed BEFORE it
+    P:seg:<key>:meta               JSON {nonce, chunks, bytes, summary}: written AFTER the data, removed WITH it
     P:seg:sizes  P:seg:lru         hash key -> bytes, sorted set key -> last use (updated with the meta, atomically)
     (P:blob:... likewise for blobs, without LRU)
 
-Data before metadata means a half-written entry has no meta and is a miss; a fresh nonce per write means a reader
-never mixes the chunks of two versions; chunks Redis dropped on its own (``maxmemory``) make the entry a miss and
-it is removed. With ``max_bytes`` the least recently used entries are evicted past that many bytes.
+A write is two steps: 1) the data chunks, pipelined, each with a TTL; 2) ONE Lua script (atomic on the server) that
+checks the chunks are all there, clears their TTL, swaps in the metadata, updates sizes and LRU and deletes the
+previous version's chunks. A remove is one script too. So a writer killed at any point leaves either the old entry
+or the new one, and at most chunks that expire on their own: never a visible partial entry, never keys without a TTL
+that no metadata points to. A fresh nonce per write means a reader never mixes the chunks of two versions; chunks
+Redis dropped on its own (``maxmemory``) make the entry a miss and it is removed. With ``max_bytes`` the least
+recently used entries are evicted past that many bytes.
 """
 
 from __future__ import annotations
@@ -32,6 +36,40 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 64 * 1024**2
 ORPHAN_TTL_S = 3600  # data chunks expire unless the metadata write that commits them follows
+
+# KEYS: meta, sizes, lru, the new data chunks. ARGV: meta JSON, entry key, bytes, time, data-key prefix, is_seg.
+_COMMIT = """
+for i = 4, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 0 then return 0 end
+end
+local old = redis.call('GET', KEYS[1])
+for i = 4, #KEYS do redis.call('PERSIST', KEYS[i]) end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+if ARGV[6] == '1' then redis.call('ZADD', KEYS[3], ARGV[4], ARGV[2]) end
+if old then
+  local ok, m = pcall(cjson.decode, old)
+  local new = cjson.decode(ARGV[1])
+  if ok and type(m) == 'table' and type(m.chunks) == 'number' and m.nonce and m.nonce ~= new.nonce then
+    for i = 0, m.chunks - 1 do redis.call('DEL', ARGV[5] .. m.nonce .. ':' .. i) end
+  end
+end
+return 1
+"""
+# KEYS: meta, sizes, lru. ARGV: entry key, data-key prefix, is_seg.
+_REMOVE = """
+local old = redis.call('GET', KEYS[1])
+redis.call('DEL', KEYS[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+if ARGV[3] == '1' then redis.call('ZREM', KEYS[3], ARGV[1]) end
+if old then
+  local ok, m = pcall(cjson.decode, old)
+  if ok and type(m) == 'table' and type(m.chunks) == 'number' and m.nonce then
+    for i = 0, m.chunks - 1 do redis.call('DEL', ARGV[2] .. m.nonce .. ':' .. i) end
+  end
+end
+return 1
+"""
 
 
 class RedisStore(ByteStore):
@@ -79,6 +117,8 @@ class RedisStore(ByteStore):
         self._failed_at = 0.0
         self.retry_s = 5.0  # after a failed call, answer misses at once for this long before asking Redis again
         self.client = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s)
+        self._commit_script = self.client.register_script(_COMMIT)
+        self._remove_script = self.client.register_script(_REMOVE)
 
     def __repr__(self) -> str:
         return f"RedisStore({self.display_url!r})"
@@ -157,8 +197,11 @@ class RedisStore(ByteStore):
     def _meta_key(self, key: str, kind: Kind) -> str:
         return f"{self.prefix}:{kind}:{key}:meta"
 
+    def _data_prefix(self, key: str, kind: Kind) -> str:
+        return f"{self.prefix}:{kind}:{key}:data:"
+
     def _chunk_keys(self, key: str, kind: Kind, meta: dict[str, Any]) -> list[str]:
-        return [f"{self.prefix}:{kind}:{key}:data:{meta['nonce']}:{i}" for i in range(meta["chunks"])]
+        return [f"{self._data_prefix(key, kind)}{meta['nonce']}:{i}" for i in range(meta["chunks"])]
 
     def _sizes(self, kind: Kind) -> str:
         return f"{self.prefix}:{kind}:sizes"
@@ -202,7 +245,6 @@ class RedisStore(ByteStore):
         if kind == "seg" and self.max_bytes is not None and size > self.max_bytes:
             log.warning("redis store: entry %s (%d bytes) exceeds max_bytes=%d; not stored", key, size, self.max_bytes)
             return
-        old = self._meta(key, kind)
         meta: dict[str, Any] = {
             "nonce": secrets.token_hex(6),
             "chunks": -(-size // self.chunk_bytes),
@@ -215,23 +257,22 @@ class RedisStore(ByteStore):
         try:
             with self._guard():
                 pipe = self.client.pipeline(transaction=False)  # 1) data, with a TTL: a writer killed before
-                for i, name in enumerate(chunk_keys):  # its metadata leaves chunks that expire on their own
+                for i, name in enumerate(chunk_keys):  # its commit leaves chunks that expire on their own
                     pipe.set(name, view[i * self.chunk_bytes : (i + 1) * self.chunk_bytes], ex=ORPHAN_TTL_S)
                 pipe.execute()
-                pipe = self.client.pipeline(transaction=True)  # 2) metadata, sizes and LRU together
-                for name in chunk_keys:
-                    pipe.persist(name)  # committed: the chunks now live as long as their metadata
-                pipe.set(self._meta_key(key, kind), json.dumps(meta))
-                pipe.hset(self._sizes(kind), key, size)
-                if kind == "seg":
-                    pipe.zadd(self._lru(), {key: meta["time"]})
-                pipe.execute()
+                committed = self._commit_script(  # 2) one atomic script: metadata, sizes, LRU, old chunks gone
+                    keys=[self._meta_key(key, kind), self._sizes(kind), self._lru(), *chunk_keys],
+                    args=[json.dumps(meta), key, size, repr(meta["time"]), self._data_prefix(key, kind),
+                          int(kind == "seg")],
+                )  # fmt: skip
         except self._response_error as e:  # e.g. OOM under maxmemory: a failed write is not fatal
             log.warning("redis store: could not write %s (%s)", key, e)
             self._call(lambda: self.client.delete(*chunk_keys) if chunk_keys else 0)
             return
-        if old is not None and old["nonce"] != meta["nonce"]:
-            self._call(lambda: self.client.delete(*self._chunk_keys(key, kind, old)) if old["chunks"] else 0)
+        if not committed:  # a chunk was dropped (maxmemory) between the two steps: nothing was committed
+            log.warning("redis store: %s lost data before its commit (Redis maxmemory?); not stored", key)
+            self._call(lambda: self.client.delete(*chunk_keys) if chunk_keys else 0)
+            return
         if kind == "seg":
             self._evict(keep=key)
 
@@ -254,16 +295,12 @@ class RedisStore(ByteStore):
             log.debug("redis store: evicted %s", old)
 
     def remove(self, key: str, kind: Kind = "seg") -> None:
-        meta = self._meta(key, kind)
-        with self._guard():
-            pipe = self.client.pipeline(transaction=True)  # metadata first: no reader sees a partial entry
-            pipe.delete(self._meta_key(key, kind))
-            pipe.hdel(self._sizes(kind), key)
-            if kind == "seg":
-                pipe.zrem(self._lru(), key)
-            pipe.execute()
-            if meta is not None and meta["chunks"]:
-                self.client.delete(*self._chunk_keys(key, kind, meta))
+        self._call(  # one atomic script: metadata, sizes, LRU and the chunks it points to
+            lambda: self._remove_script(
+                keys=[self._meta_key(key, kind), self._sizes(kind), self._lru()],
+                args=[key, self._data_prefix(key, kind), int(kind == "seg")],
+            )
+        )
 
     def has(self, key: str, kind: Kind = "seg") -> bool:
         return bool(self._call(lambda: self.client.exists(self._meta_key(key, kind))))
