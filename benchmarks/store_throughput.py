@@ -2,12 +2,16 @@
 
 Segments are random tensors shaped like smollm2-135m's cache (30 layers, 3 KV heads, head dim 64, fp32 by default:
 2 * 30 * 3 * 64 * 4 = 46,080 bytes per token) at 1k/4k/8k tokens. Each store is timed on ``put`` (encode + write)
-and ``get`` (read + checksum + decode to tensors); the physical limit is a plain ``readinto`` of a file holding the
-same bytes. "cold" reads first drop the file from the page cache (``posix_fadvise(DONTNEED)``).
+and ``get`` (read + checksum + decode to tensors). Each store is compared, in the same run and in alternation, with
+the transport's own limit for the same bytes: a plain ``readinto`` of a file (disk, memory), and for Redis a plain
+redis-py pipeline that SETs / GETs the same bytes in the same chunks (no metadata, no checksum, no decode). The ratios
+``read_vs_file``, ``read_vs_plain_redis`` and ``write_vs_plain_redis`` are store speed / baseline speed (1.0 = at the
+limit). "cold" reads first drop the file from the page cache (``posix_fadvise(DONTNEED)``).
 
     PYTHONPATH=src python benchmarks/store_throughput.py --lengths 1024,4096,8192 --backends memory,disk,redis
 
-One JSON line per (backend, length) on stdout and appended to benchmarks/results/store_throughput.jsonl.
+One JSON line per (backend, length) on stdout and appended to benchmarks/results/store_throughput.jsonl, then a
+table of the ratios.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import numpy as np
 import torch
 
 from kvforge.store import DiskStore, MemoryStore
+from kvforge.store.base import parse_size
 from kvforge.store.codec import encode
 from kvforge.types import KVSegment
 
@@ -49,14 +54,43 @@ def make_segment(num_tokens: int, num_layers: int, num_kv_heads: int, head_dim: 
 
 def timed(fn: Callable[[], object], repeats: int, before: Callable[[], None] | None = None) -> float:
     """Median wall time of ``fn`` over ``repeats`` runs (``before`` runs untimed before each)."""
-    times = []
+    return alternating([fn], repeats, before)[0]
+
+
+def alternating(fns: list[Callable[[], object]], repeats: int, before: Callable[[], None] | None = None) -> list[float]:
+    """Median wall time of each of ``fns``, run in turn ``repeats`` times (so load changes hit them alike)."""
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        if before is not None:
-            before()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, out in zip(fns, times, strict=True):
+            if before is not None:
+                before()
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def plain_redis(url: str, data: bytes, chunk_bytes: int) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(write, read) of ``data`` with a plain redis-py pipeline in ``chunk_bytes`` values: the transport's limit."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    view = memoryview(data)
+    names = [f"plain:bench:{i}" for i in range(-(-len(data) // chunk_bytes))]
+
+    def write() -> object:
+        pipe = client.pipeline(transaction=False)
+        for i, name in enumerate(names):
+            pipe.set(name, view[i * chunk_bytes : (i + 1) * chunk_bytes])
+        return pipe.execute()
+
+    def read() -> object:
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.get(name)
+        return pipe.execute()
+
+    return write, read
 
 
 def drop_cache(path: Path) -> None:
@@ -82,15 +116,16 @@ def write_file(path: Path, data: bytes, fsync: bool) -> None:
 
 
 @contextlib.contextmanager
-def local_redis(workdir: Path) -> Iterator[str | None]:
-    """A throwaway redis-server on a free port, or None when it is not installed."""
+def local_redis(workdir: Path, port: int | None = None) -> Iterator[str | None]:
+    """A throwaway redis-server on ``port`` (default: a free one), or None when it is not installed."""
     exe = shutil.which("redis-server")
     if exe is None:
         yield None
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
     cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -123,7 +158,8 @@ def open_backend(backend: str, args: argparse.Namespace, workdir: Path, redis_ur
             return None
         from kvforge.store.redis import RedisStore
 
-        return RedisStore(redis_url, quant=args.quant)
+        kwargs = {} if args.chunk_bytes is None else {"chunk_bytes": parse_size(args.chunk_bytes)}
+        return RedisStore(redis_url, quant=args.quant, **kwargs)
     raise SystemExit(f"unknown backend {backend!r}")
 
 
@@ -135,21 +171,30 @@ def run_length(num_tokens: int, args: argparse.Namespace, workdir: Path, redis_u
     mb = len(stored) / 1e6
     plain = workdir / "plain.bin"
     file_write_s = timed(lambda: write_file(plain, stored, fsync=True), args.repeats)
-    file_read_s = timed(lambda: read_file(plain), args.repeats)
     file_cold_s = timed(lambda: read_file(plain), args.repeats, before=lambda: drop_cache(plain))
-    plain.unlink()
     rows = []
     for backend in args.backends.split(","):
         store = open_backend(backend, args, workdir, redis_url, len(stored))
         if store is None:
             continue
         key = f"bench{num_tokens}"
-        put_s = timed(lambda s=store, k=key: s.put(k, seg), args.repeats)
-        get_s = timed(lambda s=store, k=key: s.get(k), args.repeats)
-        cold_s = transport_s = None
-        if backend == "redis":  # the transport alone: fetch the chunks, no join, no checksum, no decode
-            chunk_keys = store._chunk_keys(key, "seg", store._meta(key, "seg"))
-            transport_s = timed(lambda s=store, c=chunk_keys: s.client.mget(c), args.repeats)
+        row: dict = {}
+        if backend == "redis":
+            plain_write, plain_read = plain_redis(redis_url, stored, store.chunk_bytes)  # type: ignore[arg-type]
+            put_s, plain_write_s = alternating([lambda s=store, k=key: s.put(k, seg), plain_write], args.repeats)
+            get_s, plain_read_s, file_read_s = alternating(
+                [lambda s=store, k=key: s.get(k), plain_read, lambda: read_file(plain)], args.repeats
+            )
+            store.client.delete(*[f"plain:bench:{i}" for i in range(-(-len(stored) // store.chunk_bytes))])
+            row |= {
+                "plain_redis_write_mb_s": mb / plain_write_s, "plain_redis_read_mb_s": mb / plain_read_s,
+                "write_vs_plain_redis": plain_write_s / put_s, "read_vs_plain_redis": plain_read_s / get_s,
+                "chunk_bytes": store.chunk_bytes,
+            }  # fmt: skip
+        else:
+            put_s = timed(lambda s=store, k=key: s.put(k, seg), args.repeats)
+            get_s, file_read_s = alternating([lambda s=store, k=key: s.get(k), lambda: read_file(plain)], args.repeats)
+        cold_s = None
         if isinstance(store, DiskStore):
             path = store.path(key)
             cold_s = timed(lambda s=store, k=key: s.get(k), args.repeats, before=lambda p=path: drop_cache(p))
@@ -161,13 +206,24 @@ def run_length(num_tokens: int, args: argparse.Namespace, workdir: Path, redis_u
             "bytes_per_token": seg.nbytes() / num_tokens, "write_mb_s": mb / put_s, "read_mb_s": mb / get_s,
             "read_cold_mb_s": None if cold_s is None else mb / cold_s, "file_write_fsync_mb_s": mb / file_write_s,
             "file_read_mb_s": mb / file_read_s, "file_read_cold_mb_s": mb / file_cold_s,
-            "read_vs_file": file_read_s / get_s,
-            "redis_transport_read_mb_s": None if transport_s is None else mb / transport_s,
+            "read_vs_file": file_read_s / get_s, **row,
             "put_s": put_s, "get_s": get_s, "repeats": args.repeats,
             "git": git_sha(), "device": f"{platform.machine()} x{os.cpu_count()}", "torch": torch.__version__,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "load_avg_1m": os.getloadavg()[0], "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         })  # fmt: skip
+    plain.unlink()
     return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    """Store speed against the transport's limit, measured in the same run."""
+    print("\n| tokens (MB) | backend | read MB/s | read / plain file read | read / plain redis-py pipeline "
+          "| write / plain redis-py pipeline |\n|---|---|---|---|---|---|")  # fmt: skip
+    for r in rows:
+        fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        print(f"| {r['num_tokens']} ({r['stored_bytes'] / 1e6:.0f}) | {r['backend']} | {r['read_mb_s']:.0f} | "
+              f"{fmt(r['read_vs_file'])} | {fmt(r.get('read_vs_plain_redis'))} | "
+              f"{fmt(r.get('write_vs_plain_redis'))} |")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quant", default=None, help="int8-channel, int8-token or int8-kivi (default: none)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--redis-url", default=None, help="use this server instead of starting a local redis-server")
+    parser.add_argument("--redis-port", type=int, default=None, help="port of the local redis-server (default: free)")
+    parser.add_argument("--chunk-bytes", default=None, help="the Redis store's chunk_bytes (default: the store's)")
     parser.add_argument("--dir", default=None, help="folder for the disk store and the plain file (default: a tmp dir)")
     parser.add_argument("--no-save", action="store_true", help="do not append to benchmarks/results/")
     args = parser.parse_args(argv)
@@ -189,15 +247,18 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.ExitStack() as stack:
             redis_url = args.redis_url
             if "redis" in args.backends.split(",") and redis_url is None:
-                redis_url = stack.enter_context(local_redis(workdir))
+                redis_url = stack.enter_context(local_redis(workdir, args.redis_port))
+            rows = []
             for num_tokens in (int(x) for x in args.lengths.split(",")):
                 for row in run_length(num_tokens, args, workdir, redis_url):
+                    rows.append(row)
                     line = json.dumps(row)
                     print(line, flush=True)
                     if not args.no_save:
                         RESULTS.parent.mkdir(parents=True, exist_ok=True)
                         with open(RESULTS, "a") as f:
                             f.write(line + "\n")
+            print_table(rows)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0

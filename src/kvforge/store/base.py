@@ -134,7 +134,8 @@ class ByteStore(ABC):
     def decode_or_discard(self, key: str, data: bytes | bytearray | memoryview) -> KVSegment | None:
         """Decode stored bytes; a corrupt entry is removed and reported once as a warning (None)."""
         try:
-            return codec.decode(data, verify=self.verifies_checksum)
+            digest = getattr(data, "payload_checksum", None)  # computed while reading (disk)
+            return codec.decode(data, verify=self.verifies_checksum, payload_checksum=digest)
         except CorruptSegmentError as e:
             log.warning("%s store: entry %s is corrupt (%s); treated as a miss and removed", self.scheme, key, e)
             self.num_corrupt += 1

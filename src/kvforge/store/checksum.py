@@ -24,7 +24,8 @@ def default_algo() -> str:
     return "xxh3_128"
 
 
-def _hasher(algo: str) -> Any:
+def hasher(algo: str) -> Any:
+    """An incremental hasher (``update``, ``hexdigest``) of ``algo``."""
     if algo == "sha256":
         return hashlib.sha256()
     if algo == "xxh3_128":
@@ -40,7 +41,7 @@ def _hasher(algo: str) -> Any:
 
 def checksum(parts: Iterable[bytes | bytearray | memoryview], algo: str) -> str:
     """Hex digest of the concatenation of ``parts``."""
-    h = _hasher(algo)
+    h = hasher(algo)
     for part in parts:
         h.update(part)
     return str(h.hexdigest())

@@ -265,10 +265,13 @@ def decode(
     expect_tokenizer_id: str | None = None,
     expect_dtype: torch.dtype | None = None,
     verify: bool = True,
+    payload_checksum: str | None = None,
 ) -> KVSegment:
     """Decode bytes made by :func:`encode` into a CPU segment, bit-exact (quantised ones back in their dtype).
 
     Given a writable buffer (``bytearray``) the tensors are views into it (no copy); given ``bytes``, into a copy.
+    ``payload_checksum``: the payload's digest under the header's algorithm, computed by the caller while it read the
+    bytes (the disk store hashes each chunk as it arrives, while it is in cache); compared instead of hashing again.
 
     Raises:
         ModelMismatchError: another format version, or not the expected model / tokenizer / dtype.
@@ -287,7 +290,7 @@ def decode(
         algo = header["checksum_algo"]
         if verify and header["version"] >= 2 and checksum([_header_json(header)], algo) != header_sum:
             raise CorruptSegmentError("segment header checksum mismatch (the stored header was altered)")
-        if verify and checksum([payload], header["checksum_algo"]) != header["checksum"]:
+        if verify and (payload_checksum or checksum([payload], algo)) != header["checksum"]:
             raise CorruptSegmentError("segment checksum mismatch (the stored bytes were altered)")
         tensors = read_payload(payload)
         return _segment_from(header, tensors)

@@ -30,9 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.errors import UserError
+from kvforge.errors import CorruptSegmentError, ModelMismatchError, UserError
 from kvforge.store import codec
 from kvforge.store.base import _KEY_RE, ByteStore, Kind, check_key
+from kvforge.store.checksum import hasher
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,37 @@ DEFAULT_DISK_BYTES = 10 * 1024**3
 SEG_SUFFIX, BLOB_SUFFIX, TMP_SUFFIX = ".kvseg", ".blob", ".tmp"
 STALE_TMP_S = 3600.0  # a tmp file older than this is a crashed write: removed on open
 _READ_ONLY_ERRNOS = (errno.EACCES, errno.EROFS, errno.EPERM)
+READ_CHUNK = 1 << 20  # hashed as it arrives, while in cache: the checksum then costs little on top of the read
+
+
+class SegmentBytes(np.ndarray):
+    """The bytes of a segment file (uint8, writable: decoded tensors are views into it) and ``payload_checksum``, the
+    digest of its payload computed while reading (None when the header could not name one)."""
+
+    payload_checksum: str | None = None
+
+
+def _read_hashing(f: Any, buf: memoryview) -> tuple[int, str | None]:
+    """Fill ``buf`` from ``f`` in chunks, hashing the payload of the segment as it arrives under the algorithm its
+    header names; (bytes read, payload digest or None). Anything odd in the header: no digest (decode checks)."""
+    n, start, h = 0, 0, None
+    while n < len(buf):
+        got = f.readinto(buf[n : n + READ_CHUNK])
+        if not got:
+            break
+        if h is not None:
+            h.update(buf[n : n + got])
+        n += got
+        if h is None and start >= 0:
+            try:
+                if not start and n >= 16:
+                    start = codec.header_size(buf[:16])
+                if start and n >= start:
+                    h = hasher(codec.read_header(buf[:start])["checksum_algo"])
+                    h.update(buf[start:n])
+            except (CorruptSegmentError, ModelMismatchError, KeyError, TypeError):
+                start = -1
+    return n, None if h is None else str(h.hexdigest())
 
 
 def shard(key: str) -> str:
@@ -203,31 +235,34 @@ class DiskStore(ByteStore):
                     log.info("disk store: removed a leftover partial write %s", p.name)
 
     # ------------------------------------------------------------------------------------------ raw bytes
-    def read(self, key: str, kind: Kind = "seg") -> memoryview | None:
+    def read(self, key: str, kind: Kind = "seg") -> SegmentBytes | memoryview | None:
         path = self.path(key, kind)
         try:
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
                 # uninitialised (np.empty: no zeroing pass, ~3x faster than bytearray) and writable: decoded
                 # tensors are views into it, so the file's bytes are copied once, by the read itself
-                data = np.empty(size, dtype=np.uint8).data
-                n = 0
-                while n < size and (got := f.readinto(data[n:])):
-                    n += got
+                buf = np.empty(size, dtype=np.uint8)
+                if kind == "blob":
+                    n = 0
+                    while n < size and (got := f.readinto(buf.data[n:])):
+                        n += got
+                    return buf.data[:n]
+                n, digest = _read_hashing(f, buf.data)
         except FileNotFoundError:
             if kind == "seg":
                 self._forget(key)
             return None
-        data = data[:n]
-        if kind == "seg":
-            with contextlib.suppress(OSError):  # gone meanwhile, or a read-only folder: the hit still counts
-                self._stamp(path)  # the mtime is the last use: the LRU order survives restarts
-            with self.lock:
-                if key in self._index:
-                    self._index.move_to_end(key)
-                else:  # written by another process
-                    self._index[key] = size
-                    self._bytes += size
+        data = buf[:n].view(SegmentBytes)
+        data.payload_checksum = digest
+        with contextlib.suppress(OSError):  # gone meanwhile, or a read-only folder: the hit still counts
+            self._stamp(path)  # the mtime is the last use: the LRU order survives restarts
+        with self.lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+            else:  # written by another process
+                self._index[key] = size
+                self._bytes += size
         return data
 
     def write(self, key: str, data: bytes, kind: Kind = "seg") -> None:
