@@ -183,26 +183,152 @@ def hung_redis(tmp: Path) -> str:
         return f"{misses}/{elapsed:.1f}s/{'<3s' if elapsed < 3 else '>=3s'}/{warned}"
 
 
-@case("Redis writer killed before its metadata", "orphan chunks expire (TTL set)", lambda o: o == "ttl")
-def redis_orphans(tmp: Path) -> str:
+@case(
+    "Redis writer process SIGKILLed at random moments (3 times, real redis-server)",
+    "every visible entry whole; every unreferenced chunk has a TTL",
+    lambda o: o.startswith("whole/ttl"),
+)
+def redis_sigkill(tmp: Path) -> str:
+    import random
+
     import redis
+    from test_store_redis import WRITER
 
     from kvforge.store.redis import RedisStore
 
+    rng = random.Random(0)
     with redis_server(tmp) as url:
-        store = RedisStore(url, chunk_bytes=1000, prefix="orph")
-        real = store.client.pipeline
+        script = tmp / "writer.py"
+        script.write_text(WRITER)
+        env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+        partial = orphans = mid_data = 0
+        for _ in range(3):
+            tests = str(Path(__file__).resolve().parents[1] / "tests")
+            proc = subprocess.Popen(
+                [sys.executable, str(script), url, tests], stdout=subprocess.PIPE, text=True, env=env
+            )
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            time.sleep(rng.uniform(0.1, 1.5))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+            client = redis.Redis.from_url(url)
+            live = set()
+            for name in client.scan_iter("sk:*:meta"):
+                meta = json.loads(client.get(name))
+                live |= {f"{name.decode()[:-5]}:data:{meta['nonce']}:{i}" for i in range(meta["chunks"])}
+            data = {k.decode() for k in client.scan_iter("sk:*:data:*")}
+            orphans += sum(client.ttl(k) < 0 for k in data - live)
+            mid_data += bool(data - live)
+            store = RedisStore(url, prefix="sk")
+            partial += sum(store.get(k) is None for k in store.list_keys("seg")) + len(live - data)
+        return f"{'whole' if not partial else f'{partial} partial'}/{'ttl' if not orphans else f'{orphans} orphans'}" \
+               f" (killed mid-data {mid_data} of 3)"  # fmt: skip
 
-        def dies(transaction: bool = True, **kw):  # type: ignore[no-untyped-def]
-            if transaction:
-                raise redis.exceptions.ConnectionError("killed")
-            return real(transaction=transaction, **kw)
 
-        store.client.pipeline = dies  # type: ignore[method-assign]
-        store.put("aa", make_segment())
-        client = redis.Redis.from_url(url)
-        keys = client.keys("orph:seg:aa:data:*")
-        return "ttl" if keys and all(client.ttl(k) > 0 for k in keys) else f"orphans without TTL: {len(keys)}"
+@case(
+    "disk store in the pre-hash layout (segments/<key[:2]>/), reopened",
+    "moved to hashed folders, every entry a hit, LRU order kept",
+    lambda o: o == "moved/3 hits/order kept",
+)
+def disk_layout_migration(tmp: Path) -> str:
+    from kvforge.store.disk import DiskStore, shard
+
+    keys = ["prefix-v1-a", "prefix-v1-b", "prefix-v1-c"]
+    store = DiskStore(tmp / "old")
+    for i, key in enumerate(keys):
+        store.put(key, make_segment(seed=i))
+    store.get(keys[0])
+    order = store.keys()
+    for key in keys:  # where kvforge put them before the hashed layout
+        new = tmp / "old" / "segments" / shard(key) / f"{key}.kvseg"
+        old = tmp / "old" / "segments" / key[:2] / f"{key}.kvseg"
+        old.parent.mkdir(exist_ok=True)
+        mtime = new.stat().st_mtime_ns
+        os.replace(new, old)
+        os.utime(old, ns=(mtime, mtime))
+    reopened = DiskStore(tmp / "old")
+    moved = all((tmp / "old" / "segments" / shard(k) / f"{k}.kvseg").is_file() for k in keys)
+    kept = reopened.keys() == order
+    hits = sum(segments_equal(reopened.get(k), make_segment(seed=i)) for i, k in enumerate(keys))
+    return f"{'moved' if moved else 'not moved'}/{hits} hits/{'order kept' if kept else 'order lost'}"
+
+
+@case(
+    "full disk while creating a shard folder (ENOSPC at mkdir), 3 writes",
+    "no exception, writes skipped, one warning",
+    lambda o: o == "ok/skipped/1",
+)
+def full_disk_shard(tmp: Path) -> str:
+    import errno
+
+    from kvforge.store.disk import DiskStore
+
+    store = DiskStore(tmp / "full")
+    real_mkdir = Path.mkdir
+
+    def full(self: Path, *args: object, **kwargs: object) -> None:
+        if self.parent.name == "segments" and not self.exists():
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        real_mkdir(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    records = _capture_warnings()
+    Path.mkdir = full  # type: ignore[method-assign]
+    try:
+        for i in range(3):
+            store.put(f"key{i}", make_segment(seed=i))
+        outcome = "ok"
+    except Exception as e:
+        outcome = type(e).__name__
+    finally:
+        Path.mkdir = real_mkdir  # type: ignore[method-assign]
+        logging.getLogger("kvforge").removeHandler(records.handler)
+    return f"{outcome}/{'skipped' if not store.keys() else 'written'}/{sum('no space' in m for m in records)}"
+
+
+class _Records(list):
+    handler: logging.Handler
+
+
+def _capture_warnings() -> _Records:
+    records = _Records()
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    records.handler = handler
+    logging.getLogger("kvforge").addHandler(handler)
+    return records
+
+
+@case(
+    "semantic index: 2 of 8 records deleted, 2 with a flipped byte, then reopened",
+    "8 of 8 found (rebuilt from the segments' headers)",
+    lambda o: o == "8 of 8 found",
+)
+def semantic_rebuild(tmp: Path) -> str:
+    from kvforge.cache import KVCache
+    from kvforge.prefill import prefill
+    from kvforge.reuse import FakeEmbedder, SemanticReuse
+    from kvforge.testing import tiny_model, tiny_tokenizer
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    store = open_store(f"file://{tmp}/sem")
+    reuse = SemanticReuse(store, "tiny", FakeEmbedder(), threshold=0.6)
+    texts = [f"question {i} about subject {i * 3}" for i in range(8)]
+    for text in texts:
+        ids = tok(text, add_special_tokens=False).input_ids
+        cache = KVCache.for_model(model)
+        prefill(model, ids, cache)
+        reuse.record(ids, cache, text=text)
+    records = sorted(store.blob_keys())
+    for key in records[:2]:
+        store.delete_blob(key)
+    for key in records[2:4]:
+        path = tmp / "sem" / "blobs" / f"{key}.blob"
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x20
+        path.write_bytes(bytes(data))
+    reopened = SemanticReuse(store, "tiny", FakeEmbedder(), threshold=0.6)
+    found = sum(not isinstance(reopened._find(t, ""), str) for t in texts)
+    return f"{found} of {len(texts)} found"
 
 
 def main() -> int:
