@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -271,31 +271,34 @@ def full_disk_shard(tmp: Path) -> str:
             raise OSError(errno.ENOSPC, "No space left on device", str(self))
         real_mkdir(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    records = _capture_warnings()
     Path.mkdir = full  # type: ignore[method-assign]
     try:
-        for i in range(3):
-            store.put(f"key{i}", make_segment(seed=i))
+        with _warnings() as records:
+            for i in range(3):
+                store.put(f"key{i}", make_segment(seed=i))
         outcome = "ok"
     except Exception as e:
         outcome = type(e).__name__
     finally:
         Path.mkdir = real_mkdir  # type: ignore[method-assign]
-        logging.getLogger("kvforge").removeHandler(records.handler)
     return f"{outcome}/{'skipped' if not store.keys() else 'written'}/{sum('no space' in m for m in records)}"
 
 
-class _Records(list):
-    handler: logging.Handler
-
-
-def _capture_warnings() -> _Records:
-    records = _Records()
+@contextlib.contextmanager
+def _warnings() -> Iterator[list[str]]:
+    """The messages of the warnings kvforge logs inside the block (whatever the logging configuration)."""
+    records: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
-    records.handler = handler
-    logging.getLogger("kvforge").addHandler(handler)
-    return records
+    kv_logger = logging.getLogger("kvforge")
+    level = kv_logger.level
+    kv_logger.addHandler(handler)
+    kv_logger.setLevel(logging.WARNING)
+    try:
+        yield records
+    finally:
+        kv_logger.removeHandler(handler)
+        kv_logger.setLevel(level)
 
 
 @case(
@@ -334,11 +337,14 @@ def semantic_rebuild(tmp: Path) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/faults.jsonl"))
+    ap.add_argument("--only", default=None, help="run only the cases whose name contains this text")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for name, expected, fn, ok in CASES:
+        if args.only is not None and args.only not in name:
+            continue
         tmp = Path(tempfile.mkdtemp(prefix="kvforge-faults-"))
         try:
             if "Redis" in name and shutil.which("redis-server") is None:
