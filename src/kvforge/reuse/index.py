@@ -2,8 +2,9 @@
 
 Persistence: ONE small store blob per entry (:func:`record_bytes`), never one blob for the whole index, so writers in
 several processes, several server instances and restarts only ever add their own records: nothing is overwritten,
-nothing is lost, and a damaged record costs that one entry only. The in-memory index is the union of the records
-(rebuilt on open, extended with other writers' records before each search). The former single-blob format
+nothing is lost. The in-memory index is the union of the records (rebuilt on open, extended with other writers'
+records before each search); a missing or damaged record is rebuilt from its stored segment by
+:meth:`kvforge.reuse.semantic.SemanticReuse.reconcile`. The former single-blob format
 (``to_bytes``) is still read once to migrate an older store.
 """
 
