@@ -201,3 +201,40 @@ def test_rebuild_ignores_other_models_and_modes(tmp_path: Path) -> None:
     mine = SemanticReuse(store, "tiny", FakeEmbedder(), threshold=0.6)
     assert len(mine.index) == 0 and store.blob_keys() == [] and len(mine._unindexable) == 1
     assert len(SemanticReuse(store, "other-model", FakeEmbedder(), threshold=0.6).index) == 1
+
+
+@pytest.mark.redis
+def test_semantic_reuse_on_a_hung_redis_neither_raises_nor_stalls(tmp_path: Path) -> None:
+    """SIGSTOP'd Redis (timeout 0.5 s): opening an instance, recording and searching cost one timeout, not one per
+    call (the rebuild's listing goes through the store's one-warning outage handling too)."""
+    import os
+    import signal
+    import time
+
+    from kvforge.cache import KVCache
+    from kvforge.prefill import prefill
+    from kvforge.testing import tiny_model, tiny_tokenizer
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    with redis_server(tmp_path) as url:
+        store = open_store(url + "?timeout=0.5&connect_timeout=0.5")
+        port = url.split(":")[2].split("/")[0]
+        out = subprocess.run(["pgrep", "-f", f"redis-server 127.0.0.1:{port}"], capture_output=True, text=True)
+        pid = int(out.stdout.split()[0])
+        texts = [f"hung redis question {i}" for i in range(3)]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            reuse = SemanticReuse(store, "tiny", FakeEmbedder(), threshold=0.6)
+            for text in texts:
+                ids = tok(text, add_special_tokens=False).input_ids
+                cache = KVCache.for_model(model)
+                prefill(model, ids, cache)
+                reuse.record(ids, cache, text=text)
+                assert reuse.plan(ids, text=text) is not None
+            elapsed = time.monotonic() - start
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert elapsed < 4, elapsed
+        store.retry_s = 0.0
+        assert len(SemanticReuse(store, "tiny", FakeEmbedder(), threshold=0.6).index) == 0  # nothing was written

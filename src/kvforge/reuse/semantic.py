@@ -37,6 +37,7 @@ from typing import Any, Literal
 import numpy as np
 
 from kvforge.cache import KVCache
+from kvforge.errors import StoreUnavailableError
 from kvforge.reuse.base import (
     Embedder,
     PromptContext,
@@ -334,16 +335,31 @@ class SemanticReuse:
         record, or after a record was damaged or deleted. Segments of other models are recognised from their
         summary (no payload read) and remembered; only segments of this model without an entry are read.
         """
-        list_keys = getattr(self.store, "keys", None)
-        if list_keys is None:
+        if getattr(self.store, "keys", None) is None:
+            return 0
+        try:
+            found = self._unindexed()
+        except StoreUnavailableError as e:  # a store that is down: nothing to reconcile with now, try again later
+            logger.debug("semantic index not reconciled: %s", e)
             return 0
         self._reconciled_at = time.monotonic()
+        if found:
+            vectors = self.embedder.embed([e.text for e in found])
+            for vector, entry in zip(vectors, found, strict=True):
+                self._add(vector, entry)
+            logger.info("semantic index: %d stored entr%s indexed again from their KV", len(found),
+                        "y" if len(found) == 1 else "ies")  # fmt: skip
+        return len(found)
+
+    def _unindexed(self) -> list[IndexEntry]:
+        """Index entries of the stored segments of this model and mode that the index lacks."""
         self._load_records()  # entries other writers indexed meanwhile are not missing
         prefix = f"{KEY_PREFIX}{self.mode}-"
         indexed = {e.key for e in self.index.entries.values()}
         describe = getattr(self.store, "describe", None)
         found: list[IndexEntry] = []
-        for key in list_keys():
+        stored = self.store.keys()
+        for key in stored:
             if not key.startswith(prefix) or key in indexed or key in self._unindexable:
                 continue
             summary = describe(key) if describe is not None else {"model_id": self.model_id}
@@ -359,13 +375,7 @@ class SemanticReuse:
                 self._unindexable.add(key)
             else:
                 found.append(entry)
-        if found:
-            vectors = self.embedder.embed([e.text for e in found])
-            for vector, entry in zip(vectors, found, strict=True):
-                self._add(vector, entry)
-            logger.info("semantic index: %d stored entr%s indexed again from their KV", len(found),
-                        "y" if len(found) == 1 else "ies")  # fmt: skip
-        return len(found)
+        return found
 
     def _entry_from(self, key: str, segment: KVSegment) -> IndexEntry | None:
         """The index entry a stored segment stands for, or None when it is not one of ours (or cannot say)."""

@@ -178,6 +178,9 @@ class RedisStore(ByteStore):
     def contains(self, key: str) -> bool:
         return bool(self._soft(lambda: super(RedisStore, self).contains(key), False))
 
+    def keys(self) -> list[str]:
+        return list(self._soft(lambda: super(RedisStore, self).keys(), []))
+
     def get_blob(self, key: str) -> bytes | None:
         return self._soft(lambda: super(RedisStore, self).get_blob(key), None)
 
@@ -314,7 +317,7 @@ class RedisStore(ByteStore):
         self._call(lambda: self.client.zadd(self._lru(), {key: time.time()}, xx=True))
 
     def describe(self, key: str) -> dict[str, Any] | None:
-        meta = self._meta(key, "seg")  # the summary travels in the metadata: no data transfer
+        meta = self._soft(lambda: self._meta(key, "seg"), None)  # the summary travels in the metadata: no data
         return None if meta is None else meta.get("summary")
 
     def stored_size(self, key: str) -> int | None:
