@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from store_helpers import free_port, make_segment, redis_server
+from store_helpers import free_port, make_segment, redis_chunk_audit, redis_server
 
 from kvforge.cli import main as cli
 from kvforge.errors import UserError
@@ -191,7 +191,6 @@ def hung_redis(tmp: Path) -> str:
 def redis_sigkill(tmp: Path) -> str:
     import random
 
-    import redis
     from test_store_redis import WRITER
 
     from kvforge.store.redis import RedisStore
@@ -211,13 +210,8 @@ def redis_sigkill(tmp: Path) -> str:
             time.sleep(rng.uniform(0.1, 1.5))
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)
-            client = redis.Redis.from_url(url)
-            live = set()
-            for name in client.scan_iter("sk:*:meta"):
-                meta = json.loads(client.get(name))
-                live |= {f"{name.decode()[:-5]}:data:{meta['nonce']}:{i}" for i in range(meta["chunks"])}
-            data = {k.decode() for k in client.scan_iter("sk:*:data:*")}
-            orphans += sum(client.ttl(k) < 0 for k in data - live)
+            live, data, ttls = redis_chunk_audit(url, "sk")
+            orphans += sum(ttls[k] < 0 for k in data - live)
             mid_data += bool(data - live)
             store = RedisStore(url, prefix="sk")
             partial += sum(store.get(k) is None for k in store.list_keys("seg")) + len(live - data)
@@ -231,6 +225,8 @@ def redis_sigkill(tmp: Path) -> str:
     lambda o: o == "moved/3 hits/order kept",
 )
 def disk_layout_migration(tmp: Path) -> str:
+    from test_store_backends import _to_old_layout
+
     from kvforge.store.disk import DiskStore, shard
 
     keys = ["prefix-v1-a", "prefix-v1-b", "prefix-v1-c"]
@@ -239,13 +235,7 @@ def disk_layout_migration(tmp: Path) -> str:
         store.put(key, make_segment(seed=i))
     store.get(keys[0])
     order = store.keys()
-    for key in keys:  # where kvforge put them before the hashed layout
-        new = tmp / "old" / "segments" / shard(key) / f"{key}.kvseg"
-        old = tmp / "old" / "segments" / key[:2] / f"{key}.kvseg"
-        old.parent.mkdir(exist_ok=True)
-        mtime = new.stat().st_mtime_ns
-        os.replace(new, old)
-        os.utime(old, ns=(mtime, mtime))
+    _to_old_layout(tmp / "old", keys)  # where kvforge put them before the hashed layout
     reopened = DiskStore(tmp / "old")
     moved = all((tmp / "old" / "segments" / shard(k) / f"{k}.kvseg").is_file() for k in keys)
     kept = reopened.keys() == order

@@ -50,6 +50,23 @@ def make_segment(
     )
 
 
+def redis_chunk_audit(url: str, prefix: str) -> tuple[set[str], set[str], dict[str, int]]:
+    """What a Redis store under ``prefix`` holds: (data keys its metadata points to, data keys present, TTL of each
+    data key present). Committed chunks have no TTL; any other chunk must expire."""
+    import json
+
+    import redis
+
+    client = redis.Redis.from_url(url)
+    live: set[str] = set()
+    for name in client.scan_iter(f"{prefix}:*:meta"):
+        meta = json.loads(client.get(name))
+        base = name.decode().removesuffix(":meta")
+        live |= {f"{base}:data:{meta['nonce']}:{i}" for i in range(meta["chunks"])}
+    data = {k.decode() for k in client.scan_iter(f"{prefix}:*:data:*")}
+    return live, data, {k: client.ttl(k) for k in data}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from store_helpers import free_port, make_segment, redis_server
+from store_helpers import free_port, make_segment, redis_chunk_audit, redis_server
 
 from kvforge.errors import StoreUnavailableError
 from kvforge.store import DiskStore, MemoryStore, TieredStore, open_store
@@ -181,7 +181,6 @@ def test_a_writer_killed_with_sigkill_leaves_no_partial_entry_and_no_keys_withou
     """A real writer process SIGKILLed at random moments, several times, on a real redis-server: every entry that is
     visible reads back whole (checksum verified), and every data key is either pointed to by a metadata record (no
     TTL) or expires (TTL set): no orphans forever, no half entries."""
-    import json
     import random
     import signal
     import subprocess
@@ -202,18 +201,12 @@ def test_a_writer_killed_with_sigkill_leaves_no_partial_entry_and_no_keys_withou
             time.sleep(rng.uniform(0.1, 1.5))
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)
-            client = redis.Redis.from_url(url)
-            metas = {k.decode(): json.loads(client.get(k)) for k in client.scan_iter("sk:*:meta")}
-            live = set()
-            for name, meta in metas.items():
-                base = name.removesuffix(":meta")
-                live |= {f"{base}:data:{meta['nonce']}:{i}" for i in range(meta["chunks"])}
-            data = {k.decode() for k in client.scan_iter("sk:*:data:*")}
+            live, data, ttls = redis_chunk_audit(url, "sk")
             assert live <= data  # every committed entry has all its chunks
-            for name in data:
-                ttl = client.ttl(name)
+            for name, ttl in ttls.items():
                 assert (ttl == -1) if name in live else (0 < ttl <= ORPHAN_TTL_S), (name, ttl)
             killed_mid_data += bool(data - live)
+            metas = [k.decode() for k in redis.Redis.from_url(url).scan_iter("sk:*:meta")]
             store = RedisStore(url, prefix="sk")
             seg_keys = sorted(k.split(":")[2] for k in metas if k.startswith("sk:seg:"))
             blob_keys = sorted(k.split(":")[2] for k in metas if k.startswith("sk:blob:"))
