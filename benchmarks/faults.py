@@ -249,28 +249,18 @@ def disk_layout_migration(tmp: Path) -> str:
     lambda o: o == "ok/skipped/1",
 )
 def full_disk_shard(tmp: Path) -> str:
-    import errno
+    from store_helpers import full_disk_at_shard_folders
 
     from kvforge.store.disk import DiskStore
 
     store = DiskStore(tmp / "full")
-    real_mkdir = Path.mkdir
-
-    def full(self: Path, *args: object, **kwargs: object) -> None:
-        if self.parent.name == "segments" and not self.exists():
-            raise OSError(errno.ENOSPC, "No space left on device", str(self))
-        real_mkdir(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    Path.mkdir = full  # type: ignore[method-assign]
     try:
-        with _warnings() as records:
+        with _warnings() as records, full_disk_at_shard_folders():
             for i in range(3):
                 store.put(f"key{i}", make_segment(seed=i))
         outcome = "ok"
     except Exception as e:
         outcome = type(e).__name__
-    finally:
-        Path.mkdir = real_mkdir  # type: ignore[method-assign]
     return f"{outcome}/{'skipped' if not store.keys() else 'written'}/{sum('no space' in m for m in records)}"
 
 

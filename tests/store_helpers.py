@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -65,6 +66,25 @@ def redis_chunk_audit(url: str, prefix: str) -> tuple[set[str], set[str], dict[s
         live |= {f"{base}:data:{meta['nonce']}:{i}" for i in range(meta["chunks"])}
     data = {k.decode() for k in client.scan_iter(f"{prefix}:*:data:*")}
     return live, data, {k: client.ttl(k) for k in data}
+
+
+@contextmanager
+def full_disk_at_shard_folders() -> Iterator[None]:
+    """Inside the block, creating a new folder under a disk store's ``segments/`` fails with ENOSPC (a full disk)."""
+    import errno
+
+    real_mkdir = Path.mkdir
+
+    def full(self: Path, *args: Any, **kwargs: Any) -> None:
+        if self.parent.name == "segments" and not self.exists():
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        real_mkdir(self, *args, **kwargs)
+
+    Path.mkdir = full  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Path.mkdir = real_mkdir  # type: ignore[method-assign]
 
 
 def free_port() -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from store_helpers import make_segment
+from store_helpers import full_disk_at_shard_folders, make_segment
 
 from kvforge.errors import UserError
 from kvforge.store import DiskStore, KVStore, MemoryStore, TieredStore, default_store_url, open_store
@@ -257,20 +257,11 @@ def test_disk_full_while_creating_a_shard_folder_is_a_skipped_write(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = DiskStore(tmp_path)
-    real_mkdir = Path.mkdir
-
-    def full(self: Path, *args: object, **kwargs: object) -> None:
-        if self.parent.name == "segments" and not self.exists():
-            raise OSError(errno.ENOSPC, "No space left on device", str(self))
-        real_mkdir(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Path, "mkdir", full)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING), full_disk_at_shard_folders():
         for i in range(3):
             store.put(f"key{i}", make_segment(seed=i))  # no exception: a cache that cannot grow skips the write
     assert store.keys() == [] and list((tmp_path / "tmp").iterdir()) == []
     assert len([r for r in caplog.records if "no space left" in r.getMessage()]) == 1
-    monkeypatch.undo()
     with caplog.at_level(logging.WARNING):
         store.put("key0", make_segment())
     assert segments_equal(store.get("key0"), make_segment()) and "writes succeed again" in caplog.text
