@@ -373,3 +373,18 @@ def test_concurrent_writers_and_readers_never_see_a_mix(tmp_path: Path) -> None:
         t.join()
     store.close()
     assert errors == [] and list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_disk_read_hashes_while_reading_and_decode_uses_it_only_at_the_payload_offset(tmp_path: Path) -> None:
+    from kvforge.errors import CorruptSegmentError
+    from kvforge.store import codec
+
+    store = DiskStore(tmp_path)
+    store.put("aa", make_segment())
+    data = store.read("aa")
+    start, digest = data.payload_checksum
+    assert start == codec.header_size(bytes(data[:16])) and len(digest) == 32
+    assert segments_equal(codec.decode(data, payload_checksum=(start, digest)), make_segment())
+    assert segments_equal(codec.decode(data, payload_checksum=(start - 8, "0" * 32)), make_segment())  # not trusted
+    with pytest.raises(CorruptSegmentError, match="checksum mismatch"):
+        codec.decode(data, payload_checksum=(start, "0" * 32))

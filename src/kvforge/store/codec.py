@@ -265,13 +265,14 @@ def decode(
     expect_tokenizer_id: str | None = None,
     expect_dtype: torch.dtype | None = None,
     verify: bool = True,
-    payload_checksum: str | None = None,
+    payload_checksum: tuple[int, str] | None = None,
 ) -> KVSegment:
     """Decode bytes made by :func:`encode` into a CPU segment, bit-exact (quantised ones back in their dtype).
 
     Given a writable buffer (``bytearray``) the tensors are views into it (no copy); given ``bytes``, into a copy.
-    ``payload_checksum``: the payload's digest under the header's algorithm, computed by the caller while it read the
-    bytes (the disk store hashes each chunk as it arrives, while it is in cache); compared instead of hashing again.
+    ``payload_checksum``: ``(offset, hex digest)`` of the bytes from ``offset`` to the end under the header's
+    algorithm, computed by the caller while it read them (the disk store hashes each chunk as it arrives, while it is
+    in cache); used instead of hashing again when ``offset`` is where the payload starts, ignored otherwise.
 
     Raises:
         ModelMismatchError: another format version, or not the expected model / tokenizer / dtype.
@@ -290,8 +291,11 @@ def decode(
         algo = header["checksum_algo"]
         if verify and header["version"] >= 2 and checksum([_header_json(header)], algo) != header_sum:
             raise CorruptSegmentError("segment header checksum mismatch (the stored header was altered)")
-        if verify and (payload_checksum or checksum([payload], algo)) != header["checksum"]:
-            raise CorruptSegmentError("segment checksum mismatch (the stored bytes were altered)")
+        if verify:
+            given = payload_checksum is not None and payload_checksum[0] == len(buf) - len(payload)
+            digest = payload_checksum[1] if given else checksum([payload], algo)  # type: ignore[index]
+            if digest != header["checksum"]:
+                raise CorruptSegmentError("segment checksum mismatch (the stored bytes were altered)")
         tensors = read_payload(payload)
         return _segment_from(header, tensors)
     except (KeyError, TypeError, ValueError, RuntimeError) as e:

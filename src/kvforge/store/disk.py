@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.errors import CorruptSegmentError, ModelMismatchError, UserError
+from kvforge.errors import UserError
 from kvforge.store import codec
 from kvforge.store.base import _KEY_RE, ByteStore, Kind, check_key
 from kvforge.store.checksum import hasher
@@ -45,15 +45,15 @@ READ_CHUNK = 1 << 20  # hashed as it arrives, while in cache: the checksum then 
 
 
 class SegmentBytes(np.ndarray):
-    """The bytes of a segment file (uint8, writable: decoded tensors are views into it) and ``payload_checksum``, the
-    digest of its payload computed while reading (None when the header could not name one)."""
+    """The bytes of a segment file (uint8, writable: decoded tensors are views into it) and ``payload_checksum``,
+    ``(offset, digest)`` of the bytes after its header computed while reading (None when the header named none)."""
 
-    payload_checksum: str | None = None
+    payload_checksum: tuple[int, str] | None = None
 
 
-def _read_hashing(f: Any, buf: memoryview) -> tuple[int, str | None]:
-    """Fill ``buf`` from ``f`` in chunks, hashing the payload of the segment as it arrives under the algorithm its
-    header names; (bytes read, payload digest or None). Anything odd in the header: no digest (decode checks)."""
+def _read_hashing(f: Any, buf: memoryview) -> tuple[int, tuple[int, str] | None]:
+    """Fill ``buf`` from ``f`` in chunks, hashing what follows the segment's header as it arrives under the algorithm
+    the header names; (bytes read, (offset, digest) or None). Anything odd in the header: no digest (decode checks)."""
     n, start, h = 0, 0, None
     while n < len(buf):
         got = f.readinto(buf[n : n + READ_CHUNK])
@@ -69,9 +69,9 @@ def _read_hashing(f: Any, buf: memoryview) -> tuple[int, str | None]:
                 if start and n >= start:
                     h = hasher(codec.read_header(buf[:start])["checksum_algo"])
                     h.update(buf[start:n])
-            except (CorruptSegmentError, ModelMismatchError, KeyError, TypeError):
+            except Exception:
                 start = -1
-    return n, None if h is None else str(h.hexdigest())
+    return n, None if h is None else (start, str(h.hexdigest()))
 
 
 def shard(key: str) -> str:
