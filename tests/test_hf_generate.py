@@ -120,23 +120,34 @@ def test_generate_continues_a_reused_segment(tokenizer):
     torch.testing.assert_close(got_logits, expected_logits, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["adakv", "pyramidkv"])
-def test_headwise_or_layerwise_cache_needs_kvforge_attention(tokenizer, name):
-    """Plain generate refuses a cache transformers' masks cannot describe; inside attach() it equals Engine."""
-    model, prompt = tiny_model("llama", num_hidden_layers=3), ids(S + 6)
-    eng = engine(model, tokenizer)
+@pytest.mark.parametrize("name", sorted(PRESSES))
+def test_generate_continues_every_press_cache(model, tokenizer, name):
+    """Plain generate continues a compressed cache as Engine does, or refuses one transformers' masks cannot
+    describe (head-wise, per-layer budgets), untouched; inside attach() it then equals Engine."""
+    eng, prompt = engine(model, tokenizer), ids(S + 6)
     cache, _ = eng.prefill(prompt[0, :S].tolist(), press=small(name))
-    assert cache.hf_attention_problem() is not None
     ours, logits = eng.prefill(prompt[0, S:].tolist(), copy.deepcopy(cache))
     expected_tokens, expected_logits = engine_decode(model, ours, logits)
-    before = copy.deepcopy(cache)
-    with pytest.raises(ValueError, match=r"kvforge\.hf\.attach"):
-        hf_generate(model, prompt, past_key_values=cache)
-    assert cache.next_position == before.next_position and cache.lengths() == before.lengths()  # rolled back
-    with attach(model):
+    if cache.hf_attention_problem() is not None:
+        before = copy.deepcopy(cache)
+        with pytest.raises(ValueError, match=r"kvforge\.hf\.attach"):
+            hf_generate(model, prompt, past_key_values=cache)
+        assert cache.next_position == before.next_position and cache.lengths() == before.lengths()  # rolled back
+        with attach(model):
+            tokens, got_logits, _ = hf_generate(model, prompt, past_key_values=cache)
+    else:
         tokens, got_logits, _ = hf_generate(model, prompt, past_key_values=cache)
     assert tokens == expected_tokens
     torch.testing.assert_close(got_logits, expected_logits, rtol=1e-4, atol=1e-4)
+    assert cache.lengths() == ours.lengths() and cache.next_position == S + 6 + NEW - 1
+
+
+def test_which_caches_plain_generate_takes(tokenizer):
+    """SnapKV keeps the same count per head: plain; AdaKV pads heads, PyramidKV varies layers: kvforge attention."""
+    eng = engine(tiny_model("llama", num_hidden_layers=3), tokenizer)
+    problems = {n: eng.prefill(ids()[0].tolist(), press=small(n))[0].hf_attention_problem() for n in PRESSES}
+    assert problems["snapkv"] is None and problems["full"] is None
+    assert "head-wise" in problems["adakv"] and "different lengths" in problems["pyramidkv"]
 
 
 def _state(model):
@@ -195,3 +206,16 @@ def test_generate_on_sliding_window_layers_across_compaction():
     assert tokens == expected_tokens
     torch.testing.assert_close(got_logits, expected_logits, rtol=1e-4, atol=1e-4)
     assert max(theirs.lengths()[:2]) < 30  # the sliding layers really dropped entries
+
+
+def test_direct_forward_inside_attach_gives_every_logit(tokenizer):
+    """model(ids, past_key_values=kv_cache) inside the block returns all positions' logits, as the model would."""
+    model, prompt = tiny_model("llama"), ids()
+    with torch.no_grad():
+        expected = model(prompt).logits
+    cache = KVCache.for_model(model)
+    with attach(model):
+        got = model(prompt[:, :30], past_key_values=cache).logits
+        got = torch.cat([got, model(prompt[:, 30:], past_key_values=cache).logits], dim=1)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert cache.next_position == S and cache.token_ids == prompt[0].tolist()

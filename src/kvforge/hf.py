@@ -29,7 +29,7 @@ from torch import Tensor
 
 from kvforge.cache import KVCache
 from kvforge.errors import UserError
-from kvforge.prefill import DEFAULT_CHUNK_SIZE, prefill
+from kvforge.prefill import DEFAULT_CHUNK_SIZE, forward, prefill
 
 __all__ = ["attach"]
 
@@ -111,17 +111,22 @@ class _Router:
 
         _check_inputs(cache, input_ids, kwargs)
         assert input_ids is not None
+        keep = kwargs.get("logits_to_keep", 0)  # generate asks for 1; a direct call for all (0)
         if compress:
             from kvforge.presses import compress_prefill
 
             if input_ids.shape[0] != 1:
                 raise UserError(f"with press(model): generate takes one sequence (batch 1), got {input_ids.shape[0]}")
+            if keep != 1:
+                raise UserError("under a press a prefill gives the last token's logits only: pass logits_to_keep=1")
             logits = compress_prefill(
                 self.model, input_ids, cache, self.press, chunk_size=self.chunk_size, tokenizer=self.tokenizer
-            )
+            )[:, None, :]
+        elif keep == 1:
+            logits = prefill(self.model, input_ids, cache, chunk_size=self.chunk_size)[:, None, :]
         else:
-            logits = prefill(self.model, input_ids, cache, chunk_size=self.chunk_size)
-        return CausalLMOutputWithPast(logits=logits[:, None, :], past_key_values=cache)
+            logits = forward(self.model, input_ids, cache, logits_to_keep=keep)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
 
 
 def _check_inputs(cache: KVCache, input_ids: Tensor | None, kwargs: dict[str, Any]) -> None:
