@@ -18,13 +18,15 @@ from kvforge.testing import ARCHS, tiny_model
 
 S, NEW, CHUNK = 40, 4, 16  # prompt tokens, new tokens, prefill chunk
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "calibration_dir")
 
 
-@pytest.fixture(autouse=True)
-def _own_cache_dir(tmp_path, monkeypatch):
-    """KVzip head-level calibrations go to a temporary cache dir, never the user's."""
-    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path / "kvforge-cache"))
+@pytest.fixture(scope="module")
+def calibration_dir(tmp_path_factory):
+    """KVzip head-level calibrations of this module's models go to one temporary folder, never the user's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVFORGE_CACHE_DIR", str(tmp_path_factory.mktemp("kvforge-cache")))
+        yield
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))
