@@ -186,8 +186,9 @@ def test_model_exactly_as_before_after_the_block_also_on_error(arch, tokenizer):
 
 def test_clear_errors(tokenizer):
     model = tiny_model("llama")
-    with pytest.raises(UserError, match="tokenizer"):
-        build_press("kvzip", 0.5)(model).__enter__()
+    for name in ("kvzip", "kvzip-ada", "surrogatekv-kvzip", "kvzip-head"):  # their replay is encoded with it
+        with pytest.raises(UserError, match="tokenizer"), build_press(name, 0.5)(model):
+            pass
     assert "forward" not in model.__dict__
     cache = KVCache.for_model(model)
     engine(model, tokenizer).prefill(ids()[0].tolist(), cache)
@@ -221,3 +222,16 @@ def test_direct_forward_inside_attach_gives_every_logit(tokenizer):
         got = torch.cat([got, model(prompt[:, 30:], past_key_values=cache).logits], dim=1)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert cache.next_position == S and cache.token_ids == prompt[0].tolist()
+
+
+def test_press_compresses_new_tokens_on_a_passed_cache(tokenizer):
+    """Under a press, tokens prefilled on a KVCache passed in are compressed, its prefix kept: Engine.prefill's rule."""
+    model, prompt, press = tiny_model("mistral"), ids(S + 20), build_press("snapkv", 0.5, window_size=8)
+    eng = engine(model, tokenizer)
+    prefix, _ = eng.prefill(prompt[0, :S].tolist())
+    ours, logits = eng.prefill(prompt[0, S:].tolist(), copy.deepcopy(prefix), press=press)
+    expected_tokens, expected_logits = engine_decode(model, ours, logits)
+    with press(model, chunk_size=CHUNK):
+        tokens, got_logits, cache = hf_generate(model, prompt, past_key_values=prefix)
+    assert tokens == expected_tokens and cache.lengths() == ours.lengths() == [S + 10 + NEW - 1] * 2
+    torch.testing.assert_close(got_logits, expected_logits, rtol=1e-4, atol=1e-4)

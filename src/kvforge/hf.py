@@ -5,10 +5,11 @@
 
 Inside :func:`attach` (what ``press(model)`` returns) the model's ``forward`` is wrapped, and the wrapper only
 routes: a forward that carries a :class:`~kvforge.cache.KVCache` runs as kvforge's own (:func:`kvforge.prefill.prefill`:
-positions from the cache, kvforge attention with the cache's per-layer / per-head masks, chunked); with a press, the
-prompt of a fresh ``generate`` (transformers' empty DynamicCache) is prefilled into a new KVCache and compressed
-exactly as :class:`~kvforge.engine.Engine` does (:func:`kvforge.presses.compress_prefill`: observation window,
-lookahead drafts, KVzip replay), and the decoding steps that follow run on that compressed cache. Every other forward
+positions from the cache, not generate's ``position_ids``; kvforge attention with the cache's per-layer / per-head
+masks; chunked); with a press, the prompt of a fresh ``generate`` (transformers' empty DynamicCache) is prefilled into
+a new KVCache and compressed exactly as :class:`~kvforge.engine.Engine` does (:func:`kvforge.presses.compress_prefill`:
+observation window, lookahead drafts, KVzip replay), and the decoding steps that follow run on that compressed cache
+(new tokens prefilled on a KVCache passed in, more than one at a time, are compressed likewise). Every other forward
 goes to the model untouched. On exit (also on error) the wrapper is removed: the model is the object it was.
 
 Why a wrapper and not only transformers' ``AttentionInterface``: kvforge's attention needs the cache's positions,
@@ -79,7 +80,7 @@ def _needs_tokenizer(press: Any) -> bool:
         found = getattr(found, "press", None)
     if isinstance(found, KVzipHeadPress):
         return found.head_scores is None and not found.calibration
-    return found is not None and press.needs().reconstruction and found.prompt_ids is None
+    return press.needs().reconstruction and (found is None or found.prompt_ids is None)
 
 
 class _Router:
@@ -94,8 +95,9 @@ class _Router:
             return self.original(*args, **kwargs)
         cache = kwargs.get("past_key_values")
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if isinstance(cache, KVCache):
-            return self._run(cache, input_ids, kwargs, compress=self.press is not None and input_ids.shape[1] > 1)
+        if isinstance(cache, KVCache):  # under a press, new tokens on a passed cache are a prefill: compressed
+            compress = self.press is not None and input_ids is not None and input_ids.shape[1] > 1
+            return self._run(cache, input_ids, kwargs, compress=compress)
         if self.press is None or input_ids is None or kwargs.get("use_cache") is False:
             return self.original(*args, **kwargs)
         if cache is not None and cache.get_seq_length() > 0:
