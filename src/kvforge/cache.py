@@ -1,11 +1,16 @@
 """KVCache: per-layer keys/values in buffers grown in blocks, with positions, per-head validity and sliding windows.
 
-The cache speaks the part of transformers' ``Cache`` interface that decoder models call (``update``,
-``get_seq_length``), so any HF decoder runs on it; attention itself goes through :mod:`kvforge.attention`, which
+The cache is a ``transformers.Cache``: kvforge's own forwards (:mod:`kvforge.prefill`) announce their positions and
+run :mod:`kvforge.attention`, which
 builds each layer's mask from the positions held here. That is what lets layers hold different lengths
 (PyramidKV), heads hold different entries (AdaKV, padded and masked), entries sit at arbitrary positions (RAG
 chunks re-rotated, selective recomputation) and the cache be shortened (compression, sliding window) while decoding
 keeps the true RoPE positions: the next position is the number of tokens processed, not the cache length.
+
+``model.generate(past_key_values=cache)`` outside kvforge calls runs the model's own attention with transformers'
+masks: exact whenever those masks can describe the cache (every layer of a kind holds as many entries, no head-wise
+padding, no sinks; compressed entries are fine: they all precede the new tokens), a clear error otherwise; inside
+``with kvforge.hf.attach(model):`` (or ``with press(model):``) every forward on a KVCache is kvforge's, any cache.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+from transformers.cache_utils import Cache
 
 from kvforge.types import KVSegment
 
@@ -278,8 +284,11 @@ class AttentionHook(Protocol):
     ) -> Tensor: ...
 
 
-class KVCache:
+class KVCache(Cache):
     """The KV cache of one batch of sequences, all layers, plus the count of tokens processed.
+
+    A ``transformers.Cache``: ``model.generate(input_ids, past_key_values=cache)`` continues it (``input_ids`` = every
+    token, those already processed first, as with any HF cache); see the module docstring for which attention runs.
 
     Args:
         num_layers: decoder layers.
@@ -305,12 +314,14 @@ class KVCache:
         native = list(layer_windows) if layer_windows is not None else [None] * num_layers
         self.window = window
         self.num_sink = num_sink
-        self.layers = [
+        layers = [
             KVLayer(window=w, num_sink=0, block_size=block_size)
             if w is not None
             else KVLayer(window=window, num_sink=num_sink if window is not None else 0, block_size=block_size)
             for w in native
         ]
+        super().__init__(layers=layers)  # type: ignore[arg-type]
+        self.layers: list[KVLayer] = layers
         self.native_windows = native
         self.next_position = 0  # position of the next token: tokens processed so far
         self.query_positions: Tensor | None = None  # (B, Q) positions of the forward in flight
@@ -318,6 +329,7 @@ class KVCache:
         self.token_ids: list[int] = []  # tokens processed, in order (single-sequence caches)
         self.info: dict[str, Any] = {}  # facts about how the cache was built (press, reuse), for reports
         self.attention_hook: AttentionHook | None = None  # replaces the softmax in kvforge_attention (RAG)
+        self._hf_layer: int | None = None  # last layer appended by a forward of the model's own attention
 
     @classmethod
     def for_model(cls, model: Any, **kwargs: Any) -> KVCache:
@@ -327,23 +339,101 @@ class KVCache:
 
     # ------------------------------------------------------------------------ transformers' Cache interface
     def update(
-        self, key_states: Tensor, value_states: Tensor, layer_idx: int, cache_kwargs: dict[str, Any] | None = None
+        self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[Tensor, Tensor]:
         """Append the new keys/values of ``layer_idx`` and return all of that layer's entries."""
-        if self.query_positions is None:
-            raise RuntimeError("KVCache.update called outside kvforge.prefill.forward (positions unknown)")
+        if self.query_positions is None or self._hf_layer is not None:
+            return self._update_hf(key_states, value_states, layer_idx)
         return self.layers[layer_idx].append(key_states, value_states, self.query_positions, self._first_position)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens processed (NOT entries held): what models use to place the next positions."""
         return self.next_position
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` for transformers' masks: the held entries read as the last ones before the
+        queries (true for every held entry: all precede the next position), sliding layers at their real positions."""
+        layer = self.layers[layer_idx]
+        if layer.window is not None and self.query_positions is None:  # drop now: this forward's appends must not
+            with torch.inference_mode():
+                for other in self.layers:
+                    if other.window is not None:
+                        other._drop_outside_window(self.next_position)
+        return layer.length + query_length, self.next_position - layer.length
+
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
 
     @property
     def is_compileable(self) -> bool:
         return False
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        """Layers with a native sliding window (transformers sizes their masks apart)."""
+        return [w is not None for w in self.native_windows]
+
+    def _unsupported(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            "KVCache holds one sequence per row and no beam/crop bookkeeping: use greedy or sampled generate with "
+            "num_beams=1 and num_return_sequences=1, or convert with cache.to_dynamic()"
+        )
+
+    reorder_cache = crop = batch_repeat_interleave = batch_select_indices = _unsupported
+
+    def hf_attention_problem(self) -> str | None:
+        """Why the model's own attention (with transformers' masks) cannot run on this cache, or None when it can."""
+        lengths: dict[bool, int] = {}
+        for i, (layer, native) in enumerate(zip(self.layers, self.native_windows, strict=True)):
+            if layer.window is not None and native is None:
+                return f"a sliding-window cache (layer {i}: window {layer.window}, {layer.num_sink} sinks)"
+            if layer.valid is not None:
+                return f"head-wise compressed entries (layer {i}: heads hold different counts)"
+            if (other := lengths.setdefault(native is not None, layer.length)) != layer.length:
+                return f"layers of different lengths (layer {i} holds {layer.length}, an earlier one {other})"
+            if native is not None and layer.length:
+                _, _, pos, _ = layer.view()
+                first = self.next_position - layer.length
+                if not bool((pos == torch.arange(first, self.next_position, device=pos.device)).all()):
+                    return f"re-positioned entries in sliding-window layer {i}"
+        return None
+
+    def _update_hf(self, keys: Tensor, values: Tensor, layer_idx: int) -> tuple[Tensor, Tensor]:
+        """An append from a forward of the model's own attention (``model.generate(past_key_values=cache)``).
+
+        Positions continue from ``next_position``; the forward ends with the last layer's append. Its tokens are not
+        known here, so ``token_ids`` is not extended.
+        """
+        if self._hf_layer is not None and layer_idx <= self._hf_layer:
+            self.abort()  # the previous forward stopped half-way: drop its entries
+        if self.query_positions is None:
+            problem = self.hf_attention_problem()
+            if problem is not None:
+                raise ValueError(
+                    f"this KVCache holds {problem}: the model's own attention cannot mask it; run generate inside "
+                    "`with kvforge.hf.attach(model):` (or `with press(model):`) so kvforge's attention reads it"
+                )
+            b, s = keys.shape[0], keys.shape[2]
+            held = next((layer.keys.shape[0] for layer in self.layers if layer.keys is not None), b)
+            if held != b:
+                raise ValueError(
+                    f"this KVCache holds {held} sequence(s), the forward brings {b} rows (generate with num_beams=1 "
+                    "and num_return_sequences=1)"
+                )
+            self.begin(torch.arange(self.next_position, self.next_position + s, device=keys.device)[None].expand(b, -1))
+        assert self.query_positions is not None
+        self._hf_layer = layer_idx
+        with torch.inference_mode():  # kvforge's buffers are inference tensors (written in place)
+            out = self.layers[layer_idx].append(keys, values, self.query_positions, self._first_position)
+        if layer_idx == self.num_layers - 1:
+            self.next_position = self._first_position + keys.shape[2]
+            self.query_positions, self._hf_layer = None, None
+            for layer in self.layers:
+                layer.num_new = 0
+        return out
 
     # ------------------------------------------------------------------------ forward bookkeeping
     def begin(self, position_ids: Tensor) -> None:
@@ -367,6 +457,7 @@ class KVCache:
             layer.length -= layer.num_new
             layer.num_new = 0
         self.query_positions = None
+        self._hf_layer = None
 
     def reserve(self, num_tokens: int, like: tuple[Tensor, Tensor] | None = None) -> None:
         """Preallocate room for ``num_tokens`` entries in every (non-empty) layer."""

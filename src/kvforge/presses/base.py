@@ -9,11 +9,15 @@ window queries, lookahead draft queries, reconstruction scores) and installs the
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from kvforge.prefill import DEFAULT_CHUNK_SIZE
 
 
 def num_kept(size: int, compression_ratio: float) -> int:
@@ -226,6 +230,17 @@ class Press:
     def compress_all(self, contexts: list[LayerContext]) -> list[Selection]:
         """Selections for every compressed layer at once (a press with a model-wide budget overrides this)."""
         return [self.compress(ctx) for ctx in contexts]
+
+    def __call__(
+        self, model: Any, tokenizer: Any = None, chunk_size: int | None = DEFAULT_CHUNK_SIZE
+    ) -> AbstractContextManager:
+        """kvpress-style: ``with press(model): model.generate(input_ids)`` compresses the prompt, decodes on it.
+
+        See :func:`kvforge.hf.attach` (``tokenizer``: for KVzip's replay request; ``chunk_size``: the prefill's).
+        """
+        from kvforge.hf import attach
+
+        return attach(model, self, tokenizer=tokenizer, chunk_size=chunk_size)
 
     def ratio(self) -> float:
         """The fraction of new entries removed per layer."""
