@@ -12,6 +12,7 @@ from typing import Any
 
 from kvforge import __version__
 from kvforge.commands import COMMAND_MODULES
+from kvforge.commands._common import check_names
 from kvforge.errors import UserError
 
 
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
+        check_names(args)  # typos in press/task/model/... names fail here, before torch is imported
         return int(args.func(args) or 0)
     except UserError as e:
         print(f"kvforge: error: {e}", file=sys.stderr)

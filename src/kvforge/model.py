@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from kvforge.attention import use_kvforge_attention
-from kvforge.errors import UserError, unknown_name
+from kvforge.errors import UserError
+from kvforge.names import check_dtype, check_model
 from kvforge.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -107,9 +108,7 @@ def _parse_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch
         return dtype
     names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if dtype not in names:
-        raise UserError(f"unknown dtype {dtype!r}; choose from {sorted(names)}")
-    return names[dtype]
+    return names[check_dtype(dtype)]
 
 
 def load_model(
@@ -129,20 +128,15 @@ def load_model(
     torch_dtype = _parse_dtype(dtype, dev)
     name = str(name_or_path)
     start = time.perf_counter()
-    if name in BUILTIN_MODELS:
+    kind = check_model(name)  # the same check the CLI makes before importing torch
+    if kind == "builtin":
         folder = _dequantized_folder(BUILTIN_MODELS[name].gguf_path())
-    elif name.endswith(".gguf"):
-        if not Path(name).is_file():
-            raise UserError(f"model file not found: {name}")
+    elif kind == "gguf":
         folder = _dequantized_folder(Path(name))
-    elif Path(name).is_dir():
+    elif kind == "folder":
         folder = Path(name)
-    elif Path(name).exists() or name.startswith((".", "/", "~")):
-        raise UserError(f"not a model folder or .gguf file: {name}")
-    elif "/" in name:
-        folder = None  # hub id
     else:
-        raise unknown_name("model", name, [*BUILTIN_MODELS, "<model folder>", "<file.gguf>"])
+        folder = None  # hub id
     model, tokenizer = _from_pretrained(str(folder) if folder is not None else name, torch_dtype)
     model.to(dev).eval()
     digest_file = folder / _WEIGHTS_DIGEST if folder is not None else None
