@@ -274,11 +274,15 @@ def pivot_table(summary: dict[str, Any], column: str = "normalized", digits: int
     return "\n".join(lines)
 
 
-def write_report(out_dir: Path, summary: dict[str, Any], plots: list[Path], command: str | None = None) -> Path:
-    """``report.md``: settings, the plots and the summary tables (overall first, then per task)."""
+def write_report(
+    out_dir: Path, summary: dict[str, Any], plots: list[Path], command: str | list[str] | None = None
+) -> Path:
+    """``report.md``: settings, the plots and the summary tables (overall first, then per task). ``command``: the
+    command line(s) that made the rows (a run and its resumes, from ``run.json``)."""
     parts = [f"# kvforge eval: {summary['model']}", "", f"- mode: {summary['mode']}"]
-    if command:
-        parts.append(f"- command: `{command}`")
+    commands = [command] if isinstance(command, str) else list(command or [])
+    for i, line in enumerate(commands):
+        parts.append(f"- {'command' if i == 0 else 'resumed with'}: `{line}`")
     parts += ["- score: 100 x mean metric; normalized: 100 x score / full-cache score on the same examples", ""]
     parts += [f"![{p.stem}]({p.name})" for p in plots] + [""]
     parts += ["## Normalised score (full cache = 100)", "", pivot_table(summary, "normalized"), ""]
@@ -292,7 +296,9 @@ def write_report(out_dir: Path, summary: dict[str, Any], plots: list[Path], comm
     return path
 
 
-def write_all(out_dir: Path, rows: list[dict[str, Any]], model: str, mode: str, command: str | None = None) -> dict:
+def write_all(
+    out_dir: Path, rows: list[dict[str, Any]], model: str, mode: str, command: str | list[str] | None = None
+) -> dict:
     """Summary files, plots and report for ``rows``; returns the summary."""
     summary = summarize(rows, model, mode)
     write_summary(out_dir, summary)
