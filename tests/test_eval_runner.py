@@ -265,9 +265,14 @@ def test_press_methods_through_the_runner(tmp_path, engine, query_aware):
     compressed = prompt if query_aware else len(ctx)
     snap = by["snapkv"]["kept_ratio"]
     assert snap == pytest.approx((compressed // 2 + prompt - compressed) / prompt)
+    assert by["full"]["ttft_stages"] == {"prefill": pytest.approx(by["full"]["ttft_s"], abs=1e-6), "compression": 0.0,
+                                         "lookahead": 0.0}  # fmt: skip
     for method in PRESS_METHODS:
         assert 0.3 < by[method]["kept_ratio"] < 0.75, method
         assert by[method]["cache_bytes"] <= by["full"]["cache_bytes"]
+        stages = by[method]["ttft_stages"]  # the press's own clocks, adding up to the TTFT
+        assert stages["compression"] > 0 and stages["lookahead"] == 0.0, method
+        assert sum(stages.values()) == pytest.approx(by[method]["ttft_s"], abs=1e-5), method
         assert by[method]["kl"] >= 0 and 0 <= by[method]["needle_kept"] <= 1
 
 

@@ -215,7 +215,8 @@ def _report(args: argparse.Namespace, mode: str) -> int:
 
     info = read_run_info(args.out)
     settings = info["settings"]
-    commands = [r["command"] for r in info["runs"] if r.get("command")] or [_command()]
+    # the commands that made the rows; a run.json of kvforge 0.1.0 has none, and --report-only made no row
+    commands = [r["command"] for r in info["runs"] if r.get("command")] or ([] if args.report_only else [_command()])
     summary = write_all(args.out, rows, settings.get("model", args.model), settings.get("mode", mode),
                         [c for c in commands if c])  # fmt: skip
     has_all = any(r["task"] == "all" for r in summary["rows"])

@@ -89,6 +89,18 @@ def press_trial(method: str, compression_ratio: float, query_aware: bool = True)
     return Trial(method, 0.0 if method == FULL else compression_ratio, prefill, press, query_aware)
 
 
+def ttft_stages(pre: Prefilled) -> dict[str, float]:
+    """``pre.ttft_s`` split into ``prefill`` (the forward passes and picking the first token), ``compression`` (the
+    press's scoring and selection, KVzip's replay included) and ``lookahead`` (draft tokens), from the press's
+    per-stage clocks; the three add up to the TTFT."""
+    info = getattr(pre.cache, "info", {}).get("press") or {}
+    seconds = info.get("seconds", {})
+    lookahead = float(seconds.get("lookahead", 0.0))
+    compression = float(seconds.get("reconstruction", 0.0)) + float(seconds.get("compress", 0.0))
+    prefill = max(0.0, pre.ttft_s - lookahead - compression)
+    return {"prefill": round(prefill, 6), "compression": round(compression, 6), "lookahead": round(lookahead, 6)}
+
+
 def press_trials(methods: Sequence[str], ratios: Sequence[float], query_aware: bool = True) -> list[Trial]:
     """The full cache once, then every other method at every ratio, ratio by ratio in the given order (a time-boxed
     run then covers every method at the first ratio). Presses are built now, so a bad name fails early."""
@@ -363,6 +375,7 @@ class EvalRunner:
             "answers": example.answers,
             "score": score_prediction(gen.text, example.answers, example.metric),
             "ttft_s": pre.ttft_s,
+            "ttft_stages": ttft_stages(pre),
             "decode_s": gen.decode_s,
             "prompt_tokens": len(pre.prompt_ids),
             "new_tokens": len(gen.token_ids),
