@@ -132,7 +132,7 @@ def apply_settings(parser: argparse.ArgumentParser, argv: list[str], environ: An
             known.add(action.dest)
             env_name = ENV_PREFIX + action.dest.upper()
             key = action.dest.replace("_", "-")
-            if env_name in environ:
+            if environ.get(env_name, "") != "":  # an empty variable (VAR= kvforge ...) counts as unset
                 defaults[action.dest] = _setting(action, environ[env_name], f"${env_name}")
             elif key in own or action.dest in own:
                 defaults[action.dest] = _setting(action, own.get(key, own.get(action.dest)), f"config {key}")
