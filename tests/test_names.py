@@ -78,3 +78,12 @@ def test_cli_name_mistakes_fail_without_importing_torch(argv):
     assert done.stdout.split() == ["2", "False", "False"]
     assert "did you mean" in done.stderr or "unknown" in done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def test_a_closed_pipe_is_no_traceback():
+    import os
+
+    env = dict(os.environ)
+    done = subprocess.run(f"{sys.executable} -m kvforge presses | head -1", shell=True, capture_output=True, text=True,
+                          env=env)  # fmt: skip
+    assert done.stdout.startswith("full") and "Traceback" not in done.stderr

@@ -167,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvforge: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `kvforge presses | head -1`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit must not fail again
+        return 141
 
 
 if __name__ == "__main__":
