@@ -63,17 +63,20 @@ REUSE_NAMES: tuple[str, ...] = ("prefix", "semantic")
 DTYPE_NAMES: tuple[str, ...] = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
 
 
-def check_press(name: str) -> str:
-    if name not in PRESS_DESCRIPTIONS:
-        raise unknown_name("press", name, PRESS_NAMES)
+def _member(kind: str, name: str, names: tuple[str, ...]) -> str:
+    if name not in names:
+        raise unknown_name(kind, name, names)
     return name
+
+
+def check_press(name: str) -> str:
+    return _member("press", name, PRESS_NAMES)
 
 
 def check_task(name: str) -> str:
     """A built-in task or ``hub:<name>`` (see :data:`HUB_TASK_NAMES`)."""
     if name.startswith(HUB_PREFIX):
-        if name[len(HUB_PREFIX) :] not in HUB_TASK_NAMES:
-            raise unknown_name("hub task", name, [HUB_PREFIX + n for n in HUB_TASK_NAMES])
+        _member("hub task", name, tuple(HUB_PREFIX + n for n in HUB_TASK_NAMES))
         return name
     if name not in TASK_NAMES:
         raise unknown_name("task", name, [*TASK_NAMES, "hub:..."])
@@ -81,21 +84,15 @@ def check_task(name: str) -> str:
 
 
 def check_rag_strategy(name: str) -> str:
-    if name not in RAG_STRATEGY_NAMES:
-        raise unknown_name("RAG strategy", name, RAG_STRATEGY_NAMES)
-    return name
+    return _member("RAG strategy", name, RAG_STRATEGY_NAMES)
 
 
 def check_reuse(name: str) -> str:
-    if name not in REUSE_NAMES:
-        raise unknown_name("reuse strategy", name, REUSE_NAMES)
-    return name
+    return _member("reuse strategy", name, REUSE_NAMES)
 
 
 def check_dtype(name: str) -> str:
-    if name not in DTYPE_NAMES:
-        raise unknown_name("dtype", name, DTYPE_NAMES)
-    return name
+    return _member("dtype", name, DTYPE_NAMES)
 
 
 def check_model(name: str) -> str:
