@@ -8,7 +8,7 @@ import torch
 from store_helpers import make_segment
 
 from kvforge.errors import UserError
-from kvforge.store import codec, open_store, quant_roundtrip
+from kvforge.store import open_store, quant_roundtrip
 from kvforge.store.codec import decode, encode, segments_equal
 from kvforge.store.quant import GroupScheme, effective_group, pack_bits, parse_scheme, quantize_groups, unpack_bits
 
