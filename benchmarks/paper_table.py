@@ -4,7 +4,8 @@
 4k on a CPU budget); this script pools them into the three families the issue names (needle / RULER mix /
 LongBench-style QA), computes per family the normalised score on the pooled examples (100 x mean score / mean
 full-cache score on the same examples) and the mean fidelity columns, and writes a Markdown table, JSON lines and a
-four-panel plot (normalised score per family + KL vs remaining cache):
+plot per quantity (``paper_comparison.png``: normalised score per family; ``paper_comparison_kl.png``: KL per family
+and over the families; never both quantities on one figure):
 
     python benchmarks/paper_table.py runs/repro --out docs/eval_repro
 """
@@ -56,7 +57,8 @@ def pooled(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def plot(rows: list[dict[str, Any]], families: list[str], path: Path, title: str) -> None:
+def plot(rows: list[dict[str, Any]], families: list[str], path: Path, title: str, column: str = "normalized") -> None:
+    """One panel per family of one quantity (``normalized`` or ``kl``, the latter with an "all" panel)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -65,21 +67,22 @@ def plot(rows: list[dict[str, Any]], families: list[str], path: Path, title: str
     from kvforge.eval.report import _color
 
     methods = sorted({r["method"] for r in rows if r["method"] != FULL})
-    panels = [*[(f, "normalized") for f in families], ("all", "kl")]
+    panels = families if column == "normalized" else [*families, "all"]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.3 * len(panels), 4.2), dpi=80, squeeze=False)
-    for ax, (fam, col) in zip(axes.flat, panels, strict=True):
+    for ax, fam in zip(axes.flat, panels, strict=True):
         for i, m in enumerate(methods):
-            pts = sorted((100 * (1 - r["compression_ratio"]), r[col]) for r in rows
-                         if r["task"] == fam and r["method"] == m and r.get(col) is not None)  # fmt: skip
+            pts = sorted((100 * (1 - r["compression_ratio"]), r[column]) for r in rows
+                         if r["task"] == fam and r["method"] == m and r.get(column) is not None)  # fmt: skip
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="osD^v<>ph*"[i % 10], linestyle="-" if i < 10 else "--",
                         color=_color(i), label=m, markersize=5)  # fmt: skip
         n = max((r["n"] for r in rows if r["task"] == fam and r["method"] == FULL), default=0)
-        if col == "normalized":
+        if column == "normalized":
             ax.axhline(100, color="black", linestyle="--", linewidth=1)
             ax.set(ylabel="score (full cache = 100)", title=f"{fam} (n={n})")
         else:
-            ax.set(ylabel="KL(full || method), nats/token", title="KL, mean over the families")
+            label = "mean over the families" if fam == "all" else f"{fam} (n={n})"
+            ax.set(ylabel="KL(full || method), nats/token", title=label)
         ax.set(xlabel="remaining cache (%)")
         ax.grid(alpha=0.3)
     handles, labels = axes.flat[0].get_legend_handles_labels()
@@ -111,9 +114,12 @@ def main() -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "paper_table.md").write_text("\n".join(text) + "\n")
         (args.out / "paper_table.jsonl").write_text("".join(json.dumps(r) + "\n" for r in summary))
-        info = json.loads((args.run / "run.json").read_text()) if (args.run / "run.json").is_file() else {}
-        plot(summary, families, args.out / "paper_comparison.png",
-             f"{info.get('model', '')} ({info.get('mode', '')}), 4k-token prompts")  # fmt: skip
+        from kvforge.eval.runner import read_run_info
+
+        info = read_run_info(args.run)["settings"]
+        title = f"{info.get('model', '')} ({info.get('mode', '')}), 4k-token prompts"
+        plot(summary, families, args.out / "paper_comparison.png", title)
+        plot(summary, families, args.out / "paper_comparison_kl.png", title, column="kl")
     return 0
 
 

@@ -184,6 +184,49 @@ def test_cli_end_to_end_on_jsonl(tmp_path, monkeypatch, engine, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+def test_run_json_records_provenance_and_refuses_a_changed_resume(tmp_path, monkeypatch, engine):
+    data = write_examples(_examples(), tmp_path / "in.jsonl")
+    monkeypatch.setattr(eval_cmd, "load_engine", lambda args: engine)
+    out = tmp_path / "out"
+    common = ["--model", "tiny", "--data", str(data), "--out", str(out), "--no-progress"]
+    args = _parse([*common, "--methods", "full", "--max-new-tokens", "2"])
+    assert args.func(args) == 0
+    info = json.loads((out / "run.json").read_text())
+    settings, (first,) = info["settings"], info["runs"]
+    assert settings["max_new_tokens"] == 2 and settings["chunk_size"] == 512 and settings["model_id"] == engine.model_id
+    assert settings["device"] == "cpu" and settings["dtype"] == "float32" and settings["data"] == str(data.resolve())
+    assert settings["mode"] == "query-aware" and settings["fidelity"] is False
+    assert {"kvforge", "git_sha", "torch", "transformers", "python", "command"} <= set(first)
+    for option, value, old in (("--max-new-tokens", "3", "2"), ("--chunk-size", "64", "512")):
+        argv = ["--max-new-tokens", "2", option, value] if option != "--max-new-tokens" else [option, value]
+        args = _parse([*common, "--methods", "full", *argv])
+        with pytest.raises(UserError, match=f"{option} was {old}, now {value}"):
+            args.func(args)
+    with pytest.raises(UserError, match="--query-agnostic was 'query-aware', now 'query-agnostic'"):
+        args = _parse([*common, "--methods", "full", "--max-new-tokens", "2", "--query-agnostic"])
+        args.func(args)
+    rows = (out / "results.jsonl").read_text()
+    args = _parse([*common, "--methods", "full,snapkv", "--compression-ratios", "0.5", "--max-new-tokens", "2"])
+    assert args.func(args) == 0  # same settings, more methods: a resume adds rows
+    assert (out / "results.jsonl").read_text().startswith(rows)
+    assert len(json.loads((out / "run.json").read_text())["runs"]) == 1  # same code and command: one entry
+
+
+def test_a_run_json_of_kvforge_0_1_0_still_resumes(tmp_path, monkeypatch, engine):
+    data = write_examples(_examples()[:1], tmp_path / "in.jsonl")
+    monkeypatch.setattr(eval_cmd, "load_engine", lambda args: engine)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"model": "tiny", "mode": "query-aware", "fidelity": False}))
+    common = ["--model", "tiny", "--data", str(data), "--out", str(out), "--no-progress", "--methods", "full"]
+    with pytest.raises(UserError, match="--fidelity was False, now True"):
+        args = _parse([*common, "--fidelity"])
+        args.func(args)
+    args = _parse(common)
+    assert args.func(args) == 0
+    assert json.loads((out / "run.json").read_text())["settings"]["model_id"] == engine.model_id
+
+
 def test_cli_tasks_interleave_and_report_only(tmp_path, monkeypatch, engine, capsys):
     hay = tmp_path / "hay.txt"
     hay.write_text("Once upon a time there was a fox. It ran far away. The end came soon. " * 40)
@@ -222,9 +265,14 @@ def test_press_methods_through_the_runner(tmp_path, engine, query_aware):
     compressed = prompt if query_aware else len(ctx)
     snap = by["snapkv"]["kept_ratio"]
     assert snap == pytest.approx((compressed // 2 + prompt - compressed) / prompt)
+    assert by["full"]["ttft_stages"] == {"prefill": pytest.approx(by["full"]["ttft_s"], abs=1e-6), "compression": 0.0,
+                                         "lookahead": 0.0}  # fmt: skip
     for method in PRESS_METHODS:
         assert 0.3 < by[method]["kept_ratio"] < 0.75, method
         assert by[method]["cache_bytes"] <= by["full"]["cache_bytes"]
+        stages = by[method]["ttft_stages"]  # the press's own clocks, adding up to the TTFT
+        assert stages["compression"] > 0 and stages["lookahead"] == 0.0, method
+        assert sum(stages.values()) == pytest.approx(by[method]["ttft_s"], abs=1e-5), method
         assert by[method]["kl"] >= 0 and 0 <= by[method]["needle_kept"] <= 1
 
 
@@ -233,7 +281,7 @@ def test_cli_main_reports_a_malformed_line(tmp_path, capsys):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "context": "c", "question": "q", "answers": ["a"]}\n{oops\n')
-    assert main(["eval", "--model", "x", "--data", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert main(["eval", "--model", "smollm2-135m", "--data", str(bad), "--out", str(tmp_path / "o")]) == 2
     assert (
         capsys.readouterr().err.strip() == f"kvforge: error: {bad}:2: invalid JSON (Expecting property name "
         "enclosed in double quotes at column 2)"

@@ -83,9 +83,18 @@ def test_help_and_version_do_not_import_torch():
     ("argv", "message"),
     [
         (["generate", "--prompt", "hi", "--press", "snapk"], "unknown press 'snapk'; did you mean 'snapkv'?"),
-        (["eval", "--model", "m", "--task", "nedle", "--out", "OUT"], "unknown task 'nedle'; did you mean 'needle'"),
-        (["eval", "--model", "m", "--task", "needle", "--methods", "criticalk", "--out", "OUT"], "'criticalkv'"),
-        (["eval", "--model", "m", "--task", "longbench-qa", "--data-dir", "OUT", "--out", "OUT"], "longbench/ folder"),
+        (
+            ["eval", "--model", "smollm2-135m", "--task", "nedle", "--out", "OUT"],
+            "unknown task 'nedle'; did you mean 'needle'",
+        ),
+        (
+            ["eval", "--model", "smollm2-135m", "--task", "needle", "--methods", "criticalk", "--out", "OUT"],
+            "'criticalkv'",
+        ),
+        (
+            ["eval", "--model", "smollm2-135m", "--task", "longbench-qa", "--data-dir", "OUT", "--out", "OUT"],
+            "longbench/ folder",
+        ),
         (["generate", "--model", "smollm2-135", "--prompt", "hi"], "did you mean 'smollm2-135m'"),
     ],
 )

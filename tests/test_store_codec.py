@@ -41,15 +41,28 @@ def test_round_trip_keeps_large_positions_and_meta() -> None:
     assert codec.read_header(encode(seg))["tokenizer_id"] == "tok-1"
 
 
-def test_payload_is_plain_safetensors() -> None:
+def test_segment_is_a_plain_safetensors_file(tmp_path) -> None:
+    from safetensors import safe_open
+
     seg = make_segment(torch.bfloat16)
     data = encode(seg)
-    tensors = safetensors.torch.load(data[codec.header_size(data) :])
-    assert torch.equal(tensors["k.0"], seg.keys[0]) and torch.equal(tensors["m.1"], seg.valid[1])
-    header = codec.read_header(data)
-    assert header["version"] == codec.VERSION and header["dtype"] == "bfloat16"
+    path = tmp_path / "segment.kvseg"
+    path.write_bytes(data)
+    with safe_open(str(path), "pt") as f:  # the standard reader opens it, header in its metadata
+        header = json.loads(f.metadata()[codec.METADATA_KEY])
+        assert torch.equal(f.get_tensor("k.0"), seg.keys[0]) and torch.equal(f.get_tensor("m.1"), seg.valid[1])
+    assert header == codec.read_header(data)
+    assert header["version"] == codec.VERSION == 3 and header["dtype"] == "bfloat16"
     assert header["layers"][0]["k_shape"] == [2, 7, 8] and header["token_ids"] == seg.token_ids
     assert header["full_bytes"] == seg.nbytes()
+    tensors = safetensors.torch.load(data)
+    assert torch.equal(tensors["v.2"], seg.values[2])
+
+
+def test_a_foreign_safetensors_file_is_refused(tmp_path) -> None:
+    data = safetensors.torch.save({"w": torch.zeros(3)}, metadata={"format": "pt"})
+    with pytest.raises(CorruptSegmentError, match="without 'kvforge' metadata"):
+        decode(data)
 
 
 def test_decoded_tensors_are_independent_of_the_input_bytes() -> None:
@@ -81,7 +94,7 @@ def test_check_segment_after_a_store_get() -> None:
 
 def test_refuses_another_format_version() -> None:
     data = encode(make_segment())
-    patched = data.replace(b'"version":%d,' % codec.VERSION, b'"version":9,', 1)  # same length: still well-formed
+    patched = data.replace(b'\\"version\\":%d,' % codec.VERSION, b'\\"version\\":9,', 1)  # same length: well-formed
     assert patched != data
     with pytest.raises(ModelMismatchError, match="format version 9"):
         decode(patched)
@@ -97,7 +110,7 @@ def test_corrupt_or_truncated_bytes_raise_corrupt_error() -> None:
     flipped[-5] ^= 0x40  # one bit of a value
     with pytest.raises(CorruptSegmentError, match="checksum"):
         decode(bytes(flipped))
-    with pytest.raises(CorruptSegmentError, match="magic"):
+    with pytest.raises(CorruptSegmentError, match="not a kvforge segment"):
         decode(b"PK\x03\x04" + data[4:])
     garbled = bytearray(data)
     garbled[20] = ord("}")
@@ -114,7 +127,8 @@ def test_checksum_algorithms(algo: str) -> None:
     data = encode(seg, checksum_algo=algo)
     assert codec.read_header(data)["checksum_algo"] == algo and segments_equal(decode(data), seg)
     flipped = bytearray(data)
-    flipped[len(data) // 2 + 40] ^= 0x01
+    start = codec.header_size(data)
+    flipped[(start + len(data)) // 2] ^= 0x01  # in the middle of the tensor data
     with pytest.raises(CorruptSegmentError, match="checksum"):
         decode(bytes(flipped))
 
@@ -181,8 +195,8 @@ def test_empty_segment_round_trips() -> None:
 
 def test_header_is_self_describing_json() -> None:
     data = encode(make_segment())
-    raw = data[16 : codec.header_size(data)]
-    header = json.loads(raw)
+    index = json.loads(data[8 : codec.header_size(data)])
+    header = json.loads(index["__metadata__"][codec.METADATA_KEY])
     assert {
         "format",
         "version",
@@ -205,7 +219,7 @@ def test_every_header_byte_flip_is_caught() -> None:
     """The checksum covers the header too: no single flipped header byte gives a segment silently."""
     data = bytearray(encode(make_segment(), checksum_algo="sha256"))
     accepted = []
-    for i in range(16, codec.header_size(data)):
+    for i in range(codec.header_size(data)):  # length field, tensor index and kvforge header
         flipped = bytearray(data)
         flipped[i] ^= 0x01
         try:
@@ -216,13 +230,32 @@ def test_every_header_byte_flip_is_caught() -> None:
     assert accepted == []
 
 
-def test_version_1_segments_without_a_header_checksum_still_load() -> None:
-    seg = make_segment()
-    data = encode(seg)
-    header = codec.read_header(data)
+def _old_format(seg, version: int) -> bytes:
+    """``seg`` as formats 1 and 2 wrote it: magic + header length + header JSON + safetensors payload."""
+    from kvforge.store.payload import write_payload
+
+    data = encode(seg, checksum_algo="sha256")
+    payload = b"".join(bytes(p) for p in write_payload(safetensors.torch.load(data)))
+    header = codec.read_header(data) | {"version": version, "payload_bytes": len(payload)}
+    header["checksum"] = checksum.checksum([payload], "sha256")
     del header["header_checksum"]
-    header["version"] = 1
+    if version >= 2:
+        header["header_checksum"] = checksum.checksum([codec._header_json(header)], "sha256")
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(len(raw) + 16) % 8)
-    old = codec._PREFIX.pack(codec.MAGIC, len(raw)) + raw + bytes(data[codec.header_size(data) :])
+    return codec._PREFIX.pack(codec.MAGIC, len(raw)) + raw + payload
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_format_1_and_2_segments_still_load(version: int) -> None:
+    seg = make_segment()
+    old = _old_format(seg, version)
+    assert codec.read_header(old)["version"] == version and codec.header_size(old[:16]) > 16
     assert segments_equal(decode(old), seg)
+    flipped = bytearray(old)
+    flipped[-5] ^= 0x40
+    with pytest.raises(CorruptSegmentError, match="checksum"):
+        decode(bytes(flipped))
+    relabelled = old.replace(b'"version":%d,' % version, b'"version":3,', 1)  # old layout, new version: refused
+    with pytest.raises(CorruptSegmentError, match="layout"):
+        decode(relabelled)

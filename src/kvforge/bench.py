@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import platform
-import subprocess
 import time
 from typing import Any
 
@@ -81,8 +80,6 @@ def bench_decode(
 
 
 def _git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
+    from kvforge.provenance import git_sha
+
+    return git_sha()

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvforge import __version__
 from kvforge.commands import COMMAND_MODULES
+from kvforge.commands._common import check_names
 from kvforge.errors import UserError
 
 
@@ -131,7 +132,7 @@ def apply_settings(parser: argparse.ArgumentParser, argv: list[str], environ: An
             known.add(action.dest)
             env_name = ENV_PREFIX + action.dest.upper()
             key = action.dest.replace("_", "-")
-            if env_name in environ:
+            if environ.get(env_name, "") != "":  # an empty variable (VAR= kvforge ...) counts as unset
                 defaults[action.dest] = _setting(action, environ[env_name], f"${env_name}")
             elif key in own or action.dest in own:
                 defaults[action.dest] = _setting(action, own.get(key, own.get(action.dest)), f"config {key}")
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
+        check_names(args)  # typos in press/task/model/... names fail here, before torch is imported
         return int(args.func(args) or 0)
     except UserError as e:
         print(f"kvforge: error: {e}", file=sys.stderr)
@@ -165,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvforge: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `kvforge presses | head -1`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit must not fail again
+        return 141
 
 
 if __name__ == "__main__":

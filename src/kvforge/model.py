@@ -22,13 +22,13 @@ from typing import Any
 import torch
 
 from kvforge.attention import use_kvforge_attention
-from kvforge.errors import UserError, unknown_name
+from kvforge.errors import UserError
+from kvforge.names import check_dtype, check_model
 from kvforge.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
 _COMPLETE = "KVFORGE_COMPLETE"
-_WEIGHTS_DIGEST = "KVFORGE_WEIGHTS_SHA256"  # digest of the fp32 weights, computed once when the folder is made
 
 
 @dataclass(frozen=True)
@@ -107,9 +107,7 @@ def _parse_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch
         return dtype
     names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if dtype not in names:
-        raise UserError(f"unknown dtype {dtype!r}; choose from {sorted(names)}")
-    return names[dtype]
+    return names[check_dtype(dtype)]
 
 
 def load_model(
@@ -129,30 +127,34 @@ def load_model(
     torch_dtype = _parse_dtype(dtype, dev)
     name = str(name_or_path)
     start = time.perf_counter()
-    if name in BUILTIN_MODELS:
+    kind = check_model(name)  # the same check the CLI makes before importing torch
+    if kind == "builtin":
         folder = _dequantized_folder(BUILTIN_MODELS[name].gguf_path())
-    elif name.endswith(".gguf"):
-        if not Path(name).is_file():
-            raise UserError(f"model file not found: {name}")
+    elif kind == "gguf":
         folder = _dequantized_folder(Path(name))
-    elif Path(name).is_dir():
+    elif kind == "folder":
         folder = Path(name)
-    elif Path(name).exists() or name.startswith((".", "/", "~")):
-        raise UserError(f"not a model folder or .gguf file: {name}")
-    elif "/" in name:
-        folder = None  # hub id
     else:
-        raise unknown_name("model", name, [*BUILTIN_MODELS, "<model folder>", "<file.gguf>"])
+        folder = None  # hub id
     model, tokenizer = _from_pretrained(str(folder) if folder is not None else name, torch_dtype)
     model.to(dev).eval()
-    digest_file = folder / _WEIGHTS_DIGEST if folder is not None else None
-    if digest_file is not None and torch_dtype == torch.float32 and (folder / _COMPLETE).is_file():  # type: ignore[operator]
-        if not digest_file.is_file():  # made by an older kvforge: add it once
-            digest_file.write_text(weights_digest(model))
-        model._kvforge_weights_digest = (digest_file.read_text().strip(), weights_state(model))
+    source = _source_digest(folder, name, model)
+    if source is not None:  # weights == these files now; weights_state tells when that stops being true
+        model._kvforge_weights_digest = (source, weights_state(model))
     use_kvforge_attention(model)
     logger.info("loaded %s in %.1fs", name, time.perf_counter() - start)
     return model, tokenizer
+
+
+def _source_digest(folder: Path | None, name: str, model: Any) -> str | None:
+    """What the loaded weights are, without reading them: the digests of the folder's files (cached by path, size and
+    mtime), or the hub commit of a hub id; None when neither is known."""
+    if folder is not None:
+        from kvforge.digests import folder_digest
+
+        return folder_digest(folder)
+    commit = getattr(model.config, "_commit_hash", None)
+    return hashlib.sha256(f"hub:{name}@{commit}".encode()).hexdigest() if commit else None
 
 
 def _from_pretrained(source: str, dtype: torch.dtype) -> tuple[Any, Any]:
@@ -187,7 +189,6 @@ def _dequantized_folder(gguf: Path) -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / _WEIGHTS_DIGEST).write_text(weights_digest(model))
         (tmp / _COMPLETE).write_text(gguf.name)
         if folder.exists():  # a stale, incomplete entry: replace it
             shutil.rmtree(folder)
@@ -198,23 +199,29 @@ def _dequantized_folder(gguf: Path) -> Path:
     return folder
 
 
-def model_fingerprint(model: Any, tokenizer: Any) -> str:
+def model_fingerprint(model: Any, tokenizer: Any, *, hash_tensors: bool | None = None) -> str:
     """A stable id of (architecture, weights, tokenizer, dtype), identical across processes and machines.
 
-    Format: ``"<ModelClass>:<weights sha256[:16]>:<tokenizer sha256[:16]>:<dtype>"``. Cached on the model object
-    together with :func:`weights_state`, so the cache is dropped as soon as the weights change (``model.to(dtype)``,
-    an in-place update, a reload of the state dict): a stale fingerprint would key another model's caches.
+    Format: ``"<ModelClass>:<weights digest[:16]>:<tokenizer sha256[:16]>:<dtype>"``. The weights digest is that of
+    the files :func:`load_model` read (safetensors/GGUF digests cached by path, size and mtime; the commit of a hub
+    id), so no tensor is read; a model kvforge did not load, one whose weights changed since (``model.to(dtype)``,
+    an in-place update, a reload of the state dict: see :func:`weights_state`), or ``hash_tensors=True`` (default:
+    ``$KVFORGE_HASH_TENSORS``) hashes every tensor instead. Cached on the model object with :func:`weights_state`,
+    so a stale fingerprint never keys another model's caches.
     """
+    if hash_tensors is None:
+        hash_tensors = os.environ.get("KVFORGE_HASH_TENSORS", "").lower() in ("1", "true", "yes", "on")
     state = weights_state(model)
     cached = getattr(model, "_kvforge_fingerprint", None)
-    if cached is not None and cached[2:] == (state, id(tokenizer)):
+    if cached is not None and cached[2:] == (state, id(tokenizer), hash_tensors):
         return str(cached[0])  # same weights, same tokenizer object: no hashing on the request path
     tok_digest = tokenizer_fingerprint(tokenizer)
-    known = getattr(model, "_kvforge_weights_digest", None)  # from the model folder's digest file, if still valid
-    digest = known[0] if isinstance(known, tuple) and known[1] == state else weights_digest(model)
+    known = getattr(model, "_kvforge_weights_digest", None)  # from the files load_model read, if still valid
+    from_files = not hash_tensors and isinstance(known, tuple) and known[1] == state
+    digest = known[0] if from_files else weights_digest(model)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     fingerprint = f"{type(model).__name__}:{digest[:16]}:{tok_digest}:{dtype}"
-    model._kvforge_fingerprint = (fingerprint, tok_digest, state, id(tokenizer))
+    model._kvforge_fingerprint = (fingerprint, tok_digest, state, id(tokenizer), hash_tensors)
     return fingerprint
 
 

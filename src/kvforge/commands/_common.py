@@ -46,6 +46,30 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 CPU, bf16 CUDA)")
 
 
+def check_names(args: argparse.Namespace) -> None:
+    """Check every name in ``args`` (press, methods, task, RAG strategies, dtype, model) against
+    :mod:`kvforge.names`: a typo fails in a fraction of a second with "did you mean", before torch is imported.
+    The model comes last, so that a wrong press or task is named even when the model is a placeholder."""
+    from kvforge import names
+
+    def as_list(value: Any) -> list[str]:
+        if not value:
+            return []
+        return [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else list(value)
+
+    for attr, check in (
+        ("press", names.check_press),
+        ("methods", names.check_press),
+        ("task", names.check_task),
+        ("rag", names.check_rag_strategy),
+        ("dtype", names.check_dtype),
+        ("model", names.check_model),
+        ("aux_model", names.check_model),
+    ):
+        for value in as_list(getattr(args, attr, None)):
+            check(value)
+
+
 def load(args: argparse.Namespace) -> tuple[Any, Any]:
     """Load the model named by ``--model``, quietly (no transformers progress bars)."""
     from transformers.utils import logging as hf_logging

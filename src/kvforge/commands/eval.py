@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -135,11 +134,49 @@ def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     _record_examples(examples, args.out / "examples.jsonl")
     runner = EvalRunner(
-        engine, trials, args.out, run_info={"model": args.model, "mode": mode},
+        engine, trials, args.out, run_info=run_settings(args, engine, mode), provenance=_provenance(),
         with_fidelity=args.fidelity, max_new_tokens=args.max_new_tokens, share_prefill=not args.separate_prefill,
     )  # fmt: skip
     runner.run(examples, progress=not args.no_progress)
     return _report(args, mode)
+
+
+def run_settings(args: argparse.Namespace, engine: Any, mode: str) -> dict[str, Any]:
+    """Every setting that changes the rows of a run (``run.json``'s ``settings``: a resume must match them). Methods,
+    ratios and ``--limit`` are not among them: rows are keyed by example, method and ratio, so a resume may add some.
+    ``--fidelity``, ``--max-new-tokens`` and ``--separate-prefill`` are added by the runner."""
+
+    def path(p: Any) -> str | None:
+        return None if p is None else str(Path(p).resolve())
+
+    return {
+        "model": args.model,
+        "model_id": engine.model_id,  # the weights, tokenizer and dtype (kvforge.model.model_fingerprint)
+        "device": str(engine.model.device),
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
+        "mode": mode,
+        "chunk_size": args.chunk_size,
+        "data": path(args.data),
+        "task": args.task,
+        "seed": args.seed if args.task else None,
+        "lengths": list(args.lengths) if args.task else None,
+        "depths": list(args.depths) if args.task else None,
+        "num_samples": args.num_samples if args.task else None,
+        "haystack": [path(h) for h in args.haystack] if args.haystack else None,
+        "max_context": args.max_context,
+    }
+
+
+def _provenance() -> dict[str, Any]:
+    """Who made the rows: versions, git sha, the command line (one entry per run that adds rows)."""
+    from kvforge.provenance import versions
+
+    return versions() | {"command": _command()}
+
+
+def _command() -> str:
+    is_cli = bool(sys.argv) and Path(sys.argv[0]).name in ("kvforge", "__main__.py", "cli.py")
+    return "kvforge " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if is_cli else ""
 
 
 def _rag_trials(args: argparse.Namespace, engine: Any) -> list[Any]:
@@ -174,11 +211,14 @@ def _report(args: argparse.Namespace, mode: str) -> int:
     rows = load_rows(args.out / "results.jsonl")
     if not rows:
         raise UserError(f"no results in {args.out}/results.jsonl")
-    info_path = args.out / "run.json"
-    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
-    is_cli = bool(sys.argv) and Path(sys.argv[0]).name in ("kvforge", "__main__.py", "cli.py")
-    command = "kvforge " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if is_cli else None
-    summary = write_all(args.out, rows, info.get("model", args.model), info.get("mode", mode), command)
+    from kvforge.eval.runner import read_run_info
+
+    info = read_run_info(args.out)
+    settings = info["settings"]
+    # the commands that made the rows; a run.json of kvforge 0.1.0 has none, and --report-only made no row
+    commands = [r["command"] for r in info["runs"] if r.get("command")] or ([] if args.report_only else [_command()])
+    summary = write_all(args.out, rows, settings.get("model", args.model), settings.get("mode", mode),
+                        [c for c in commands if c])  # fmt: skip
     has_all = any(r["task"] == "all" for r in summary["rows"])
     for row in summary["rows"]:
         if not has_all or row["task"] == "all":

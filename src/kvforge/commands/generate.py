@@ -17,6 +17,7 @@ from kvforge.commands._common import (
     read_text_file,
 )
 from kvforge.errors import UserError
+from kvforge.names import REUSE_NAMES
 
 
 def register(sub: Any, bench_sub: Any) -> None:
@@ -40,7 +41,7 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--query-agnostic", action="store_true", help="compress the prompt before the question is known")
     p.add_argument("--store", default=None, help="KV store URL for --reuse (memory://, file:///dir, redis://host:port/db,"
                    " comma-separated = tiers); default: the disk store in kvforge's cache folder")
-    p.add_argument("--reuse", choices=["prefix", "semantic"], default=None, help="reuse stored KV of earlier prompts")
+    p.add_argument("--reuse", choices=REUSE_NAMES, default=None, help="reuse stored KV of earlier prompts")
     p.add_argument("--semantic-mode", choices=["canonical", "context"], default="canonical",
                    help="canonical: answer a similar stored prompt; context: reuse the document (--prompt-file), "
                    "prefill the question (--prompt) exactly")

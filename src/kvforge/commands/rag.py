@@ -9,8 +9,7 @@ from typing import Any
 
 from kvforge.commands._common import add_model_args, load, read_text_file
 from kvforge.errors import UserError
-
-STRATEGY_NAMES = ["full", "naive", "ape", "cacheblend", "cacheclip"]
+from kvforge.names import RAG_STRATEGY_NAMES
 
 
 def open_segment_store(url: str | None) -> Any:
@@ -64,7 +63,7 @@ def register(sub: Any, bench_sub: Any) -> None:
     add_model_args(p)
     p.add_argument("--docs", nargs="+", required=True, metavar="FILE", help="one document (chunk) per text file")
     p.add_argument("--question", required=True)
-    p.add_argument("--strategy", default="cacheclip", choices=STRATEGY_NAMES)
+    p.add_argument("--strategy", default="cacheclip", choices=RAG_STRATEGY_NAMES)
     p.add_argument("--recompute-ratio", type=float, default=None, help="share of context tokens recomputed (0.2)")
     p.add_argument("--store", default=None, help="chunk KV store URL, e.g. file:///dir (default: in memory)")
     p.add_argument("--aux-model", default=None, help="CacheClip auxiliary model (default: the model itself)")

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvforge.commands._common import add_model_args, check_port_free, check_store_url, load, positive_int, ratio
 from kvforge.errors import UserError
+from kvforge.names import REUSE_NAMES
 
 
 def register(sub: Any, bench_sub: Any) -> None:
@@ -17,7 +18,7 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     p.add_argument("--store", default=None, help="KV store URL (memory://, file:///dir, redis://host:port/db)")
-    p.add_argument("--reuse", choices=["prefix", "semantic", "none"], default="none", help="KV reuse strategy")
+    p.add_argument("--reuse", choices=[*REUSE_NAMES, "none"], default="none", help="KV reuse strategy")
     p.add_argument("--semantic-mode", choices=["canonical", "context"], default="canonical")
     p.add_argument("--press", default=None, help="default compression method (see `kvforge presses`)")
     p.add_argument("--compression-ratio", type=ratio, default=0.5, help="fraction of KV entries removed")

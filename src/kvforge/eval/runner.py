@@ -89,6 +89,18 @@ def press_trial(method: str, compression_ratio: float, query_aware: bool = True)
     return Trial(method, 0.0 if method == FULL else compression_ratio, prefill, press, query_aware)
 
 
+def ttft_stages(pre: Prefilled) -> dict[str, float]:
+    """``pre.ttft_s`` split into ``prefill`` (the forward passes and picking the first token), ``compression`` (the
+    press's scoring and selection, KVzip's replay included) and ``lookahead`` (draft tokens), from the press's
+    per-stage clocks; the three add up to the TTFT."""
+    info = getattr(pre.cache, "info", {}).get("press") or {}
+    seconds = info.get("seconds", {})
+    lookahead = float(seconds.get("lookahead", 0.0))
+    compression = float(seconds.get("reconstruction", 0.0)) + float(seconds.get("compress", 0.0))
+    prefill = max(0.0, pre.ttft_s - lookahead - compression)
+    return {"prefill": round(prefill, 6), "compression": round(compression, 6), "lookahead": round(lookahead, 6)}
+
+
 def press_trials(methods: Sequence[str], ratios: Sequence[float], query_aware: bool = True) -> list[Trial]:
     """The full cache once, then every other method at every ratio, ratio by ratio in the given order (a time-boxed
     run then covers every method at the first ratio). Presses are built now, so a bad name fails early."""
@@ -113,6 +125,23 @@ def _peak_memory() -> int:
         return int(torch.cuda.max_memory_allocated())
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+_OPTIONS = {"mode": "--query-agnostic", "separate_prefill": "--separate-prefill", "model_id": "the model's weights"}
+
+
+def _option(setting: str) -> str:
+    """The command-line option behind a ``run.json`` setting (``max_new_tokens`` -> ``--max-new-tokens``)."""
+    return _OPTIONS.get(setting, "--" + setting.replace("_", "-"))
+
+
+def read_run_info(out_dir: str | Path) -> dict[str, Any]:
+    """``out_dir/run.json`` as ``{"settings": {...}, "runs": [...]}`` (also for one written by kvforge <= 0.1.0)."""
+    path = Path(out_dir) / "run.json"
+    if not path.is_file():
+        return {"settings": {}, "runs": []}
+    info = json.loads(path.read_text())
+    return info if "settings" in info else {"settings": info, "runs": []}
 
 
 def row_key(row: dict[str, Any]) -> tuple[str, str, float]:
@@ -198,7 +227,9 @@ class EvalRunner:
     Args:
         engine: an :class:`kvforge.engine.Engine` (``encode_qa``, ``prefill``, ``decode``, ``model``, ``tokenizer``).
         trials: row kinds; the first must be the full cache (``press_trials`` does this).
-        run_info: model name, mode... saved in ``out_dir/run.json``; a re-run must match it.
+        run_info: every setting that changes rows (model, mode, ...: see ``kvforge eval``), saved in
+            ``out_dir/run.json`` under ``settings``; a re-run must match it, or is refused naming the option.
+        provenance: what ran (versions, git sha, command...): recorded in ``run.json`` once per run that added rows.
         with_fidelity: add ``answer_nll``, ``kl``, ``top1_agreement`` and ``needle_kept`` columns.
         max_new_tokens: cap on each example's ``max_new_tokens``.
         share_prefill: prefill each example once for all press trials (:class:`SharedPrefill`; same rows, a
@@ -215,25 +246,45 @@ class EvalRunner:
         max_new_tokens: int | None = None,
         fidelity_tokens: int = 64,
         share_prefill: bool = True,
+        provenance: dict[str, Any] | None = None,
     ) -> None:
         if not trials or trials[0].method != FULL:
             raise ValueError("the first trial must be the full cache (the reference of every other row)")
         self.engine, self.trials, self.out_dir = engine, list(trials), Path(out_dir)
-        self.run_info = run_info | {"fidelity": with_fidelity}
+        self.run_info = run_info | {
+            "fidelity": with_fidelity,
+            "fidelity_tokens": fidelity_tokens if with_fidelity else None,
+            "max_new_tokens": max_new_tokens,
+            "separate_prefill": not share_prefill,
+        }
+        self.provenance = provenance or {}
         self.with_fidelity, self.max_new_tokens, self.fidelity_tokens = with_fidelity, max_new_tokens, fidelity_tokens
         self.results_path = self.out_dir / "results.jsonl"
         self.share_prefill = share_prefill
         self._shared: dict[bool, SharedPrefill] = {}  # the current example's shared prefills, by query_aware
 
     def _check_run_info(self) -> None:
+        """Refuse to add rows to a folder whose rows were made with other settings; record this run's provenance."""
         info_path = self.out_dir / "run.json"
+        runs: list[dict[str, Any]] = []
         if info_path.is_file():
             old = json.loads(info_path.read_text())
-            diff = {k: (old.get(k), v) for k, v in self.run_info.items() if old.get(k) != v}
+            stored = old.get("settings", old)  # a run.json of kvforge <= 0.1.0 holds the settings at its top level
+            # that one recorded fewer settings: compare those it has
+            keys = sorted(set(stored) | set(self.run_info)) if "settings" in old else sorted(stored)
+            diff = [k for k in keys if stored.get(k) != self.run_info.get(k)]
             if diff:
-                raise UserError(f"{self.out_dir} holds a run with other settings {diff}; use another --out")
+                changes = "; ".join(f"{_option(k)} was {stored.get(k)!r}, now {self.run_info.get(k)!r}" for k in diff)
+                raise UserError(
+                    f"{self.out_dir} holds rows made with other settings ({changes}): resume with the same "
+                    "options, or use another --out"
+                )
+            runs = list(old.get("runs", []))
+        if self.provenance and (not runs or runs[-1] != self.provenance):
+            runs.append(self.provenance)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        info_path.write_text(json.dumps(self.run_info, indent=2) + "\n")
+        info = {"settings": self.run_info, "runs": runs}
+        info_path.write_text(json.dumps(info, indent=2) + "\n")
 
     def run(self, examples: Sequence[Example], progress: bool = True) -> list[dict[str, Any]]:
         """Run every unfinished (example, trial) pair; returns all rows of ``results.jsonl``."""
@@ -324,6 +375,7 @@ class EvalRunner:
             "answers": example.answers,
             "score": score_prediction(gen.text, example.answers, example.metric),
             "ttft_s": pre.ttft_s,
+            "ttft_stages": ttft_stages(pre),
             "decode_s": gen.decode_s,
             "prompt_tokens": len(pre.prompt_ids),
             "new_tokens": len(gen.token_ids),

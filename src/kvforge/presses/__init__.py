@@ -13,7 +13,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from kvforge.errors import UserError, unknown_name
+from kvforge.errors import UserError
+from kvforge.names import PRESS_DESCRIPTIONS, check_press
 from kvforge.presses.adakv import AdaKVPress
 from kvforge.presses.apply import CompressionSource, compress_prefill, compressible_layers
 from kvforge.presses.base import LayerContext, Needs, Press, ScorerPress, Selection, WrapperPress, num_kept
@@ -61,33 +62,7 @@ _SPECS: dict[str, tuple[type[Press], type[ScorerPress] | None, dict[str, Any]]] 
 }
 
 
-DESCRIPTIONS: dict[str, str] = {
-    "full": "no compression (baseline)",
-    "streaming_llm": "4 attention sinks + most recent tokens",
-    "h2o": "half newest tokens, half heavy hitters by accumulated window attention",
-    "snapkv": "observation-window attention (64 queries), pooled, per-head top-k",
-    "snapkv-lookahead": "SnapKV + queries of 12 greedy draft tokens (query-aware on small models)",
-    "pyramidkv": "SnapKV scores, per-layer budgets decreasing with depth (same total)",
-    "adakv": "SnapKV scores, head-adaptive budgets (one top-k per layer), memory really freed",
-    "adakv-lookahead": "AdaKV with lookahead draft queries",
-    "criticalkv": "SnapKV + CriticalKV two-stage selection (attention x ||V W_O||_1)",
-    "criticalkv-lookahead": "CriticalKV with lookahead draft queries",
-    "criticaladakv": "AdaKV budgets + CriticalKV two-stage selection",
-    "surrogatekv-null": "victim chunks of 32 -> one zero surrogate each",
-    "surrogatekv-local": "victim chunks of 32 -> one chunk-mean surrogate each",
-    "surrogatekv-global": "victim chunks of 32 -> the mean over all victims",
-    "surrogatekv-critical": "SurrogateKV-global with CriticalKV's value-aware token scores",
-    "surrogatekv-ada": "SurrogateKV-global with per-head victims against one layer budget (AdaKV-style)",
-    "surrogatekv-lookahead": "SurrogateKV-global with lookahead draft queries",
-    "kvzip": "KVzip: chat-turn context replay, max attention per (layer, head, token), one top-k per layer",
-    "kvzip-global": "KVzip with one top-k over all layers and heads (per-layer lengths differ)",
-    "kvzip-plus": "KVzip+: replay attention x projected value contribution ||V W_O||",
-    "kvzip-head": "KVzip head-level: calibrated per-head budgets (once per model), sinks + recent, no replay",
-    "kvzip-ada": "KVzip scores with AdaKV head-adaptive budgets",
-    "knorm": "lowest key L2 norms kept (query-agnostic, free)",
-    "expected_attention": "expected attention of future queries (Gaussian query model, averaged RoPE) x ||v||",
-    "surrogatekv-kvzip": "SurrogateKV-global with KVzip replay token scores (query-agnostic)",
-}
+DESCRIPTIONS = PRESS_DESCRIPTIONS  # one line per name, in kvforge.names (checkable without torch)
 
 
 def _builder(name: str) -> Callable[..., Press]:
@@ -112,8 +87,7 @@ def build_press(name: str, compression_ratio: float = 0.0, **options: Any) -> Pr
     Raises:
         UserError: unknown name or option, ratio outside [0, 1), or an invalid option value.
     """
-    if name not in _SPECS:
-        raise unknown_name("press", name, _SPECS)
+    check_press(name)
     try:
         ratio = float(compression_ratio)
     except (TypeError, ValueError):

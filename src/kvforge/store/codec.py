@@ -1,15 +1,19 @@
-"""KVSegment <-> bytes, with no pickle: a self-describing JSON header followed by a safetensors payload.
+"""KVSegment <-> bytes, with no pickle: a plain safetensors file whose metadata holds kvforge's JSON header.
 
-Layout (all integers little-endian)::
+Layout (format 3)::
 
-    b"KVFORGE\\n"  u64 header_len  header (UTF-8 JSON, space-padded to 8 bytes)  payload (safetensors)
+    u64 n  JSON index {"__metadata__": {"kvforge": "<header JSON>"}, "k.0": {...}, ...} (space-padded)  tensor data
 
-The header says what the segment is (format version, model/tokenizer fingerprint, dtype, per-layer shapes, token ids,
-next position, meta such as the press applied, optional int8 quantisation) and carries a checksum of the payload
-(xxh3-128, or sha256: see checksum.py), so a reader refuses a foreign segment from the header alone and detects
-truncation or bit rot before trusting any tensor.
-The payload is a plain safetensors file (``safetensors.torch.load`` reads it) holding per layer ``k.{l}``, ``v.{l}``,
-``p.{l}`` (positions), optional ``m.{l}`` (valid mask) and, when quantised, ``k.{l}.scale``/``v.{l}.scale``.
+so ``safetensors.safe_open(path, "pt")`` opens a stored segment (``.metadata()["kvforge"]`` is the header) and any
+safetensors tool lists its tensors. The header says what the segment is (format version, model/tokenizer
+fingerprint, dtype, per-layer shapes, token ids, next position, meta such as the press applied, optional
+quantisation) and carries two checksums (xxh3-128, or sha256: see checksum.py): ``checksum`` of the tensor index
+(canonical JSON) and the tensor data, ``header_checksum`` of the header itself. A reader thus refuses a foreign
+segment from the header alone and detects truncation or a flipped byte anywhere before trusting any tensor.
+Tensors per layer: ``k.{l}``, ``v.{l}``, ``p.{l}`` (positions), optional ``m.{l}`` (valid mask) and, when
+quantised, ``k.{l}.scale``/``v.{l}.scale`` (int8) or ``.min``/``.step``/``.recent`` (int4/int2).
+
+Formats 1 and 2 (``b"KVFORGE\\n"  u64 header_len  header JSON  safetensors payload``) are still read.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ import torch
 from torch import Tensor
 
 from kvforge.errors import CorruptSegmentError, ModelMismatchError
-from kvforge.store.checksum import checksum, default_algo
-from kvforge.store.payload import read_payload, write_payload
+from kvforge.store.checksum import checksum, default_algo, hasher
+from kvforge.store.payload import index_json, parse_index, read_payload, tensor_index, write_parts
 from kvforge.store.quant import (
     QUANT_MODES,
     GroupScheme,
@@ -37,11 +41,15 @@ from kvforge.store.quant import (
 )
 from kvforge.types import KVSegment
 
-MAGIC = b"KVFORGE\n"
 FORMAT = "kvforge-segment"
-VERSION = 2  # 2: the header carries a checksum of itself (``header_checksum``); 1 (payload checksum only) still reads
-READABLE_VERSIONS = (1, 2)
-_PREFIX = struct.Struct("<8sQ")  # magic, header length
+# 3: a plain safetensors file, the header in its metadata; 2: the header carries a checksum of itself
+# (``header_checksum``); 1: payload checksum only. 1 and 2 put a custom prefix before the safetensors bytes.
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+METADATA_KEY = "kvforge"  # the safetensors metadata entry holding the header
+MAGIC = b"KVFORGE\n"  # formats 1 and 2 start with it
+_PREFIX = struct.Struct("<8sQ")  # formats 1 and 2: magic, header length
+_MAX_HEADER = 100_000_000  # bytes; a larger length field is garbage (safetensors has the same limit)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -154,7 +162,7 @@ def encode_parts(
         layer_tensors, info = _layer_tensors(i, segment, quant)
         tensors |= layer_tensors
         layers.append(info)
-    payload = write_payload(tensors)
+    index, buffers = tensor_index(tensors)
     algo = checksum_algo or default_algo()
     header = {
         "format": FORMAT,
@@ -167,9 +175,9 @@ def encode_parts(
         "num_entries": segment.num_entries(),
         "next_position": segment.next_position,
         "full_bytes": segment.nbytes(),
-        "payload_bytes": sum(len(memoryview(p).cast("B")) for p in payload),
+        "payload_bytes": sum(len(b) for b in buffers),  # tensor data bytes
         "checksum_algo": algo,
-        "checksum": checksum(payload, algo),
+        "checksum": checksum([index_json(index), *buffers], algo),  # tensor index + data
         "quant": quant,
         "layers": layers,
         "token_ids": [int(t) for t in segment.token_ids],
@@ -177,11 +185,10 @@ def encode_parts(
     }
     try:
         header["header_checksum"] = checksum([_header_json(header)], algo)  # a flipped header byte is caught too
-        raw = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+        raw = json.dumps(header, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"segment.meta must be JSON-serialisable: {e}") from e
-    raw += b" " * (-(len(raw) + _PREFIX.size) % 8)  # payload starts 8-byte aligned
-    return [_PREFIX.pack(MAGIC, len(raw)), raw, *payload]
+    return write_parts(index, buffers, {METADATA_KEY: raw})
 
 
 def _header_json(header: dict[str, Any]) -> bytes:
@@ -198,27 +205,58 @@ def encode(segment: KVSegment, quant: str | None = None, checksum_algo: str | No
 
 # ------------------------------------------------------------------------------------------------ decode
 def header_size(prefix: bytes | bytearray | memoryview) -> int:
-    """Bytes taken by magic + length + JSON header, from the first 16 bytes of an encoded segment."""
-    if len(prefix) < _PREFIX.size:
+    """Bytes before the tensor data (length field + JSON index, or the older formats' magic + length + header), from
+    the first 16 bytes of an encoded segment."""
+    if len(prefix) < 8:
         raise CorruptSegmentError(f"segment truncated: {len(prefix)} bytes, not even a header")
-    magic, n = _PREFIX.unpack_from(prefix)
-    if magic != MAGIC:
-        raise CorruptSegmentError("not a kvforge segment (bad magic bytes)")
-    return int(_PREFIX.size + n)
+    if bytes(prefix[:8]) == MAGIC:  # formats 1 and 2
+        if len(prefix) < _PREFIX.size:
+            raise CorruptSegmentError(f"segment truncated: {len(prefix)} bytes, not even a header")
+        size, n = _PREFIX.size, _PREFIX.unpack_from(prefix)[1]
+    else:
+        size, n = 8, struct.unpack_from("<Q", prefix)[0]
+    if n > _MAX_HEADER:
+        raise CorruptSegmentError("not a kvforge segment (neither a safetensors file nor an older kvforge segment)")
+    return int(size + n)
 
 
-def read_header(data: bytes | bytearray | memoryview) -> dict[str, Any]:
-    """Parse the JSON header of an encoded segment (the payload is not read, nor checked)."""
+def _parse(data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
+    """(kvforge header, tensor index or None for formats 1 and 2, offset of the tensor data or older payload)."""
     end = header_size(data)
     if len(data) < end:
-        raise CorruptSegmentError(f"segment truncated inside its header ({len(data)} of {end} bytes)")
+        raise CorruptSegmentError(
+            f"segment truncated inside its header, or not a kvforge segment ({len(data)} of {end} bytes)"
+        )
+    if bytes(data[:8]) == MAGIC:
+        index, text = None, bytes(memoryview(data)[_PREFIX.size : end])
+    else:
+        index, _ = parse_index(data)
+        metadata = index.pop("__metadata__", None)
+        text = metadata.get(METADATA_KEY) if isinstance(metadata, dict) else None
+        if not isinstance(text, str):
+            raise CorruptSegmentError(f"not a kvforge segment (a safetensors file without {METADATA_KEY!r} metadata)")
     try:
-        header = json.loads(bytes(memoryview(data)[_PREFIX.size : end]))
+        header = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptSegmentError(f"segment header is not valid JSON: {e}") from e
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise CorruptSegmentError("segment header does not describe a kvforge segment")
-    return header
+    return header, index, end
+
+
+def payload_hasher(prefix: bytes | bytearray | memoryview) -> tuple[int, Any]:
+    """For a reader that hashes while reading: (offset of the tensor data, an incremental hasher already fed what the
+    checksum covers before that offset). Feeding it every byte from the offset on gives the digest ``decode`` checks."""
+    header, index, start = _parse(prefix)
+    h = hasher(header["checksum_algo"])
+    if index is not None:
+        h.update(index_json(index))
+    return start, h
+
+
+def read_header(data: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """Parse the JSON header of an encoded segment (the tensors are not read, nor checked)."""
+    return _parse(data)[0]
 
 
 def check_header(
@@ -230,8 +268,8 @@ def check_header(
     """Raise :class:`ModelMismatchError` when the segment is of another format version, model, tokenizer or dtype."""
     if header.get("version") not in READABLE_VERSIONS:
         raise ModelMismatchError(
-            f"stored segment has format version {header.get('version')}, this kvforge reads "
-            f"version {VERSION}; clear the store (kvforge cache clear) or use a matching kvforge"
+            f"stored segment has format version {header.get('version')}, this kvforge reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}; clear the store (kvforge cache clear) or use a matching kvforge"
         )
     checks = [
         ("model", expect_model_id, header.get("model_id")),
@@ -278,10 +316,12 @@ def decode(
         ModelMismatchError: another format version, or not the expected model / tokenizer / dtype.
         CorruptSegmentError: truncated or garbled bytes, or a payload whose checksum differs from the header's.
     """
-    header = read_header(data)
+    header, index, start = _parse(data)
     check_header(header, expect_model_id, expect_tokenizer_id, expect_dtype)
     buf = memoryview(data).cast("B")
-    payload = buf[header_size(data) :]
+    payload = buf[start:]
+    if (header["version"] >= 3) != (index is not None):  # a flipped version digit must not skip a check
+        raise CorruptSegmentError(f"segment header says format {header['version']}, its layout says otherwise")
     try:
         if len(payload) != header["payload_bytes"]:
             raise CorruptSegmentError(
@@ -292,11 +332,13 @@ def decode(
         if verify and header["version"] >= 2 and checksum([_header_json(header)], algo) != header_sum:
             raise CorruptSegmentError("segment header checksum mismatch (the stored header was altered)")
         if verify:
+            # a digest computed while reading (see payload_hasher) covers exactly ``covered``
             given = payload_checksum is not None and payload_checksum[0] == len(buf) - len(payload)
-            digest = payload_checksum[1] if given else checksum([payload], algo)  # type: ignore[index]
+            covered = [payload] if index is None else [index_json(index), payload]
+            digest = payload_checksum[1] if given else checksum(covered, algo)  # type: ignore[index]
             if digest != header["checksum"]:
                 raise CorruptSegmentError("segment checksum mismatch (the stored bytes were altered)")
-        tensors = read_payload(payload)
+        tensors = read_payload(payload if index is None else buf)
         return _segment_from(header, tensors)
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         if isinstance(e, CorruptSegmentError):

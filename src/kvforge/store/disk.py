@@ -33,7 +33,6 @@ import numpy as np
 from kvforge.errors import UserError
 from kvforge.store import codec
 from kvforge.store.base import _KEY_RE, ByteStore, Kind, check_key
-from kvforge.store.checksum import hasher
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ def _read_hashing(f: Any, buf: memoryview) -> tuple[int, tuple[int, str] | None]
                 if not start and n >= 16:
                     start = codec.header_size(buf[:16])
                 if start and n >= start:
-                    h = hasher(codec.read_header(buf[:start])["checksum_algo"])
+                    start, h = codec.payload_hasher(buf[:start])
                     h.update(buf[start:n])
             except Exception:
                 start = -1

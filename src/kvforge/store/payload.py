@@ -31,11 +31,13 @@ _ST_DTYPES = {
     torch.bool: "BOOL",
 }
 _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
+METADATA = "__metadata__"  # the index entry of string metadata (not a tensor)
+MAX_INDEX_BYTES = 100_000_000  # safetensors' own limit on the index size
 
 
-def write_payload(tensors: dict[str, Tensor]) -> list[bytes | memoryview]:
-    """Serialise tensors in the safetensors format without concatenating them (the caller streams the parts)."""
-    header: dict[str, Any] = {}
+def tensor_index(tensors: dict[str, Tensor]) -> tuple[dict[str, Any], list[memoryview]]:
+    """The safetensors index (name -> dtype, shape, data_offsets) of ``tensors`` and their data buffers in order."""
+    index: dict[str, Any] = {}
     buffers: list[memoryview] = []
     offset = 0
     # widest dtypes first: every tensor then starts aligned to its element size (as the safetensors writer does)
@@ -44,30 +46,60 @@ def write_payload(tensors: dict[str, Tensor]) -> list[bytes | memoryview]:
         if t.dtype not in _ST_DTYPES:
             raise ValueError(f"cannot store tensor {name} of dtype {t.dtype}")
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        index[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
         if nbytes:
             buffers.append(t.view(torch.uint8).reshape(-1).numpy().data)
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    return index, buffers
+
+
+def index_json(index: dict[str, Any]) -> bytes:
+    """Canonical bytes of a tensor index (what a checksum covers: a reader rebuilds them from the parsed index)."""
+    entries = {k: v for k, v in index.items() if k != METADATA}
+    return json.dumps(entries, separators=(",", ":"), sort_keys=True).encode()
+
+
+def write_parts(
+    index: dict[str, Any], buffers: list[memoryview], metadata: dict[str, str] | None = None
+) -> list[bytes | memoryview]:
+    """A safetensors file as buffers to write in order: ``u64 n``, JSON index (with ``__metadata__``), data."""
+    full = ({METADATA: metadata} if metadata else {}) | index
+    raw = json.dumps(full, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # keeps tensor data 8-byte aligned, as the safetensors writer does
     return [struct.pack("<Q", len(raw)), raw, *buffers]
 
 
-def read_payload(buf: memoryview) -> dict[str, Tensor]:
-    """Tensors of a safetensors payload: views into ``buf`` when it is writable, else into one copy of it."""
-    if buf.readonly:  # one allocation and one copy for the whole payload, not one per tensor
-        buf = np.frombuffer(buf, dtype=np.uint8).copy().data
+def write_payload(tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> list[bytes | memoryview]:
+    """Serialise tensors in the safetensors format without concatenating them (the caller streams the parts)."""
+    return write_parts(*tensor_index(tensors), metadata)
+
+
+def parse_index(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], int]:
+    """The JSON index of a safetensors buffer (``__metadata__`` included) and where its data starts."""
     if len(buf) < 8:
         raise CorruptSegmentError("payload truncated")
     (n,) = struct.unpack_from("<Q", buf)
+    if n > MAX_INDEX_BYTES:
+        raise CorruptSegmentError(f"not a safetensors file (index of {n} bytes)")
+    if 8 + n > len(buf):
+        raise CorruptSegmentError(f"truncated inside its safetensors index ({len(buf)} of {8 + n} bytes)")
     try:
-        index = json.loads(bytes(buf[8 : 8 + n]))
+        index = json.loads(bytes(memoryview(buf)[8 : 8 + n]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptSegmentError(f"payload header is not valid JSON: {e}") from e
-    start = 8 + n
+    if not isinstance(index, dict):
+        raise CorruptSegmentError("payload header is not a safetensors index")
+    return index, 8 + n
+
+
+def read_payload(buf: memoryview) -> dict[str, Tensor]:
+    """Tensors of a safetensors buffer: views into ``buf`` when it is writable, else into one copy of it."""
+    if buf.readonly:  # one allocation and one copy for the whole payload, not one per tensor
+        buf = np.frombuffer(buf, dtype=np.uint8).copy().data
+    index, start = parse_index(buf)
     out = {}
     for name, spec in index.items():
-        if name == "__metadata__":
+        if name == METADATA:
             continue
         dtype = _TORCH_DTYPES.get(spec.get("dtype"))
         begin, end = spec["data_offsets"]

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from kvforge.errors import UserError, unknown_name
+from kvforge.errors import UserError
 from kvforge.eval.data import Example
 from kvforge.eval.tasks.base import Measure, TaskConfig
 from kvforge.eval.tasks.longbench import QA_SETS, SUMM_SETS, leval_task, longbench_task
@@ -18,6 +18,7 @@ from kvforge.eval.tasks.musique import musique_task
 from kvforge.eval.tasks.needle import needle_docs_task, needle_task
 from kvforge.eval.tasks.ruler import common_words_task, ruler_mix, variable_tracking_task
 from kvforge.eval.tasks.squad import squad_task
+from kvforge.names import check_task
 
 TASKS: dict[str, Callable[[TaskConfig], list[Example]]] = {
     "needle": needle_task,
@@ -51,8 +52,7 @@ TASK_DATA: dict[str, str] = {
 def check_task_data(names: list[str], data_dir: Path) -> None:
     """Fail before any model loads when a converted task's data folder is missing (one line naming the folder)."""
     for name in names:
-        if name not in TASKS and not name.startswith("hub:"):
-            raise unknown_name("task", name, [*TASKS, "hub:..."])
+        check_task(name)  # the names live in kvforge.names (checkable without torch)
         folder = TASK_DATA.get(name)
         if folder is not None and not (Path(data_dir) / folder).is_dir():
             raise UserError(
@@ -63,12 +63,10 @@ def check_task_data(names: list[str], data_dir: Path) -> None:
 
 def build_task(name: str, config: TaskConfig) -> list[Example]:
     """The examples of task ``name`` (a key of :data:`TASKS`, or ``hub:...``)."""
-    if name.startswith("hub:"):
+    if check_task(name).startswith("hub:"):
         from kvforge.eval.tasks.hub import hub_task
 
         return hub_task(config, name[4:])
-    if name not in TASKS:
-        raise unknown_name("task", name, [*TASKS, "hub:..."])
     return TASKS[name](config)
 
 

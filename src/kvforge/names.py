@@ -1,0 +1,113 @@
+"""Every name a user types (press, task, model, RAG strategy, reuse strategy, dtype), checkable without torch.
+
+The registries (``kvforge.presses._SPECS``, ``kvforge.eval.tasks.TASKS``, ``kvforge.rag.STRATEGIES``,
+``kvforge.reuse.REUSE``, ``kvforge.model.BUILTIN_MODELS``) import torch and transformers, which takes seconds (over
+10 s on a busy machine). The CLI checks names against the lists here before anything heavy is imported, so a typo
+fails at once with a "did you mean"; ``tests/test_names.py`` keeps each list equal to its registry.
+
+>>> check_press("snapk")  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+kvforge.errors.UserError: unknown press 'snapk'; did you mean 'snapkv'? choose from: adakv, ...
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvforge.errors import UserError, unknown_name
+
+# name -> one line for `kvforge presses` (the classes live in kvforge.presses)
+PRESS_DESCRIPTIONS: dict[str, str] = {
+    "full": "no compression (baseline)",
+    "streaming_llm": "4 attention sinks + most recent tokens",
+    "h2o": "half newest tokens, half heavy hitters by accumulated window attention",
+    "snapkv": "observation-window attention (64 queries), pooled, per-head top-k",
+    "snapkv-lookahead": "SnapKV + queries of 12 greedy draft tokens (query-aware on small models)",
+    "pyramidkv": "SnapKV scores, per-layer budgets decreasing with depth (same total)",
+    "adakv": "SnapKV scores, head-adaptive budgets (one top-k per layer), memory really freed",
+    "adakv-lookahead": "AdaKV with lookahead draft queries",
+    "criticalkv": "SnapKV + CriticalKV two-stage selection (attention x ||V W_O||_1)",
+    "criticalkv-lookahead": "CriticalKV with lookahead draft queries",
+    "criticaladakv": "AdaKV budgets + CriticalKV two-stage selection",
+    "surrogatekv-null": "victim chunks of 32 -> one zero surrogate each",
+    "surrogatekv-local": "victim chunks of 32 -> one chunk-mean surrogate each",
+    "surrogatekv-global": "victim chunks of 32 -> the mean over all victims",
+    "surrogatekv-critical": "SurrogateKV-global with CriticalKV's value-aware token scores",
+    "surrogatekv-ada": "SurrogateKV-global with per-head victims against one layer budget (AdaKV-style)",
+    "surrogatekv-lookahead": "SurrogateKV-global with lookahead draft queries",
+    "kvzip": "KVzip: chat-turn context replay, max attention per (layer, head, token), one top-k per layer",
+    "kvzip-global": "KVzip with one top-k over all layers and heads (per-layer lengths differ)",
+    "kvzip-plus": "KVzip+: replay attention x projected value contribution ||V W_O||",
+    "kvzip-head": "KVzip head-level: calibrated per-head budgets (once per model), sinks + recent, no replay",
+    "kvzip-ada": "KVzip scores with AdaKV head-adaptive budgets",
+    "knorm": "lowest key L2 norms kept (query-agnostic, free)",
+    "expected_attention": "expected attention of future queries (Gaussian query model, averaged RoPE) x ||v||",
+    "surrogatekv-kvzip": "SurrogateKV-global with KVzip replay token scores (query-agnostic)",
+}
+PRESS_NAMES: tuple[str, ...] = tuple(PRESS_DESCRIPTIONS)
+
+TASK_NAMES: tuple[str, ...] = (
+    "needle", "needle-docs", "ruler-mk", "ruler-mv", "ruler-mq", "ruler-vt", "ruler-cwe", "ruler",
+    "longbench-qa", "longbench-summ", "longbench", "leval", "squad", "musique",
+)  # fmt: skip
+HUB_PREFIX = "hub:"
+LONGBENCH_SUBSETS: tuple[str, ...] = (
+    "narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "multi_news",
+)  # fmt: skip
+HUB_TASK_NAMES: tuple[str, ...] = ("squad_v2", "musique", *(f"longbench/{s}" for s in LONGBENCH_SUBSETS))
+
+MODEL_NAMES: tuple[str, ...] = ("smollm2-135m", "gemma3-270m")  # built-in models (kvforge.model.BUILTIN_MODELS)
+RAG_STRATEGY_NAMES: tuple[str, ...] = ("full", "naive", "ape", "cacheblend", "cacheclip")
+REUSE_NAMES: tuple[str, ...] = ("prefix", "semantic")
+DTYPE_NAMES: tuple[str, ...] = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
+
+
+def _member(kind: str, name: str, names: tuple[str, ...]) -> str:
+    if name not in names:
+        raise unknown_name(kind, name, names)
+    return name
+
+
+def check_press(name: str) -> str:
+    return _member("press", name, PRESS_NAMES)
+
+
+def check_task(name: str) -> str:
+    """A built-in task or ``hub:<name>`` (see :data:`HUB_TASK_NAMES`)."""
+    if name.startswith(HUB_PREFIX):
+        _member("hub task", name, tuple(HUB_PREFIX + n for n in HUB_TASK_NAMES))
+        return name
+    if name not in TASK_NAMES:
+        raise unknown_name("task", name, [*TASK_NAMES, "hub:..."])
+    return name
+
+
+def check_rag_strategy(name: str) -> str:
+    return _member("RAG strategy", name, RAG_STRATEGY_NAMES)
+
+
+def check_reuse(name: str) -> str:
+    return _member("reuse strategy", name, REUSE_NAMES)
+
+
+def check_dtype(name: str) -> str:
+    return _member("dtype", name, DTYPE_NAMES)
+
+
+def check_model(name: str) -> str:
+    """What ``name`` names, as :func:`kvforge.model.load_model` reads it: ``"builtin"``, ``"gguf"`` (a file),
+    ``"folder"`` or ``"hub"`` (an ``org/name`` id); a name that is none of these is a :class:`UserError`."""
+    if name in MODEL_NAMES:
+        return "builtin"
+    if name.endswith(".gguf"):
+        if not Path(name).is_file():
+            raise UserError(f"model file not found: {name}")
+        return "gguf"
+    if Path(name).is_dir():
+        return "folder"
+    if Path(name).exists() or name.startswith((".", "/", "~")):
+        raise UserError(f"not a model folder or .gguf file: {name}")
+    if "/" in name:
+        return "hub"
+    raise unknown_name("model", name, [*MODEL_NAMES, "<model folder>", "<file.gguf>"])
