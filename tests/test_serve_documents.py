@@ -32,8 +32,12 @@ def _ask(client: Any, doc: str, **kvforge: Any) -> Any:
 
 def test_compressed_document_stored_then_reused(tmp_path: Any) -> None:
     live = LiveServer(
-        create_app(Engine(tiny_model("llama"), tiny_tokenizer()), model_name=MODEL, store_url=f"file://{tmp_path}",
-                   reuse="prefix")  # fmt: skip
+        create_app(
+            Engine(tiny_model("llama"), tiny_tokenizer()),
+            model_name=MODEL,
+            store_url=f"file://{tmp_path}",
+            reuse="prefix",
+        )
     )
     try:
         client = live.client()
