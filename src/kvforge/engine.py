@@ -1,4 +1,8 @@
-"""Engine: prompt -> tokens -> (press) prefill -> decode, with timings. The one object CLI, eval and server drive."""
+"""Engine: prompt -> tokens -> plan (reuse) -> load -> prefill (under a press) -> decode -> record, with timings.
+
+The one object the CLI, the evaluation and the server drive. Every generation runs :meth:`Engine._execute`; a reuse
+strategy only changes the plan it executes (what is loaded, what is left to prefill, how much of it under the press).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -17,6 +21,10 @@ from kvforge.errors import PRESS_WITH_REUSE, UserError
 from kvforge.model import context_length, model_fingerprint
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, prefill
 from kvforge.types import Generation
+
+if TYPE_CHECKING:
+    from kvforge.presses.base import Press
+    from kvforge.reuse.base import PromptContext, ReusePlan, ReuseStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +43,8 @@ class Engine:
         window, num_sink: optional sliding-window cache (first ``num_sink`` + last ``window`` tokens kept).
         reuse: a :class:`kvforge.reuse.ReuseStrategy`: ``generate``/``answer`` then run plan (load what is stored)
             -> prefill the rest -> decode -> record (store the new KV, after the answer so TTFT is not delayed).
+            With a press, reuse stores and loads compressed documents (``answer(..., query_aware=False)``); any
+            other press + reuse combination is a :class:`UserError` (:data:`kvforge.errors.PRESS_WITH_REUSE`).
     """
 
     def __init__(
@@ -45,7 +55,7 @@ class Engine:
         chunk_size: int | None = DEFAULT_CHUNK_SIZE,
         window: int | None = None,
         num_sink: int = 4,
-        reuse: Any = None,
+        reuse: ReuseStrategy | None = None,
     ) -> None:
         if chunk_size is not None and chunk_size < 1:
             raise UserError(f"chunk size must be >= 1, got {chunk_size}")
@@ -137,7 +147,7 @@ class Engine:
             raise UserError("empty prompt")
 
     def prefill(
-        self, ids: Sequence[int], cache: KVCache | None = None, press: Any = None
+        self, ids: Sequence[int], cache: KVCache | None = None, press: Press | None = None
     ) -> tuple[KVCache, Tensor]:
         """Prefill ``ids`` on ``cache`` (new if None), compressing with ``press`` if given; returns (cache, logits)."""
         cache = cache if cache is not None else self.new_cache()
@@ -194,7 +204,7 @@ class Engine:
         sampling: SamplingParams | None = None,
         stop: Sequence[str] | None = None,
         raw: bool = False,
-        press: Any = None,
+        press: Press | None = None,
         on_token: Callable[[int], None] | None = None,
     ) -> Generation:
         """Tokenise (chat template unless ``raw``), then plan -> load -> prefill (under ``press``) -> decode -> record.
@@ -212,7 +222,7 @@ class Engine:
         question: str,
         system: str | None = None,
         answer_prefix: str = "",
-        press: Any = None,
+        press: Press | None = None,
         query_aware: bool = True,
         max_new_tokens: int = 64,
         sampling: SamplingParams | None = None,
@@ -244,7 +254,7 @@ class Engine:
         self,
         context: str,
         questions: Sequence[str],
-        press: Any = None,
+        press: Press | None = None,
         system: str | None = None,
         answer_prefix: str = "",
         max_new_tokens: int = 64,
@@ -291,10 +301,10 @@ class Engine:
         sampling: SamplingParams | None,
         stop: Sequence[str] | None,
         on_token: Callable[[int], None] | None,
-        press: Any,
+        press: Press | None,
         press_size: int,
         text: str | None,
-        context: Any,
+        context: PromptContext | None,
     ) -> Generation:
         """plan what is stored -> load it -> prefill what is missing (the first ``plan.press_size`` tokens under
         ``press``) -> decode -> record what is new. TTFT counts from the plan (store reads) to the first token;
@@ -332,8 +342,13 @@ class Engine:
         return gen
 
     def plan(
-        self, ids: list[int], press: Any = None, press_size: int = 0, text: str | None = None, context: Any = None
-    ) -> Any:
+        self,
+        ids: list[int],
+        press: Press | None = None,
+        press_size: int = 0,
+        text: str | None = None,
+        context: PromptContext | None = None,
+    ) -> ReusePlan:
         """The :class:`kvforge.reuse.ReusePlan` for ``ids``: the reuse strategy's, or prefill everything.
 
         ``press_size``: without reuse, how many leading tokens the press compresses. A press with a reuse strategy
