@@ -73,7 +73,7 @@ def needle_rows(num: int, length: int, schemes: list[str]) -> None:
         for scheme in schemes:
             stored = quant_roundtrip(seg, None if scheme == "none" else scheme)
             c, logits = engine.prefill(q, KVCache.from_segment(stored, model))
-            logp = torch.log_softmax(logits[0, -1].float(), -1)
+            logp = torch.log_softmax(logits[0].float(), -1)  # (V,): logits are the last token's (1, V)
             ref = logp if ref is None else ref
             kl = float((ref.exp() * (ref - logp)).sum())
             gen = engine.decode(c, logits, ex.max_new_tokens)

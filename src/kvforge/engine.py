@@ -1,4 +1,8 @@
-"""Engine: prompt -> tokens -> (press) prefill -> decode, with timings. The one object CLI, eval and server drive."""
+"""Engine: prompt -> tokens -> plan (reuse) -> load -> prefill (under a press) -> decode -> record, with timings.
+
+The one object the CLI, the evaluation and the server drive. Every generation runs :meth:`Engine._execute`; a reuse
+strategy only changes the plan it executes (what is loaded, what is left to prefill, how much of it under the press).
+"""
 
 from __future__ import annotations
 
@@ -6,23 +10,28 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from kvforge.cache import CacheSnapshot, KVCache, mismatch_with_model
 from kvforge.decode import SamplingParams, decode, eos_ids, trim_at_stop
-from kvforge.errors import UserError
+from kvforge.errors import PRESS_WITH_REUSE, UserError
 from kvforge.model import context_length, model_fingerprint
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, prefill
 from kvforge.types import Generation
+
+if TYPE_CHECKING:
+    from kvforge.presses.base import Press
+    from kvforge.reuse.base import PromptContext, ReusePlan, ReuseStrategy
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[dict[str, str]] | list[int]
 
-__all__ = ["Engine", "SamplingParams", "TextStream"]
+__all__ = ["PRESS_WITH_REUSE", "Engine", "SamplingParams", "TextStream"]
+
 
 
 class Engine:
@@ -34,6 +43,8 @@ class Engine:
         window, num_sink: optional sliding-window cache (first ``num_sink`` + last ``window`` tokens kept).
         reuse: a :class:`kvforge.reuse.ReuseStrategy`: ``generate``/``answer`` then run plan (load what is stored)
             -> prefill the rest -> decode -> record (store the new KV, after the answer so TTFT is not delayed).
+            With a press, reuse stores and loads compressed documents (``answer(..., query_aware=False)``); any
+            other press + reuse combination is a :class:`UserError` (:data:`kvforge.errors.PRESS_WITH_REUSE`).
     """
 
     def __init__(
@@ -44,7 +55,7 @@ class Engine:
         chunk_size: int | None = DEFAULT_CHUNK_SIZE,
         window: int | None = None,
         num_sink: int = 4,
-        reuse: Any = None,
+        reuse: ReuseStrategy | None = None,
     ) -> None:
         if chunk_size is not None and chunk_size < 1:
             raise UserError(f"chunk size must be >= 1, got {chunk_size}")
@@ -136,7 +147,7 @@ class Engine:
             raise UserError("empty prompt")
 
     def prefill(
-        self, ids: Sequence[int], cache: KVCache | None = None, press: Any = None
+        self, ids: Sequence[int], cache: KVCache | None = None, press: Press | None = None
     ) -> tuple[KVCache, Tensor]:
         """Prefill ``ids`` on ``cache`` (new if None), compressing with ``press`` if given; returns (cache, logits)."""
         cache = cache if cache is not None else self.new_cache()
@@ -193,15 +204,17 @@ class Engine:
         sampling: SamplingParams | None = None,
         stop: Sequence[str] | None = None,
         raw: bool = False,
-        press: Any = None,
+        press: Press | None = None,
         on_token: Callable[[int], None] | None = None,
     ) -> Generation:
-        """Tokenise (chat template unless ``raw``), prefill (under ``press``), decode."""
+        """Tokenise (chat template unless ``raw``), then plan -> load -> prefill (under ``press``) -> decode -> record.
+
+        A press compresses the whole prompt (query-aware); with a reuse strategy that is an error (see
+        :data:`PRESS_WITH_REUSE`): compressed KV is reused through :meth:`answer` with ``query_aware=False``.
+        """
         ids = self.encode_chat(prompt, raw=raw)
-        if self.reuse is not None and press is None:
-            text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=True)
-            return self._run_reused(ids, max_new_tokens, sampling, stop, on_token, text=text, context=None)
-        return self._run([ids], max_new_tokens, sampling, stop, [press], on_token)
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self._execute(ids, max_new_tokens, sampling, stop, on_token, press, len(ids), text=text, context=None)
 
     def answer(
         self,
@@ -209,32 +222,39 @@ class Engine:
         question: str,
         system: str | None = None,
         answer_prefix: str = "",
-        press: Any = None,
+        press: Press | None = None,
         query_aware: bool = True,
         max_new_tokens: int = 64,
         sampling: SamplingParams | None = None,
         stop: Sequence[str] | None = None,
+        quant: str | None = None,
+        on_token: Callable[[int], None] | None = None,
     ) -> Generation:
-        """Answer ``question`` about ``context``.
+        """Answer ``question`` about ``context`` (the document).
 
         Query-aware: the press sees context + question (observation window = end of the prompt). Query-agnostic:
-        the press compresses the context alone, then the question is prefilled on top of the compressed cache.
+        the press compresses the context alone, then the question is prefilled on top of the compressed cache; with
+        the engine's reuse strategy the compressed document is stored (keyed by press, its parameters and ``quant``,
+        the storage quantisation; None = the store's own) and a later question loads it instead of compressing again.
         """
         ctx_ids, q_ids = self.encode_qa(context, question, system=system, answer_prefix=answer_prefix)
-        if self.reuse is not None and press is None and ctx_ids and q_ids:
-            from kvforge.reuse import PromptContext
+        ids = ctx_ids + q_ids
+        agnostic = press is not None and not query_aware and bool(q_ids)
+        prompt_context = None
+        if ctx_ids and q_ids and (self.reuse is not None or agnostic):
+            from kvforge.reuse.base import PromptContext
 
-            return self._run_reused(ctx_ids + q_ids, max_new_tokens, sampling, stop, None, text=question,
-                                    context=PromptContext(context, len(ctx_ids)))
-        if query_aware or not q_ids:
-            return self._run([ctx_ids + q_ids], max_new_tokens, sampling, stop, [press], None)
-        return self._run([ctx_ids, q_ids], max_new_tokens, sampling, stop, [press, None], None)
+            prompt_context = PromptContext(context, len(ctx_ids), press=press if agnostic else None, quant=quant)
+        press_size = len(ctx_ids) if agnostic else len(ids)
+        return self._execute(
+            ids, max_new_tokens, sampling, stop, on_token, press, press_size, text=question, context=prompt_context
+        )
 
     def answer_many(
         self,
         context: str,
         questions: Sequence[str],
-        press: Any = None,
+        press: Press | None = None,
         system: str | None = None,
         answer_prefix: str = "",
         max_new_tokens: int = 64,
@@ -273,71 +293,85 @@ class Engine:
             snapshot.restore()
         return results
 
-    def _run(
-        self,
-        parts: list[list[int]],
-        max_new_tokens: int,
-        sampling: SamplingParams | None,
-        stop: Sequence[str] | None,
-        presses: list[Any],
-        on_token: Callable[[int], None] | None,
-    ) -> Generation:
-        """Prefill ``parts`` one after the other (each under its press), then decode; times TTFT from the start."""
-        total = sum(len(p) for p in parts)
-        self.check_length(total, max_new_tokens)
-        start = time.perf_counter()
-        cache: KVCache | None = None
-        logits: Tensor | None = None
-        for part, press in zip(parts, presses, strict=True):
-            cache, logits = self.prefill(part, cache, press=press)
-        assert cache is not None and logits is not None
-        prefill_s = time.perf_counter() - start
-        gen = self.decode(cache, logits, max_new_tokens, sampling, stop, on_token)
-        gen.ttft_s += prefill_s
-        gen.prompt_tokens = total
-        gen.info.update(cache.info)
-        gen.info["prefill_s"] = prefill_s
-        gen.info["cache_entries"] = cache.num_entries()
-        return gen
-
-    def _run_reused(
+    # ------------------------------------------------------------------------------------------ main path
+    def _execute(
         self,
         ids: list[int],
         max_new_tokens: int,
         sampling: SamplingParams | None,
         stop: Sequence[str] | None,
         on_token: Callable[[int], None] | None,
+        press: Press | None,
+        press_size: int,
         text: str | None,
-        context: Any,
+        context: PromptContext | None,
     ) -> Generation:
-        """plan (reuse stored KV) -> prefill the rest -> decode -> record; TTFT includes the plan (store reads)."""
-        if self.window is not None:
-            raise UserError("KV reuse does not support a sliding-window cache (--window)")
+        """plan what is stored -> load it -> prefill what is missing (the first ``plan.press_size`` tokens under
+        ``press``) -> decode -> record what is new. TTFT counts from the plan (store reads) to the first token;
+        recording comes after the answer so it does not delay it."""
         self.check_length(len(ids), max_new_tokens)
         start = time.perf_counter()
+        plan = self.plan(ids, press, press_size, text=text, context=context)  # reuse: what is stored already?
+        plan_s = time.perf_counter() - start
+        self.check_length(len(plan.token_ids), max_new_tokens)
+        cache = plan.cache if plan.cache is not None else self.new_cache()  # load
+        pressed, rest = plan.prefill_ids[: plan.press_size], plan.prefill_ids[plan.press_size :]
+        logits: Tensor | None = None
+        if pressed:  # prefill and compress (the document, or the whole prompt when query-aware)
+            cache, logits = self.prefill(pressed, cache, press=press)
+        document = CacheSnapshot(cache) if pressed and rest and self.reuse is not None else None
+        if rest:  # prefill the rest as it is (the question)
+            cache, logits = self.prefill(rest, cache)
+        assert logits is not None
+        prefill_s = time.perf_counter() - start
+        gen = self.decode(cache, logits, max_new_tokens, sampling, stop, on_token)  # decode
+        gen.ttft_s += prefill_s
+        gen.prompt_tokens = len(ids)
+        gen.info.update(cache.info)
+        gen.info["prefill_s"] = prefill_s
+        gen.info["cache_entries"] = cache.num_entries()
+        if self.reuse is not None:  # record: the new KV (a compressed document: its KV alone, without the question)
+            record_start = time.perf_counter()
+            if document is not None:
+                document.restore()
+            self.reuse.record(ids, cache, text=text, context=context)  # refuses caches not made of exactly ``ids``
+            gen.reused_tokens = plan.reused_tokens
+            gen.info["reuse"] = plan.summary() | {
+                "plan_s": round(plan_s, 6), "record_s": round(time.perf_counter() - record_start, 6)
+            }
+        return gen
+
+    def plan(
+        self,
+        ids: list[int],
+        press: Press | None = None,
+        press_size: int = 0,
+        text: str | None = None,
+        context: PromptContext | None = None,
+    ) -> ReusePlan:
+        """The :class:`kvforge.reuse.ReusePlan` for ``ids``: the reuse strategy's, or prefill everything.
+
+        ``press_size``: without reuse, how many leading tokens the press compresses. A press with a reuse strategy
+        needs a query-agnostic document (``context.press``) and a strategy that stores compressed documents.
+        """
+        from kvforge.reuse.base import miss_plan
+
+        if self.reuse is None:
+            plan = miss_plan(ids)
+            plan.press_size = press_size if press is not None else 0
+            return plan
+        if self.window is not None:
+            raise UserError("KV reuse does not support a sliding-window cache (--window)")
+        if press is not None and (context is None or context.press is None):
+            raise UserError(PRESS_WITH_REUSE)
+        if press is not None and not getattr(self.reuse, "stores_compressed", False):
+            raise UserError(f"{type(self.reuse).__name__} does not store compressed documents: {PRESS_WITH_REUSE}")
         plan = self.reuse.plan(ids, text=text, context=context)
         if plan.cache is not None and (problem := mismatch_with_model(plan.cache, self.model)) is not None:
             logger.warning("stored KV does not fit this model (%s): treated as a miss", problem)
-            from kvforge.reuse import miss_plan
-
             plan = miss_plan(ids, reason=f"stored KV does not fit the model: {problem}")
-        plan_s = time.perf_counter() - start
-        self.check_length(len(plan.token_ids), max_new_tokens)
-        cache, logits = self.prefill(plan.prefill_ids, plan.cache)
-        prefill_s = time.perf_counter() - start
-        gen = self.decode(cache, logits, max_new_tokens, sampling, stop, on_token)
-        gen.ttft_s += prefill_s
-        record_start = time.perf_counter()
-        self.reuse.record(ids, cache, text=text, context=context)  # refuses caches not made of exactly ``ids``
-        gen.prompt_tokens = len(ids)
-        gen.reused_tokens = plan.reused_tokens
-        gen.info.update(cache.info)
-        gen.info["reuse"] = plan.summary() | {
-            "plan_s": round(plan_s, 6), "record_s": round(time.perf_counter() - record_start, 6)
-        }
-        gen.info["prefill_s"] = prefill_s
-        gen.info["cache_entries"] = cache.num_entries()
-        return gen
+            plan.press_size = context.num_tokens if press is not None else 0
+        return plan
 
 
 class TextStream:

@@ -5,6 +5,14 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
+# One message for one unsupported combination, in the engine, the CLI and the server alike.
+PRESS_WITH_REUSE = (
+    "a press combines with KV reuse only query-agnostic on a document (compressed once, stored, reused by later "
+    "questions): Engine.answer(document, question, press=..., query_aware=False); CLI: --prompt-file DOC --prompt "
+    "QUESTION --query-agnostic --reuse prefix; server: kvforge.query_aware=false with a 'document\\n\\nquestion' "
+    "message and prefix reuse"
+)
+
 
 class UserError(Exception):
     """Bad input from the user (unknown name, unreadable file, invalid number, prompt too long...)."""

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from kvforge.commands._common import add_model_args, check_store_url, load, positive_int, prefill_progress
-from kvforge.errors import UserError
+from kvforge.errors import PRESS_WITH_REUSE, UserError
 
 
 def register(sub: Any, bench_sub: Any) -> None:
@@ -66,8 +66,10 @@ def check_reuse_args(args: argparse.Namespace) -> Any:
     loads); returns the store."""
     from kvforge.store import default_store_url, open_store
 
-    if getattr(args, "press", None):
-        raise UserError("--reuse cannot be combined with --press (a compressed cache is not an exact prefix)")
+    if getattr(args, "press", None):  # the compressed document is stored and reused: query-agnostic, prefix reuse
+        document = getattr(args, "prompt_file", None) and getattr(args, "prompt", None)
+        if args.reuse != "prefix" or not getattr(args, "query_agnostic", False) or not document:
+            raise UserError(PRESS_WITH_REUSE)
     if getattr(args, "window", None):
         raise UserError("--reuse cannot be combined with --window")
     if args.threshold is not None and not -1 <= args.threshold <= 1:
@@ -97,6 +99,14 @@ def describe_reuse(gen: Any) -> str:
     info = gen.info.get("reuse", {})
     kind = info.get("kind", "miss")
     text = f" | reuse {'miss' if kind == 'miss' else kind + ' hit'}: {gen.reused_tokens}/{gen.prompt_tokens} tok"
+    if info.get("compressed"):
+        text += (
+            f" (reused the compressed document: {info.get('press')} ratio {info.get('compression_ratio')}, quant "
+            f"{info.get('quant')}, {info.get('kept_entries')} entries, {info.get('bytes_loaded')} bytes loaded in "
+            f"{info.get('load_s', 0.0):.3f}s)"
+        )
+    elif kind == "miss" and info.get("document_key"):
+        text += " (compressed document stored for later questions)"
     if info.get("approximate"):
         text += f" (approximate, similarity {info.get('similarity', 0):.3f})"
     return text

@@ -61,6 +61,11 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--aux-model", help="RAG: an extra CacheClip auxiliary model (the model itself always runs)")
     p.add_argument("--separate-prefill", action="store_true", help="prefill every method separately (default: "
                    "one prefill per example, compressed by each method; same rows, TTFT from per-stage clocks)")
+    p.add_argument("--store-once", action="store_true", help="store once, ask many: each document compressed "
+                   "(query-agnostic) and stored once per method x ratio x --quants, every question answered from the "
+                   "store by a fresh engine (rows stored-<method>+<quant>)")
+    p.add_argument("--quants", type=_names, default=["none", "int8", "int4"], help="--store-once: storage "
+                   "quantisations (none, int8, int4, int2)")
     p.add_argument("--report-only", action="store_true", help="rebuild summary, plots and report from results.jsonl")
     p.set_defaults(func=run)
 
@@ -113,12 +118,14 @@ def examples_for(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
 
 def run(args: argparse.Namespace) -> int:
     from kvforge.eval.data import read_examples
-    from kvforge.eval.runner import EvalRunner, press_trials
+    from kvforge.eval.runner import FULL, EvalRunner, press_trial, press_trials
     from kvforge.eval.tasks import check_task_data
     from kvforge.paths import default_data_dir
 
     _check(args)
-    mode = "query-agnostic" if args.query_agnostic else "query-aware"
+    mode = "query-agnostic" if args.query_agnostic or args.store_once else "query-aware"
+    if args.store_once:
+        mode = "store-once (query-agnostic)"
     if args.report_only:
         return _report(args, mode)
     if args.data is not None:
@@ -127,6 +134,16 @@ def run(args: argparse.Namespace) -> int:
         check_task_data(_names(args.task), args.data_dir or default_data_dir())  # before the model loads
     query_aware = not args.query_agnostic
     trials = None if args.rag else press_trials(args.methods, args.compression_ratios, query_aware=query_aware)
+    if args.store_once:
+        if args.rag:
+            raise UserError("--store-once stores compressed documents: it does not combine with --rag")
+        from kvforge.eval.stored import stored_trials
+
+        try:
+            trials = [press_trial(FULL, 0.0, query_aware=False)]
+            trials += stored_trials(args.methods, args.compression_ratios, args.quants)
+        except ValueError as e:
+            raise UserError(str(e)) from e
     engine = load_engine(args)  # names, options and data were checked above: a mistake costs no model load
     if args.rag:
         trials = _rag_trials(args, engine)

@@ -38,7 +38,10 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--num-sink", type=int, default=4, help="with --window: first tokens always kept")
     p.add_argument("--press", default=None, help="compression method (see `kvforge presses`)")
     p.add_argument("--compression-ratio", type=ratio, default=0.5, help="fraction of KV entries removed")
-    p.add_argument("--query-agnostic", action="store_true", help="compress the prompt before the question is known")
+    p.add_argument("--query-agnostic", action="store_true", help="compress the prompt before the question is known "
+                   "(with --reuse prefix: the compressed --prompt-file is stored, later questions reuse it)")
+    p.add_argument("--quant", default=None, help="with --press and --reuse: storage quantisation of the compressed "
+                   "document (none, int8, int4, int2; default: the store's)")
     p.add_argument("--store", default=None, help="KV store URL for --reuse (memory://, file:///dir, redis://host:port/db,"
                    " comma-separated = tiers); default: the disk store in kvforge's cache folder")
     p.add_argument("--reuse", choices=REUSE_NAMES, default=None, help="reuse stored KV of earlier prompts")
@@ -79,6 +82,15 @@ def run_generate(args: argparse.Namespace) -> int:
         from kvforge.presses import build_press
 
         press = build_press(args.press, compression_ratio=args.compression_ratio)
+    if args.quant is not None:
+        from kvforge.store.quant import parse_scheme
+
+        if not (args.press and args.reuse):
+            raise UserError("--quant sets how a compressed document is stored: it needs --press and --reuse prefix")
+        try:
+            parse_scheme(args.quant)
+        except ValueError as e:
+            raise UserError(str(e)) from e
     store = None
     if args.reuse:  # combinations, the store URL and the store's server are checked before the model loads
         from kvforge.commands.bench_reuse import attach_reuse, check_reuse_args
@@ -96,7 +108,11 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.no_cache:
         return _generate_uncached(engine, ids, args.max_new_tokens, decode_uncached)
     stream = TextStream(tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    if engine.reuse is not None and args.semantic_mode == "context" and args.prompt and args.prompt_file:
+    if engine.reuse is not None and press is not None:  # checked: query-agnostic, a document and a question
+        gen = engine.answer(read_text_file(args.prompt_file), args.prompt, press=press, query_aware=False,
+                            max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, quant=args.quant,
+                            on_token=stream)
+    elif engine.reuse is not None and args.semantic_mode == "context" and args.prompt and args.prompt_file:
         gen = engine.answer(read_text_file(args.prompt_file), args.prompt, max_new_tokens=args.max_new_tokens,
                             sampling=sampling, stop=args.stop)
         sys.stdout.write(gen.text)

@@ -21,6 +21,7 @@ from kvforge.eval.metrics import normalized_score
 FULL = "full"
 FIDELITY = ("answer_nll", "kl", "top1_agreement", "needle_kept")
 TTFT_STAGES = ("prefill", "compression", "lookahead")  # the parts of a TTFT (kvforge.eval.runner.ttft_stages)
+STORED = ("stored_bytes", "store_s")  # "store once, ask many" rows (kvforge.eval.stored)
 COLUMNS = ["method", "compression_ratio", "kept_ratio", "task", "n", "score", "normalized", "ttft_s", "cache_bytes"]
 
 
@@ -84,6 +85,9 @@ def summarize(rows: list[dict[str, Any]], model: str, mode: str) -> dict[str, An
             if any(name in r for r in group):
                 row[name] = _mean([r.get(name) for r in group])
                 row[f"{name}_stderr"] = _stderr([float(r[name]) for r in group if r.get(name) is not None])
+        for name in STORED:  # stored-document rows: bytes in the store, one-off compress-and-store time
+            if any(name in r for r in group):
+                row[name] = _mean([r.get(name) for r in group])
         out.append(row)
     out += _overall(out)
     out.sort(key=lambda r: (r["task"] == "all", r["task"], r["method"] != FULL, r["method"], r["compression_ratio"]))
@@ -125,7 +129,7 @@ def write_summary(out_dir: Path, summary: dict[str, Any]) -> list[Path]:
     """Write ``summary.json`` and ``summary.csv``; returns their paths."""
     json_path, csv_path = out_dir / "summary.json", out_dir / "summary.csv"
     json_path.write_text(json.dumps(summary, indent=2) + "\n")
-    optional = ("score_stderr", "ttft_speedup", "recompute_ratio", *FIDELITY, "peak_memory_bytes")
+    optional = ("score_stderr", "ttft_speedup", "recompute_ratio", *FIDELITY, *STORED, "peak_memory_bytes")
     extra = [k for k in optional if any(k in r for r in summary["rows"])]
     with csv_path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[*COLUMNS, *extra], extrasaction="ignore")
@@ -191,7 +195,8 @@ def plot(out_dir: Path, summary: dict[str, Any], task: str | None = None) -> lis
         path = _plot_by_task(out_dir, summary, x_of, xlabel, column, name)
         if path is not None:
             paths.append(path)
-    return paths
+    stored = _plot_stored(out_dir, rows, title)
+    return paths + ([stored] if stored else [])
 
 
 def _curves(ax: Any, rows: list[dict[str, Any]], methods: list[str], column: str, x_of: Any, **style: Any) -> None:
@@ -268,6 +273,39 @@ def _plot_ttft(out_dir: Path, rows: list[dict[str, Any]], methods: list[str], ti
     return path
 
 
+def _plot_stored(out_dir: Path, rows: list[dict[str, Any]], title: str) -> Path | None:
+    """``score_vs_stored_bytes.png``: normalised score against bytes stored per document (stored rows, log x), one
+    line per press, one marker per quantisation."""
+    import matplotlib.pyplot as plt
+
+    pts = [r for r in rows if r.get("stored_bytes") and r.get("normalized") is not None]
+    if not pts:
+        return None
+    quants = sorted({r["method"].rsplit("+", 1)[-1] for r in pts})
+    presses = sorted({r["method"].removeprefix("stored-").rsplit("+", 1)[0] for r in pts})
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=90)
+    for i, press in enumerate(presses):
+        mine = sorted((r for r in pts if r["method"].removeprefix("stored-").rsplit("+", 1)[0] == press),
+                      key=lambda r: r["stored_bytes"])  # fmt: skip
+        xs, ys = [r["stored_bytes"] / 2**20 for r in mine], [r["normalized"] for r in mine]
+        ax.plot(xs, ys, color=_color(i), linewidth=0.8, alpha=0.6)
+        for r, x, y in zip(mine, xs, ys, strict=True):
+            q = quants.index(r["method"].rsplit("+", 1)[-1])
+            ax.scatter([x], [y], color=_color(i), marker="osD^v"[q % 5], s=30)
+        ax.plot([], [], color=_color(i), label=press)
+    for q, quant in enumerate(quants):
+        ax.scatter([], [], color="gray", marker="osD^v"[q % 5], label=quant)
+    ax.axhline(100, color="black", linestyle="--", linewidth=1)
+    ax.set(xscale="log", xlabel="bytes stored per document (MiB, log)", ylabel="score (full cache = 100)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = out_dir / "score_vs_stored_bytes.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def _color(i: int) -> Any:
     """Distinct colours for up to 20 methods (tab10's dark shades first, then its light ones)."""
     import matplotlib
@@ -335,8 +373,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table of summary rows (remaining cache or recompute ratio in %, scores, TTFT in ms, cache in MiB)."""
     fid = [k for k in FIDELITY if any(k in r for r in rows)]
     rag = _is_rag(rows)
+    stored = any(r.get("stored_bytes") is not None for r in rows)
     head = ["task", "method", "recompute %" if rag else "remaining %", "kept %", "n", "score", "± se", "normalized",
-            "TTFT ms", "speedup", "cache MiB", *fid]  # fmt: skip
+            "TTFT ms", "speedup", "cache MiB", *(["stored MiB"] if stored else []), *fid]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         share = r.get("recompute_ratio") if rag else 1 - r["compression_ratio"]
@@ -345,6 +384,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                  _fmt(r["score"]), _fmt(r.get("score_stderr")), _fmt(r["normalized"]),
                  _fmt(None if r["ttft_s"] is None else 1000 * r["ttft_s"], 0), _fmt(r.get("ttft_speedup"), 2),
                  _fmt(None if r["cache_bytes"] is None else r["cache_bytes"] / 2**20, 2),
+                 *([_fmt(None if r.get("stored_bytes") is None else r["stored_bytes"] / 2**20, 2)] if stored else []),
                  *[_fmt(r.get(k), 3) for k in fid]]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -41,6 +41,7 @@ class Prefilled:
     ttft_s: float
     prompt_ids: list[int]
     info: dict[str, Any] = field(default_factory=dict)
+    columns: dict[str, Any] = field(default_factory=dict)  # extra row columns (stored trials: stored_bytes, quant)
 
 
 @dataclass(frozen=True)
@@ -383,6 +384,7 @@ class EvalRunner:
             "num_entries": num_entries,
             "kept_ratio": num_entries / ref.num_entries if ref.num_entries else None,
             "peak_memory_bytes": _peak_memory(),
+            **pre.columns,
             **extra,
             **({"info": pre.info} if pre.info else {}),
         }

@@ -28,11 +28,15 @@ class PromptContext:
     """The reusable document part of a prompt: its text and how many leading prompt tokens encode it.
 
     ``token_ids[:num_tokens]`` is the context (system + user header + document), the rest is the question, as
-    returned by ``Engine.encode_qa``.
+    returned by ``Engine.encode_qa``. With a ``press``, the document is compressed query-agnostic (before the question
+    is seen) and stored compressed, quantised under ``quant`` (None: the store's own quantisation); a strategy that
+    cannot store compressed documents refuses such a context.
     """
 
     text: str
     num_tokens: int
+    press: Any = None
+    quant: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:
@@ -53,6 +57,8 @@ class ReusePlan:
         similarity: cosine similarity of the semantic match (None for exact reuse and misses).
         donor_prompt: the text of the matched stored prompt (semantic hits).
         info: extra facts for reports (keys, number of blocks loaded, load time...).
+        press_size: the first ``press_size`` tokens of ``prefill_ids`` are prefilled under the request's press (the
+            document part a compressed-document strategy did not find); the rest is prefilled as it is.
     """
 
     cache: KVCache | None
@@ -63,6 +69,7 @@ class ReusePlan:
     similarity: float | None = None
     donor_prompt: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    press_size: int = 0
 
     def __post_init__(self) -> None:
         if not self.prefill_ids:
@@ -92,7 +99,14 @@ class ReusePlan:
 
 @runtime_checkable
 class ReuseStrategy(Protocol):
-    """Finds reusable KV for a prompt and records the KV of prompts just computed."""
+    """Finds reusable KV for a prompt and records the KV of prompts just computed.
+
+    The engine executes any plan the same way: load ``plan.cache`` -> prefill ``plan.prefill_ids`` (the first
+    ``plan.press_size`` under the press) -> decode -> ``record``. A strategy that stores compressed documents
+    (``context.press`` set) says so with a class attribute ``stores_compressed = True``; the engine refuses a press
+    with any other strategy. ``record`` gets the cache holding exactly what the plan asked to compute and store: for a
+    compressed document, the document's compressed KV alone (before the question was added).
+    """
 
     def plan(
         self, token_ids: Sequence[int], *, text: str | None = None, context: PromptContext | None = None

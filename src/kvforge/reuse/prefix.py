@@ -33,6 +33,7 @@ from kvforge.reuse.base import (
     miss_plan,
     segment_slice,
 )
+from kvforge.reuse.document import DocumentReuse
 from kvforge.types import KVSegment
 
 logger = logging.getLogger(__name__)
@@ -56,12 +57,15 @@ class PrefixReuse:
     block_size: int = 256
     device: Any = None
 
+    stores_compressed = True  # a context with a press: the compressed document, stored whole (reuse/document.py)
+
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not self.model_id:
             raise ValueError("model_id must name the model and tokenizer (keys would collide across models)")
         self.namespace = digest("kvforge-prefix-v1", self.model_id, str(self.block_size))
+        self.documents = DocumentReuse(self.store, self.model_id, device=self.device)
 
     # ------------------------------------------------------------------------------------------------ keys
     def block_bounds(self, num_tokens: int) -> list[tuple[int, int]]:
@@ -84,6 +88,8 @@ class PrefixReuse:
         ids = list(token_ids)
         if not ids:
             raise ValueError("empty prompt: nothing to prefill")
+        if context is not None and context.press is not None:
+            return self.documents.plan(ids, context)
         t0 = time.perf_counter()
         bounds, keys = self.block_bounds(len(ids)), self.block_keys(ids)
         num_hit = 0
@@ -143,6 +149,9 @@ class PrefixReuse:
     ) -> None:
         """Store the blocks of ``token_ids`` not stored yet (the cache must hold exactly these tokens' full KV)."""
         ids = list(token_ids)
+        if context is not None and context.press is not None:
+            self.documents.record(ids, cache, context)
+            return
         if not ids or not holds_exactly(cache, ids):
             return
         bounds, keys = self.block_bounds(len(ids)), self.block_keys(ids)

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from kvforge.decode import SamplingParams
-from kvforge.errors import UserError
+from kvforge.errors import PRESS_WITH_REUSE, UserError
 from kvforge.serve import schemas as S
 from kvforge.serve.errors import APIError, install_handlers, timeout_error, user_error
 from kvforge.serve.features import Features
@@ -172,6 +172,17 @@ def create_app(
             fits = req.max_tokens is not None and num_prompt < engine.max_positions
             raise user_error(e, param="max_tokens" if fits else prompt_param) from e
         qa = None
+        if press_obj is not None and label != "none" and (opts.query_aware is not False or label == "semantic"):
+            raise APIError(400, PRESS_WITH_REUSE, param="kvforge.press")  # the engine's and the CLI's message
+        if opts.quant is not None:
+            if press_obj is None or opts.query_aware is not False or label == "none":
+                raise APIError(
+                    400,
+                    "kvforge.quant sets how a compressed document is stored: it needs kvforge.press, "
+                    "kvforge.query_aware=false and prefix reuse",
+                    param="kvforge.quant",
+                )
+            check_quant_name(opts.quant, "kvforge.quant")
         if opts.query_aware is False and press_obj is not None:
             qa = split_context_question(prompt)
         elif press_obj is None and not raw and _context_mode(opts, reuse_kind, semantic_mode):
@@ -179,7 +190,7 @@ def create_app(
                 qa = split_context_question(prompt)
             except APIError:
                 qa = None  # a plain chat: ordinary generation (a miss for context mode)
-        spec = GenerationSpec(prompt, raw, max_tokens, sampling, req.stop_list, press_obj, spec_reuse, qa)
+        spec = GenerationSpec(prompt, raw, max_tokens, sampling, req.stop_list, press_obj, spec_reuse, qa, opts.quant)
         return spec, num_prompt, label
 
     def submit(fn: Callable[[Job], Any]) -> Job:
@@ -215,6 +226,9 @@ def create_app(
             "press": press_name,
             "compression_ratio": ratio if press_name else None,
             "cache_bytes": gen.cache_bytes,
+            "compressed": bool(info.get("compressed", False)),  # the reused document was stored compressed
+            "bytes_loaded": info.get("bytes_loaded"),
+            "quant": info.get("quant"),
         }
 
     async def wait(request: Request, job: Job, until_started: bool = False) -> Any:
@@ -393,7 +407,20 @@ def create_app(
             strategy = await off_loop(
                 partial(features.reuse, "prefix", strict=True)
             )  # storing needs the store: 503 when it is down
-        job = submit(lambda j: features.precompute_documents(req.documents, req.mode, req.system, strategy))
+        press_obj = None
+        if req.press is not None or req.quant is not None or req.compression_ratio is not None:
+            if req.mode != "prefix" or req.press is None:
+                raise APIError(400, "press, compression_ratio and quant store prefix documents compressed: they need "
+                               "mode 'prefix' and a press", param="press")  # fmt: skip
+            press_obj = features.press(req.press, compression_ratio if req.compression_ratio is None
+                                       else req.compression_ratio)  # fmt: skip
+            if req.quant is not None:
+                check_quant_name(req.quant, "quant")
+        job = submit(
+            lambda j: features.precompute_documents(
+                req.documents, req.mode, req.system, strategy, press=press_obj, quant=req.quant
+            )
+        )
         job.endpoint = "/v1/kv/documents"
         result = await wait(request, job)
         if result is None:
@@ -429,6 +456,18 @@ class CachedStats:
         finally:
             self.fetched_at = time.monotonic()
             self._running.release()
+
+
+def check_quant_name(quant: str, param: str) -> None:
+    """400 for an unknown storage quantisation name (the store's own message with the choices)."""
+    try:
+        from kvforge.store.quant import parse_scheme
+
+        parse_scheme(quant)
+    except ImportError as e:
+        raise APIError(400, "quantised storage needs kvforge.store", param=param) from e
+    except ValueError as e:
+        raise APIError(400, str(e), param=param) from e
 
 
 def _context_mode(opts: S.KVForgeOptions, server_kind: str, server_mode: str) -> bool:

@@ -134,7 +134,13 @@ class Features:
 
     # ------------------------------------------------------------------------------------------ documents
     def precompute_documents(
-        self, documents: list[str], mode: str, system: str | None, strategy: Any
+        self,
+        documents: list[str],
+        mode: str,
+        system: str | None,
+        strategy: Any,
+        press: Any = None,
+        quant: str | None = None,
     ) -> list[dict[str, Any]]:
         """Compute and store the KV of each document; returns one ``{"id", "tokens", ...}`` per document.
 
@@ -142,6 +148,10 @@ class Features:
         separator, :meth:`Engine.encode_qa`) through ``strategy`` (a prefix reuse strategy), so a later chat request
         whose user message is ``document + "\\n\\n" + question`` reuses it. ``chunks`` mode stores each document
         as a RAG chunk (``kvforge.rag``), keyed by the rag package's chunk key. Runs on the worker thread.
+
+        With a ``press``, a prefix document is compressed query-agnostic and stored whole, keyed by the press, its
+        parameters and ``quant`` (None: the store's): a chat request naming the same press with
+        ``query_aware=false`` and prefix reuse loads it and prefills only its question.
         """
         if mode == "chunks":
             return self._precompute_chunks(documents, system)
@@ -156,10 +166,33 @@ class Features:
         for doc in documents:
             ctx_ids, _ = self.engine.encode_qa(doc, "?", system=system)
             self.engine.check_length(len(ctx_ids))
-            cache, _ = self.engine.prefill(ctx_ids)
-            strategy.record(ctx_ids, cache, text=doc)
-            digest = hashlib.sha256(repr((self.engine.model_id, ctx_ids)).encode()).hexdigest()[:32]
-            out.append({"id": f"kvdoc-{digest}", "object": "kv.document", "mode": "prefix", "tokens": len(ctx_ids)})
+            cache, _ = self.engine.prefill(ctx_ids, press=press)
+            entry = {"object": "kv.document", "mode": "prefix", "tokens": len(ctx_ids)}
+            if press is None:
+                strategy.record(ctx_ids, cache, text=doc)
+                digest = hashlib.sha256(repr((self.engine.model_id, ctx_ids)).encode()).hexdigest()[:32]
+                out.append({"id": f"kvdoc-{digest}", **entry})
+                continue
+            from kvforge.reuse.base import PromptContext
+            from kvforge.reuse.document import press_spec
+
+            if not getattr(strategy, "stores_compressed", False):
+                raise APIError(400, f"{type(strategy).__name__} does not store compressed documents", param="press")
+            context = PromptContext(doc, len(ctx_ids), press=press, quant=quant)
+            strategy.record(ctx_ids, cache, text=doc, context=context)
+            key = strategy.documents.key(ctx_ids, context)
+            size = getattr(strategy.store, "stored_size", None)
+            out.append(
+                {
+                    "id": key,
+                    **entry,
+                    "press": press_spec(press),
+                    "compression_ratio": press.ratio(),
+                    "quant": strategy.documents.quant_of(context),
+                    "kept_entries": cache.num_entries(),
+                    "stored_bytes": size(key) if size is not None else None,
+                }
+            )
         return out
 
     def _precompute_chunks(self, documents: list[str], system: str | None) -> list[dict[str, Any]]:

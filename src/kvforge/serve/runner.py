@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,9 +23,11 @@ class GenerationSpec:
         prompt: text (raw or one user message), chat messages, or token ids, as :meth:`Engine.generate` takes.
         raw: no chat template (``/v1/completions``).
         reuse: the reuse strategy for this request, None for no reuse, or :data:`KEEP` for the engine's own.
-        qa: ``(context, question, system)`` of a ``document\n\nquestion`` chat: with a press, query-agnostic
-            compression (the press sees the context only); without, :meth:`Engine.answer` (semantic reuse in
-            context mode matches the document and prefills the question exactly; no per-token streaming there).
+        qa: ``(context, question, system)`` of a ``document\n\nquestion`` chat, run by :meth:`Engine.answer`: with a
+            press, query-agnostic compression (the press sees the context only; with prefix reuse the compressed
+            document is stored and reused); without, semantic reuse in context mode matches the document and
+            prefills the question exactly.
+        quant: storage quantisation of a compressed document (None: the store's).
     """
 
     prompt: Any
@@ -37,6 +38,7 @@ class GenerationSpec:
     press: Any = None
     reuse: Any = KEEP
     qa: tuple[str, str, str | None] | None = None
+    quant: str | None = None
 
 
 class DeltaStream:
@@ -97,17 +99,19 @@ def run_generation(engine: Any, spec: GenerationSpec, job: Job, emit: Callable[[
 
     job.check()
     with engine_reuse(engine, spec.reuse):
-        if spec.qa is not None and spec.press is not None:
-            gen = _query_agnostic(engine, spec, on_token)
-        elif spec.qa is not None:
+        if spec.qa is not None:
             context, question, system = spec.qa
             gen = engine.answer(
                 context,
                 question,
                 system=system,
+                press=spec.press,
+                query_aware=spec.press is None,
                 max_new_tokens=spec.max_tokens,
                 sampling=spec.sampling,
                 stop=spec.stop or None,
+                quant=spec.quant,
+                on_token=on_token,
             )
         else:
             gen = engine.generate(
@@ -120,25 +124,6 @@ def run_generation(engine: Any, spec: GenerationSpec, job: Job, emit: Callable[[
                 on_token=on_token,
             )
     stream.finish(gen.text)
-    return gen
-
-
-def _query_agnostic(engine: Any, spec: GenerationSpec, on_token: Callable[[int], None]) -> Generation:
-    """Compress the context before the question is seen, prefill the question on top, decode (as Engine.answer)."""
-    assert spec.qa is not None
-    context, question, system = spec.qa
-    ctx_ids, q_ids = engine.encode_qa(context, question, system=system)
-    engine.check_length(len(ctx_ids) + len(q_ids), spec.max_tokens)
-    start = time.perf_counter()
-    cache, logits = engine.prefill(ctx_ids, press=spec.press)
-    if q_ids:
-        cache, logits = engine.prefill(q_ids, cache)
-    prefill_s = time.perf_counter() - start
-    gen: Generation = engine.decode(cache, logits, spec.max_tokens, spec.sampling, spec.stop or None, on_token)
-    gen.ttft_s += prefill_s
-    gen.prompt_tokens = len(ctx_ids) + len(q_ids)
-    gen.info.update(cache.info)
-    gen.info["prefill_s"] = prefill_s
     return gen
 
 

@@ -27,6 +27,7 @@ class KVForgeOptions(BaseModel):
     reuse: Literal["prefix", "semantic", "none"] | None = None
     semantic_mode: Literal["canonical", "context"] | None = None
     query_aware: StrictBool | None = None
+    quant: StrictStr | None = None  # how a compressed document is stored (query_aware=false + prefix reuse)
 
 
 class StreamOptions(BaseModel):
@@ -122,6 +123,9 @@ class DocumentsRequest(BaseModel):
     documents: Annotated[list[StrictStr], Field(min_length=1, max_length=256)]
     mode: Literal["prefix", "chunks"] = "prefix"
     system: StrictStr | None = None
+    press: StrictStr | None = None  # prefix mode: store each document compressed (query-agnostic) by this press
+    compression_ratio: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] | None = None
+    quant: StrictStr | None = None  # storage quantisation (none, int8, int4, int2; default: the store's)
 
     @field_validator("documents")
     @classmethod

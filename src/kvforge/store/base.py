@@ -32,7 +32,7 @@ class KVStore(Protocol):
     """Where KV segments live, addressed by caller-chosen keys (hex digests)."""
 
     def get(self, key: str) -> KVSegment | None: ...  # None on miss, and on a corrupt entry (with a warning)
-    def put(self, key: str, segment: KVSegment) -> None: ...
+    def put(self, key: str, segment: KVSegment, quant: str | None = None) -> None: ...  # quant: None = the store's
     def contains(self, key: str) -> bool: ...
     def delete(self, key: str) -> None: ...
     def keys(self) -> list[str]: ...
@@ -157,9 +157,10 @@ class ByteStore(ABC):
                 self.hits += 1
         return segment
 
-    def put(self, key: str, segment: KVSegment) -> None:
-        """Store ``segment`` under ``key`` (replacing any entry), encoded with this store's quantisation."""
-        self.write_parts(check_key(key), codec.encode_parts(segment, self.quant))
+    def put(self, key: str, segment: KVSegment, quant: str | None = None) -> None:
+        """Store ``segment`` under ``key`` (replacing any entry), encoded with ``quant`` (None: this store's own;
+        ``"none"``: full precision)."""
+        self.write_parts(check_key(key), codec.encode_parts(segment, self.quant if quant is None else quant))
 
     def contains(self, key: str) -> bool:
         """Whether ``key`` is held (does not count as a use, nor check integrity)."""

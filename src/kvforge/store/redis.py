@@ -172,8 +172,8 @@ class RedisStore(ByteStore):
     def get(self, key: str) -> Any:
         return self._soft(lambda: super(RedisStore, self).get(key), None)
 
-    def put(self, key: str, segment: Any) -> None:
-        self._soft(lambda: super(RedisStore, self).put(key, segment), None)
+    def put(self, key: str, segment: Any, quant: str | None = None) -> None:
+        self._soft(lambda: super(RedisStore, self).put(key, segment, quant), None)
 
     def contains(self, key: str) -> bool:
         return bool(self._soft(lambda: super(RedisStore, self).contains(key), False))

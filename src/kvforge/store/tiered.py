@@ -115,14 +115,16 @@ class TieredStore:
             future.result()
         self._pending.clear()
 
-    def put(self, key: str, segment: KVSegment) -> None:
-        """Write through to every available tier (encoded once per quantisation setting)."""
+    def put(self, key: str, segment: KVSegment, quant: str | None = None) -> None:
+        """Write through to every available tier (encoded once per quantisation setting; ``quant`` overrides the
+        tiers' own)."""
         check_key(key)
         encoded: dict[str | None, list[bytes | memoryview]] = {}
         for i, tier in enumerate(self.tiers):
-            if tier.quant not in encoded:
-                encoded[tier.quant] = codec.encode_parts(segment, tier.quant)
-            self._run(i, partial(tier.write_parts, key, encoded[tier.quant]), None)
+            tier_quant = tier.quant if quant is None else quant
+            if tier_quant not in encoded:
+                encoded[tier_quant] = codec.encode_parts(segment, tier_quant)
+            self._run(i, partial(tier.write_parts, key, encoded[tier_quant]), None)
 
     def contains(self, key: str) -> bool:
         check_key(key)

@@ -165,6 +165,40 @@ def needle_task(cfg: TaskConfig, variant: str = "single") -> list[Example]:
     ]
 
 
+def multi_needle_task(cfg: TaskConfig, num_needles: int = 4) -> list[Example]:
+    """Per length and sample, ONE document holding ``num_needles`` needles at evenly spread depths and one question
+    per needle: examples share their context (the "store once, ask many" case of :mod:`kvforge.eval.stored`)."""
+    measure = Measure(cfg.tokenizer)
+    out = []
+    for length in cfg.lengths:
+        for index in range(cfg.num_samples):
+            rng = cfg.rng("needle-multi", length, index)
+            keys = [f"{a}-{n}" for a, n in rng.sample([(a, n) for a in ADJECTIVES for n in NOUNS], num_needles)]
+            values = [str(rng.randint(1_000_000, 9_999_999)) for _ in keys]
+            needles = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, values, strict=True)]
+            needle_size = sum(measure.size(" " + n + " ") for n in needles)
+            if needle_size >= length:
+                raise UserError(f"needle length {length} is too short for {num_needles} needles ({needle_size} units)")
+            hay = filler_text(load_haystack(cfg), length - needle_size, measure, rng.random())
+            depths = [(j + 0.5) / num_needles for j in range(num_needles)]
+            context, _ = insert_needles(hay, needles, depths, measure)
+            for j, (key, value, needle) in enumerate(zip(keys, values, needles, strict=True)):
+                out.append(
+                    Example(
+                        id=f"needle-multi-L{length}-{index}-q{j}",
+                        context=context,
+                        question=f"What is the special magic number for {key} mentioned in the provided text?",
+                        answers=[value],
+                        metric="contains",
+                        task="needle-multi",
+                        max_new_tokens=28,
+                        answer_prefix=f"The special magic number for {key} mentioned in the provided text is",
+                        needles=[needle],
+                    )
+                )
+    return out
+
+
 NUM_DOCS = 10
 
 
