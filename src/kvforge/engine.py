@@ -15,7 +15,7 @@ from kvforge.cache import CacheSnapshot, KVCache, mismatch_with_model
 from kvforge.decode import SamplingParams, decode, eos_ids, trim_at_stop
 from kvforge.errors import UserError
 from kvforge.model import context_length, model_fingerprint
-from kvforge.prefill import DEFAULT_CHUNK_SIZE, prefill
+from kvforge.prefill import DEFAULT_CHUNK_SIZE, prefill, prefill_at
 from kvforge.types import Generation
 
 logger = logging.getLogger(__name__)
@@ -152,6 +152,18 @@ class Engine:
             )
         return cache, logits
 
+    def prefill_plan(self, plan: Any) -> tuple[KVCache, Tensor]:
+        """Execute a reuse plan: prefill ``plan.prefill_ids`` on ``plan.cache`` (at ``plan.prefill_positions`` when
+        the plan places them, as RAG chunk plans do); returns (cache, logits)."""
+        if plan.prefill_positions is None:
+            return self.prefill(plan.prefill_ids, plan.cache)
+        cache = plan.cache if plan.cache is not None else self.new_cache()
+        logits = prefill_at(
+            self.model, plan.prefill_ids, plan.prefill_positions, cache, chunk_size=self.chunk_size
+        )
+        cache.token_ids = list(plan.token_ids)
+        return cache, logits
+
     def decode(
         self,
         cache: KVCache,
@@ -229,6 +241,39 @@ class Engine:
         if query_aware or not q_ids:
             return self._run([ctx_ids + q_ids], max_new_tokens, sampling, stop, [press], None)
         return self._run([ctx_ids, q_ids], max_new_tokens, sampling, stop, [press, None], None)
+
+    def answer_chunks(
+        self,
+        chunks: Sequence[str],
+        question: str,
+        rag: Any = None,
+        system: str | None = None,
+        separator: str = "\n\n",
+        answer_prefix: str = "",
+        max_new_tokens: int = 64,
+        sampling: SamplingParams | None = None,
+        stop: Sequence[str] | None = None,
+        on_token: Callable[[int], None] | None = None,
+    ) -> Generation:
+        """Answer ``question`` over document ``chunks`` reusing each chunk's stored KV (RAG).
+
+        ``rag``: a :class:`kvforge.reuse.rag.ChunkReuse` (default: the engine's ``reuse``). The prompt is the
+        chunks joined by ``separator`` after the shared prefix (system + user header), then the question; the plan
+        assembles the stored chunks and the engine prefills what it lists (recomputed tokens, separators, question)
+        at their positions, then decodes. TTFT includes the plan (chunk loads, CacheBlend/CacheClip selection).
+        """
+        from kvforge.reuse.rag import ChunkReuse
+
+        rag = rag if rag is not None else self.reuse
+        if not isinstance(rag, ChunkReuse):
+            raise UserError("answering over chunks needs a RAG chunk reuse strategy (kvforge.reuse.rag.ChunkReuse)")
+        try:
+            prompt = rag.build_prompt(chunks, question, system=system, separator=separator,
+                                      answer_prefix=answer_prefix)
+        except ValueError as e:
+            raise UserError(str(e)) from e
+        return self._run_reused(prompt.ids(), max_new_tokens, sampling, stop, on_token, text=question,
+                                context=prompt, reuse=rag)
 
     def answer_many(
         self,
@@ -309,13 +354,15 @@ class Engine:
         on_token: Callable[[int], None] | None,
         text: str | None,
         context: Any,
+        reuse: Any = None,
     ) -> Generation:
         """plan (reuse stored KV) -> prefill the rest -> decode -> record; TTFT includes the plan (store reads)."""
+        reuse = reuse if reuse is not None else self.reuse
         if self.window is not None:
             raise UserError("KV reuse does not support a sliding-window cache (--window)")
         self.check_length(len(ids), max_new_tokens)
         start = time.perf_counter()
-        plan = self.reuse.plan(ids, text=text, context=context)
+        plan = reuse.plan(ids, text=text, context=context)
         if plan.cache is not None and (problem := mismatch_with_model(plan.cache, self.model)) is not None:
             logger.warning("stored KV does not fit this model (%s): treated as a miss", problem)
             from kvforge.reuse import miss_plan
@@ -323,12 +370,12 @@ class Engine:
             plan = miss_plan(ids, reason=f"stored KV does not fit the model: {problem}")
         plan_s = time.perf_counter() - start
         self.check_length(len(plan.token_ids), max_new_tokens)
-        cache, logits = self.prefill(plan.prefill_ids, plan.cache)
+        cache, logits = self.prefill_plan(plan)
         prefill_s = time.perf_counter() - start
         gen = self.decode(cache, logits, max_new_tokens, sampling, stop, on_token)
         gen.ttft_s += prefill_s
         record_start = time.perf_counter()
-        self.reuse.record(ids, cache, text=text, context=context)  # refuses caches not made of exactly ``ids``
+        reuse.record(ids, cache, text=text, context=context)  # refuses caches not made of exactly ``ids``
         gen.prompt_tokens = len(ids)
         gen.reused_tokens = plan.reused_tokens
         gen.info.update(cache.info)

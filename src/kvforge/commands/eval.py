@@ -144,8 +144,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _rag_trials(args: argparse.Namespace, engine: Any) -> list[Any]:
     """RAG strategies as trials (ratio column = recompute ratio), CacheClip also with ``--aux-model``."""
-    from kvforge.rag import STRATEGIES, RagModel
-    from kvforge.rag.trials import rag_trials
+    from kvforge.eval.runner import chunk_trials
+    from kvforge.rag import STRATEGIES
+    from kvforge.reuse.rag import ChunkReuse
 
     unknown = [s for s in args.rag if s not in STRATEGIES]
     if unknown:
@@ -154,8 +155,8 @@ def _rag_trials(args: argparse.Namespace, engine: Any) -> list[Any]:
     if args.aux_model:
         from kvforge.model import load_model
 
-        aux[args.aux_model] = RagModel(*load_model(args.aux_model, device=args.device, dtype=args.dtype))
-    return rag_trials(args.rag, args.recompute_ratios, aux)
+        aux[args.aux_model] = ChunkReuse(*load_model(args.aux_model, device=args.device, dtype=args.dtype))
+    return chunk_trials(args.rag, args.recompute_ratios, aux)
 
 
 def _record_examples(examples: list[Any], path: Path) -> None:
