@@ -49,8 +49,9 @@ class RagRunner:
         if plan.kind == "miss":  # full: every prefix/chunk token computed
             n_cached = len(prompt.prefix_ids) + prompt.num_context_tokens
             return Prefilled(cache, logits, len(plan.token_ids), 0, n_cached, len(plan.token_ids) - n_cached, plan)
-        return Prefilled(cache, logits, len(plan.token_ids), plan.reused_tokens, plan.recomputed_tokens,
-                         plan.fresh_tokens, plan)
+        return Prefilled(
+            cache, logits, len(plan.token_ids), plan.reused_tokens, plan.recomputed_tokens, plan.fresh_tokens, plan
+        )
 
     def run(self, prompt: RagPrompt, name: str, **kwargs: Any) -> Prefilled:
         return self.prefill(prompt, make_strategy(name, **kwargs))

@@ -40,8 +40,9 @@ def run(args: argparse.Namespace) -> int:
     method = make_strategy(args.strategy, args.recompute_ratio, **kwargs)
     rag = ChunkReuse(model, tokenizer, store, model_id=engine.model_id, method=method)
     separator = args.separator.encode().decode("unicode_escape")
-    gen = engine.answer_chunks(docs, args.question, rag=rag, system=args.system, separator=separator,
-                               max_new_tokens=args.max_new_tokens)
+    gen = engine.answer_chunks(
+        docs, args.question, rag=rag, system=args.system, separator=separator, max_new_tokens=args.max_new_tokens
+    )
     print(gen.text.strip())
     reuse = gen.info["reuse"]
     print(

@@ -100,8 +100,9 @@ class APEStrategy:
         def hook(cache: KVCache) -> AttentionHook:
             return APEAttention(cache, p, end, self.temperature, self.scale)
 
-        return Selection(asm, _nothing(asm), attention_hook=hook,
-                         info={"temperature": self.temperature, "scale": self.scale})
+        return Selection(
+            asm, _nothing(asm), attention_hook=hook, info={"temperature": self.temperature, "scale": self.scale}
+        )
 
 
 @dataclass
@@ -186,6 +187,23 @@ class CacheClipStrategy:
             scores = self._scorer(reuse).score(prompt)  # (N_ctx,)
             chosen = select_top(scores, self.recompute_ratio, self.window_size, self.window_threshold)
             recompute[asm.context_idx[chosen]] = True
+        return Selection(asm, recompute)
+
+
+@dataclass
+class FixedSelection:
+    """Recompute exactly the context tokens marked in ``chosen`` ``(N_ctx,)`` bool (oracles and ablations in
+    benchmarks; not a registry option)."""
+
+    chosen: Tensor
+    name: str = "fixed"
+
+    def select(self, reuse: ChunkReuse, prompt: RagPrompt) -> Selection:
+        asm = reuse.load(prompt)
+        if self.chosen.shape != (prompt.num_context_tokens,):
+            raise ValueError(f"selection of {tuple(self.chosen.shape)} for {prompt.num_context_tokens} context tokens")
+        recompute = _nothing(asm)
+        recompute[asm.context_idx[self.chosen]] = True
         return Selection(asm, recompute)
 
 

@@ -102,7 +102,11 @@ class ChunkReuse:
         return self._rope
 
     def build_prompt(
-        self, docs: Sequence[str], question: str, system: str | None = None, separator: str = "\n\n",
+        self,
+        docs: Sequence[str],
+        question: str,
+        system: str | None = None,
+        separator: str = "\n\n",
         answer_prefix: str = "",
     ) -> RagPrompt:
         return build_prompt(self.tokenizer, list(docs), question, system, separator, answer_prefix)
@@ -120,7 +124,10 @@ class ChunkReuse:
         """Fetch the prefix and chunk KV (computing misses) and place them at their positions in ``prompt``."""
         with torch.inference_mode():
             prefix = self.chunks.prefix(prompt.prefix_ids)
-            segments = [self.chunks.chunk(prompt.prefix_ids, c) for c in prompt.chunk_ids]
+            segments = [
+                self.chunks.chunk(prompt.prefix_ids, c, prompt.chunk_texts[i] if prompt.chunk_texts else None)
+                for i, c in enumerate(prompt.chunk_ids)
+            ]
             device = next(self.model.parameters()).device
             segments = [s.to(device) for s in segments]
             prefix = prefix.to(device) if prefix is not None else None
@@ -168,7 +175,5 @@ class ChunkReuse:
             fresh_tokens=asm.num_tokens - num_cached,
         )
 
-    def record(
-        self, token_ids: Sequence[int], cache: KVCache, *, text: str | None = None, context: Any = None
-    ) -> None:
+    def record(self, token_ids: Sequence[int], cache: KVCache, *, text: str | None = None, context: Any = None) -> None:
         """Nothing to record: chunks are stored when first planned (each chunk's KV is computed on its own)."""
