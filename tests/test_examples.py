@@ -23,6 +23,8 @@ def test_example_runs(script, tiny_llama_dir):
     assert len(lines) == 2
     if script.stem == "store_reuse":  # the second question reuses the stored document
         assert "reused 0 of" in lines[0] and "reused 0 of" not in lines[1]
+    if script.stem == "rag_chunks":  # the second question finds every chunk stored, in another order
+        assert "chunk misses 6" in lines[0] and "chunk misses 0" in lines[1]
     if script.stem == "compress_generate":  # the press keeps about half of the entries
         full, small = (int(line.split(":")[1].split()[0]) for line in lines)
         assert small < 0.6 * full

@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -17,6 +17,10 @@ from kvforge.errors import UserError
 from kvforge.model import context_length, model_fingerprint
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, prefill, prefill_at
 from kvforge.types import Generation
+
+if TYPE_CHECKING:
+    from kvforge.reuse.base import ReusePlan
+    from kvforge.reuse.rag import ChunkReuse
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +156,7 @@ class Engine:
             )
         return cache, logits
 
-    def prefill_plan(self, plan: Any) -> tuple[KVCache, Tensor]:
+    def prefill_plan(self, plan: ReusePlan) -> tuple[KVCache, Tensor]:
         """Execute a reuse plan: prefill ``plan.prefill_ids`` on ``plan.cache`` (at ``plan.prefill_positions`` when
         the plan places them, as RAG chunk plans do); returns (cache, logits)."""
         if plan.prefill_positions is None:
@@ -246,7 +250,7 @@ class Engine:
         self,
         chunks: Sequence[str],
         question: str,
-        rag: Any = None,
+        rag: ChunkReuse | None = None,
         system: str | None = None,
         separator: str = "\n\n",
         answer_prefix: str = "",
