@@ -170,10 +170,13 @@ def test_engine_chunk_answer_at_full_recompute_equals_plain_generation(rag):
 
 
 def test_chunk_reuse_needs_chunks(rag):
-    reuse = ChunkReuse(rag.model, rag.tokenizer)
-    with pytest.raises(ValueError, match="chunks"):
-        reuse.plan([1, 2, 3])
+    from kvforge.engine import Engine
     from kvforge.errors import UserError
 
+    reuse = ChunkReuse(rag.model, rag.tokenizer)
+    with pytest.raises(UserError, match="chunks"):
+        reuse.plan([1, 2, 3])
     with pytest.raises(UserError, match="chunk reuse"):
-        rag.engine.answer_chunks(DOCS, QUESTION)
+        rag.engine.answer_chunks(DOCS, QUESTION)  # the engine has no chunk strategy
+    with pytest.raises(UserError, match="answer_chunks"):  # a chunk strategy cannot answer a plain prompt
+        Engine(rag.model, rag.tokenizer, reuse=reuse).generate("Hello there", max_new_tokens=2)

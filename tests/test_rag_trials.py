@@ -1,5 +1,7 @@
 """RAG chunk reuse rows from the one evaluation harness (``kvforge.eval.runner``), through ``Engine``."""
 
+import pytest
+
 from kvforge.engine import Engine
 from kvforge.eval.data import Example
 from kvforge.eval.runner import EvalRunner, chunk_trials
@@ -52,3 +54,21 @@ def test_kvforge_eval_rag_flags(tmp_path, tiny_llama_dir):
     assert summary["cacheclip"]["score"] == summary["full"]["score"] and summary["cacheclip"]["ttft_speedup"] > 0
     assert "recompute %" in (out / "report.md").read_text()
     assert main([*argv[:5], "--rag", "blend", *argv[7:]]) == 2  # unknown strategy: one-line error
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--rag", "blend"], "unknown RAG strategy"),
+        (["--rag", "naive", "--recompute-ratios", "1.5"], "recompute-ratios"),
+        (["--rag", "naive", "--query-agnostic"], "query-agnostic"),
+        (["--rag", "naive", "--aux-model", "x"], "aux-model"),
+        (["--aux-model", "x"], "aux-model"),
+    ],
+)
+def test_kvforge_eval_rag_errors_before_any_model_loads(tmp_path, extra, message, capsys):
+    from kvforge.cli import main
+
+    argv = ["eval", "--model", str(tmp_path / "no-such-model"), "--task", "needle-docs", "--out", str(tmp_path / "o")]
+    assert main([*argv, *extra]) == 2  # the model path does not exist: the options are checked first
+    assert message in capsys.readouterr().err

@@ -84,6 +84,25 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError("--methods is empty")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be >= 1")
+    if args.rag:
+        _check_rag(args)
+    elif args.aux_model:
+        raise UserError("--aux-model only applies to --rag cacheclip")
+
+
+def _check_rag(args: argparse.Namespace) -> None:
+    """RAG options, before any model loads; options that only apply to presses are refused, not ignored."""
+    from kvforge.rag import STRATEGIES
+
+    unknown = [s for s in args.rag if s not in STRATEGIES]
+    if unknown:
+        raise UserError(f"unknown RAG strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+    if not args.recompute_ratios or any(not 0.0 <= r <= 1.0 for r in args.recompute_ratios):
+        raise UserError(f"--recompute-ratios must lie in [0, 1], got {args.recompute_ratios}")
+    if args.query_agnostic:
+        raise UserError("--query-agnostic applies to presses, not to --rag")
+    if args.aux_model and "cacheclip" not in args.rag:
+        raise UserError("--aux-model only applies to --rag cacheclip")
 
 
 def examples_for(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
@@ -145,12 +164,8 @@ def run(args: argparse.Namespace) -> int:
 def _rag_trials(args: argparse.Namespace, engine: Any) -> list[Any]:
     """RAG strategies as trials (ratio column = recompute ratio), CacheClip also with ``--aux-model``."""
     from kvforge.eval.runner import chunk_trials
-    from kvforge.rag import STRATEGIES
     from kvforge.reuse.rag import ChunkReuse
 
-    unknown = [s for s in args.rag if s not in STRATEGIES]
-    if unknown:
-        raise UserError(f"unknown RAG strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
     aux = {}
     if args.aux_model:
         from kvforge.model import load_model

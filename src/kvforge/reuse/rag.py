@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from kvforge.cache import KVCache
+from kvforge.errors import UserError
 from kvforge.model import model_fingerprint
 from kvforge.rag.assemble import Assembly, assemble, build_cache
 from kvforge.rag.chunks import ChunkCache, RagPrompt, SegmentStore, build_prompt
@@ -139,7 +140,7 @@ class ChunkReuse:
     ) -> ReusePlan:
         """Assemble the chunks of ``context`` (the :class:`RagPrompt` whose ``ids()`` are ``token_ids``)."""
         if not isinstance(context, RagPrompt):
-            raise ValueError("RAG chunk reuse needs the prompt's chunks (use Engine.answer_chunks)")
+            raise UserError("RAG chunk reuse needs the prompt's chunks: use Engine.answer_chunks, not generate/answer")
         if list(token_ids) != context.ids():
             raise ValueError("token ids are not the RAG prompt's")
         if isinstance(self.method, FullStrategy):
