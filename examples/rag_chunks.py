@@ -1,6 +1,6 @@
 """Answer questions over retrieved documents, reusing each document's stored KV (RAG chunk reuse with CacheClip).
 
-    python examples/rag_chunks.py [MODEL] [STORE_URL]   # STORE_URL: memory:// (default), file:///abs/dir, redis://...
+python examples/rag_chunks.py [MODEL] [STORE_URL]   # STORE_URL: memory:// (default), file:///abs/dir, redis://...
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ def main(model_name: str = "smollm2-135m", store_url: str = "memory://") -> None
     for question, order in (("How many lamps on cape 2?", docs), ("How many lamps on cape 4?", docs[::-1])):
         gen = engine.answer_chunks(order, question, max_new_tokens=12)
         reuse = gen.info["reuse"]
-        print(f"{question} -> {gen.text!r} | reused {gen.reused_tokens} of {gen.prompt_tokens} tokens, "
-              f"recomputed {reuse['recomputed_tokens']}, chunk misses {reuse['chunk_misses']}, TTFT {gen.ttft_s:.3f}s")
+        print(
+            f"{question} -> {gen.text!r} | reused {gen.reused_tokens} of {gen.prompt_tokens} tokens, "
+            f"recomputed {reuse['recomputed_tokens']}, chunk misses {reuse['chunk_misses']}, TTFT {gen.ttft_s:.3f}s"
+        )
 
 
 if __name__ == "__main__":
