@@ -107,9 +107,10 @@ def chunk_trial(
     """A trial answering over the example's chunks (``example.chunks``, else the context as one chunk) with RAG chunk
     reuse ``method`` (:data:`kvforge.rag.STRATEGIES`; ``full`` prefills the same prompt without reuse).
 
-    Chunks are precomputed and stored before the clock starts ("chunks already stored", one store per engine
-    shared by the trials); TTFT covers the plan (loads, re-rotation, CacheBlend/CacheClip selection), the engine's
-    prefill of what the plan lists and the first token. The recompute ratio keys the rows (ratio column).
+    Chunks are precomputed and stored before the clock starts ("chunks already stored"; one in-memory store per
+    engine shared by the trials of the current example); TTFT covers the plan (loads, re-rotation, CacheBlend/
+    CacheClip selection), the engine's prefill of what the plan lists and the first token. The recompute ratio keys
+    the rows (ratio column).
     """
     from kvforge.rag.strategies import RECOMPUTING, make_strategy
     from kvforge.reuse.rag import ChunkReuse
@@ -123,7 +124,10 @@ def chunk_trial(
     def prefill(engine: Any, example: Example) -> Prefilled:
         from kvforge.rag.chunks import DictStore
 
-        store = _CHUNK_STORES.setdefault(engine, DictStore())
+        held = _CHUNK_STORES.get(engine)
+        if held is None or held[0] != example.id:  # one example's chunks at a time: memory stays bounded
+            held = _CHUNK_STORES[engine] = (example.id, DictStore())
+        store = held[1]
         rag = ChunkReuse(engine.model, engine.tokenizer, store=store, model_id=engine.model_id, method=built)
         docs = list(example.chunks) if example.chunks else [example.context]
         prompt = rag.build_prompt(docs, example.question, system=example.system, answer_prefix=example.answer_prefix)
