@@ -16,11 +16,13 @@ import json
 import torch
 
 from kvforge.cache import KVCache
+from kvforge.engine import Engine
 from kvforge.eval.data import read_examples
 from kvforge.model import load_model
 from kvforge.prefill import forward
-from kvforge.rag import RagModel
-from kvforge.rag.strategies import _run_selected, make_strategy
+from kvforge.rag import make_strategy
+from kvforge.rag.strategies import FixedSelection
+from kvforge.reuse.rag import ChunkReuse
 
 
 def main() -> int:
@@ -32,7 +34,8 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
-    rag = RagModel(model, tok)
+    engine = Engine(model, tok)
+    rag = ChunkReuse(model, tok, model_id=engine.model_id)
     found = [e for e in read_examples(args.examples) if e.id == args.id]
     if not found or not found[0].chunks:
         raise SystemExit(f"no example {args.id!r} with chunks in {args.examples}")
@@ -54,12 +57,12 @@ def main() -> int:
                "answer_is_top1": int(top.indices[0]) == target}  # fmt: skip
         print(json.dumps(row), flush=True)
 
+    def run(method: object) -> tuple[KVCache, torch.Tensor]:
+        rag.method = method  # type: ignore[assignment]
+        return engine.prefill_plan(rag.plan(prompt.ids(), context=prompt))
+
     for name in ("full", "naive", "ape"):
-        strategy = make_strategy(name)
-        strategy.warm(rag, prompt)
-        result = strategy.run(rag, prompt)
-        report(name, result.cache, result.logits)
-    asm = rag.load(prompt)
+        report(name, *run(make_strategy(name)))
     bounds = [0]
     for ids in prompt.chunk_ids:
         bounds.append(bounds[-1] + len(ids))
@@ -67,9 +70,7 @@ def main() -> int:
         for j in range(1, len(prompt.chunk_ids)):
             sel = torch.full((bounds[-1],), not only)
             sel[bounds[j] : bounds[j + 1]] = only
-            recompute = torch.zeros(asm.num_tokens, dtype=torch.bool)
-            recompute[asm.context_idx[sel]] = True
-            report(f"{'only' if only else 'all but'} chunk {j}", *_run_selected(rag, asm, recompute))
+            report(f"{'only' if only else 'all but'} chunk {j}", *run(FixedSelection(sel)))
     return 0
 
 

@@ -17,12 +17,13 @@ from collections import Counter
 
 import torch
 
+from kvforge.engine import Engine
 from kvforge.eval.tasks.base import Measure, TaskConfig
 from kvforge.eval.tasks.needle import filler_text, insert_needles, load_haystack, needle_task
 from kvforge.model import load_model
 from kvforge.paths import default_data_dir
-from kvforge.rag import RagModel, make_strategy
-from kvforge.rag.pipeline import greedy_decode
+from kvforge.rag import make_strategy
+from kvforge.reuse.rag import ChunkReuse
 
 NUM_DOCS = 10
 
@@ -41,7 +42,8 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     ratios = [float(r) for r in args.ratios.split(",")]
     model, tok = load_model(args.model)
-    rag = RagModel(model, tok)
+    engine = Engine(model, tok)
+    rag = ChunkReuse(model, tok, model_id=engine.model_id)
     depths = tuple(float(d) for d in args.depths.split(","))
     cfg = TaskConfig(args.data_dir, tokenizer=tok, lengths=(args.length,), depths=depths, num_samples=args.num_samples)
     haystack, measure = load_haystack(cfg), Measure(tok)
@@ -57,10 +59,10 @@ def main() -> int:
         prompt = rag.build_prompt(docs, ex.question, answer_prefix=ex.answer_prefix)
         row: dict[str, object] = {"id": ex.id, "context_tokens": prompt.num_context_tokens}
         for name, ratio in runs:
-            strategy = make_strategy(name, ratio)
-            strategy.warm(rag, prompt)
-            result = strategy.run(rag, prompt)
-            text = tok.decode(greedy_decode(model, tok, result.cache, result.logits, args.max_new_tokens))
+            rag.method = make_strategy(name, ratio)
+            gen = engine.answer_chunks(docs, ex.question, rag=rag, answer_prefix=ex.answer_prefix,
+                                       max_new_tokens=args.max_new_tokens)
+            text = gen.text
             key = name if ratio is None else f"{name}@{ratio:g}"
             row[key] = any(a in text for a in ex.answers)
             totals[key] += int(row[key])

@@ -28,14 +28,14 @@ from collections import Counter
 import torch
 
 from kvforge.cache import KVCache
+from kvforge.engine import Engine
 from kvforge.eval.data import read_examples
 from kvforge.model import load_model
 from kvforge.prefill import forward, prefill
-from kvforge.rag import RagModel
 from kvforge.rag.attend import AttentionCapture
-from kvforge.rag.aux import select_top
-from kvforge.rag.pipeline import greedy_decode
-from kvforge.rag.strategies import _run_selected, make_strategy
+from kvforge.rag.aux import AuxScorer, select_top
+from kvforge.rag.strategies import FixedSelection
+from kvforge.reuse.rag import ChunkReuse
 
 
 def main() -> int:
@@ -50,17 +50,17 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     ratios = [float(r) for r in args.ratios.split(",")]
     model, tok = load_model(args.model)
-    rag = RagModel(model, tok)
-    clip = make_strategy("cacheclip")
+    engine = Engine(model, tok)
+    rag = ChunkReuse(model, tok, model_id=engine.model_id)
     examples = [e for e in read_examples(args.examples) if e.task == "needle-docs" and e.needles][: args.limit]
     totals: Counter[str] = Counter()
 
     def greedy(cache: KVCache, logits: torch.Tensor) -> str:
-        return tok.decode(greedy_decode(model, tok, cache, logits, args.max_new_tokens), skip_special_tokens=True)
+        return engine.decode(cache, logits, args.max_new_tokens).text
 
     for ex in examples:
         prompt = rag.build_prompt(ex.chunks, ex.question, system=ex.system, answer_prefix=ex.answer_prefix)
-        clip.warm(rag, prompt)
+        rag.warm(prompt)
         asm = rag.load(prompt)
         n, n_q = asm.num_tokens, len(prompt.question_ids)
         ctx_pos = asm.positions[asm.context_idx]
@@ -69,9 +69,9 @@ def main() -> int:
         full = KVCache.for_model(model)
         prefill(model, asm.ids[: n - n_q].tolist(), full, chunk_size=512)
         capture = AttentionCapture(full, range(len(full.layers)), int(asm.positions[n - n_q]))
-        full.attention_override = capture  # type: ignore[attr-defined]
+        full.attention_hook = capture
         logits = forward(model, asm.ids[n - n_q :][None], full)[:, -1]
-        full.attention_override = None  # type: ignore[attr-defined]
+        full.attention_hook = None
         attention = capture.scores_by_position(n)[ctx_pos]
         deviation = torch.zeros(len(ctx_pos))
         in_cached = asm.is_context[asm.cached_idx]
@@ -84,7 +84,7 @@ def main() -> int:
                 deviation += (fresh - reused).pow(2).sum((0, 2)) / fresh.pow(2).sum((0, 2)).clamp_min(1e-12)
         answers = {"full": greedy(full, logits)}
 
-        scores = clip._scorer(rag).score(prompt)
+        scores = AuxScorer(rag).score(prompt)  # CacheClip's scores, the model as its own auxiliary
         needle = torch.zeros(len(scores), dtype=torch.bool)
         start = 0
         for text, ids, offsets in zip(prompt.chunk_texts, prompt.chunk_ids, prompt.chunk_offsets, strict=True):
@@ -107,9 +107,8 @@ def main() -> int:
                 "cacheclip+needle": chosen | needle,
             }
             for name, sel in selections.items():
-                recompute = torch.zeros(n, dtype=torch.bool)
-                recompute[asm.context_idx[sel]] = True
-                answers[f"{name}@{r:g}"] = greedy(*_run_selected(rag, asm, recompute))
+                rag.method = FixedSelection(sel)
+                answers[f"{name}@{r:g}"] = greedy(*engine.prefill_plan(rag.plan(prompt.ids(), context=prompt)))
         correct = {k: any(a in v for a in ex.answers) for k, v in answers.items()}
         totals.update(k for k, ok in correct.items() if ok)
         percentile = float((scores < scores[needle].mean()).float().mean())

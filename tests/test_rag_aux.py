@@ -2,10 +2,12 @@
 
 import pytest
 import torch
+from rag_helpers import RagRunner
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from kvforge.rag import AuxScorer, CacheClipStrategy, RagModel, make_strategy, map_scores, select_top
+from kvforge.rag import AuxScorer, CacheClipStrategy, make_strategy, map_scores, select_top
+from kvforge.reuse.rag import ChunkReuse
 from kvforge.testing import tiny_model, tiny_tokenizer
 
 DOCS = ["The cat sat on the mat, then it slept.", "Paris is the capital of France.", "The code is 7731, remember it."]
@@ -60,13 +62,13 @@ def test_select_top_and_window_grouping():
 
 @pytest.fixture(scope="module")
 def main_rag():
-    return RagModel(tiny_model("llama", num_hidden_layers=3), tiny_tokenizer())
+    return RagRunner(tiny_model("llama", num_hidden_layers=3), tiny_tokenizer())
 
 
 @pytest.fixture(scope="module")
 def word_aux():
     tok = word_tokenizer([*DOCS, QUESTION, "\n\n"])
-    return RagModel(tiny_model("qwen2", seed=3, vocab_size=len(tok)), tok)
+    return ChunkReuse(tiny_model("qwen2", seed=3, vocab_size=len(tok)), tok)
 
 
 def test_aux_scores_cover_main_tokens_through_offsets(main_rag, word_aux):
@@ -88,7 +90,7 @@ def test_aux_scores_cover_main_tokens_through_offsets(main_rag, word_aux):
 
 def test_aux_with_same_tokenizer_scores_the_main_model_itself(main_rag):
     prompt = main_rag.build_prompt(DOCS, QUESTION)
-    scores = AuxScorer(main_rag).score(prompt)
+    scores = AuxScorer(main_rag.reuse).score(prompt)
     assert scores.shape == (prompt.num_context_tokens,)
     # a mean of attention probabilities: the context gets at most all of the mass
     assert 0.0 < float(scores.sum()) <= 1.0 + 1e-5
@@ -98,7 +100,6 @@ def test_cacheclip_with_a_different_tokenizer_aux(main_rag, word_aux):
     prompt = main_rag.build_prompt(DOCS, QUESTION)
     full = main_rag.prefill(prompt, make_strategy("full"))
     strategy = CacheClipStrategy(recompute_ratio=0.3, aux=word_aux)
-    strategy.warm(main_rag, prompt)
     res = main_rag.prefill(prompt, strategy)
     assert res.num_recomputed >= round(0.3 * prompt.num_context_tokens)
     exact = CacheClipStrategy(recompute_ratio=1.0, aux=word_aux)

@@ -4,7 +4,8 @@ import torch
 
 from kvforge.cache import KVCache
 from kvforge.prefill import prefill
-from kvforge.rag import ChunkCache, DictStore, RagModel, build_prompt, chunk_key
+from kvforge.rag import ChunkCache, DictStore, build_prompt, chunk_key
+from kvforge.reuse.rag import ChunkReuse
 from kvforge.testing import tiny_model, tiny_tokenizer
 
 DOCS = ["The cat sat on the mat.", "Paris is the capital of France.", "Numbers: 1234 5678."]
@@ -33,7 +34,7 @@ def test_chunk_key_depends_on_model_prefix_and_chunk():
 
 def test_chunk_segment_is_the_chunk_part_of_prefix_plus_chunk():
     model, tok = tiny_model("llama"), tiny_tokenizer()
-    rag = RagModel(model, tok)
+    rag = ChunkReuse(model, tok)
     p = rag.build_prompt(DOCS, "Where?")
     seg = rag.chunks.chunk(p.prefix_ids, p.chunk_ids[1])
     plen, n = len(p.prefix_ids), len(p.chunk_ids[1])

@@ -4,11 +4,13 @@ import math
 
 import pytest
 import torch
+from rag_helpers import RagRunner
 
 from kvforge.cache import KVCache
-from kvforge.prefill import forward
-from kvforge.rag import STRATEGIES, APEStrategy, CacheBlendStrategy, CacheClipStrategy, RagModel, make_strategy
+from kvforge.prefill import forward, prefill_at
+from kvforge.rag import STRATEGIES, APEStrategy, CacheBlendStrategy, CacheClipStrategy, make_strategy
 from kvforge.rag.attend import APEAttention
+from kvforge.reuse.rag import ChunkReuse
 from kvforge.testing import tiny_model, tiny_tokenizer
 
 ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
@@ -26,7 +28,7 @@ def rag(request):
     model = tiny_model(request.param, num_hidden_layers=3,
                        **({"layer_types": ["sliding_attention", "full_attention", "full_attention"]}
                           if request.param == "gemma3" else {}))
-    return RagModel(model, tiny_tokenizer())
+    return RagRunner(model, tiny_tokenizer())
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +42,7 @@ def full(rag, prompt):
 
 
 def _run(rag, prompt, name, **kwargs):
-    strategy = make_strategy(name, **kwargs)
-    strategy.warm(rag, prompt)
-    return rag.prefill(prompt, strategy)
+    return rag.run(prompt, name, **kwargs)
 
 
 def test_registry_names():
@@ -102,10 +102,10 @@ def test_ape_with_unit_temperature_and_scale_is_plain_attention(rag, prompt):
     """T = S = 1 leaves attention unchanged: same logits as the APE layout with the standard attention."""
     one = _run(rag, prompt, "ape", temperature=1.0, scale=1.0)
     asm = rag.load(prompt, ape=True)
-    from kvforge.rag.assemble import build_cache, recompute_tokens
+    from kvforge.rag.assemble import build_cache
 
     cache = build_cache(rag.model, asm, torch.zeros(asm.num_tokens, dtype=torch.bool))
-    plain = recompute_tokens(rag.model, asm, cache, asm.fresh_idx)
+    plain = prefill_at(rag.model, asm.ids[asm.fresh_idx], asm.positions[asm.fresh_idx], cache)
     torch.testing.assert_close(one.logits, plain, atol=1e-5, rtol=0)
     default = _run(rag, prompt, "ape")
     assert (default.logits - plain).abs().max() > 1e-4
@@ -148,8 +148,35 @@ def test_bad_arguments():
         APEStrategy(temperature=0.0)
 
 
-def test_answer_api_reports_reuse(rag):
-    gen, result = rag.answer(DOCS, QUESTION, make_strategy("cacheclip", recompute_ratio=0.25), max_new_tokens=3)
-    assert gen.reused_tokens == result.num_reused > 0 and gen.prompt_tokens == result.num_tokens
-    assert gen.info["strategy"] == "cacheclip" and gen.info["recomputed_tokens"] == result.num_recomputed
+def test_engine_answers_over_chunks_and_reports_reuse(rag):
+    reuse = ChunkReuse(rag.model, rag.tokenizer, method="cacheclip", recompute_ratio=0.25)
+    gen = rag.engine.answer_chunks(DOCS, QUESTION, rag=reuse, max_new_tokens=3)
+    info = gen.info["reuse"]
+    assert info["kind"] == "chunks" and info["method"] == "cacheclip" and info["chunk_misses"] == len(DOCS)
+    assert gen.reused_tokens == info["reused_tokens"] > 0 and info["recomputed_tokens"] > 0
+    assert gen.prompt_tokens == gen.reused_tokens + info["recomputed_tokens"] + info["fresh_tokens"]
     assert len(gen.token_ids) <= 3 and gen.ttft_s > 0
+    again = rag.engine.answer_chunks(DOCS, QUESTION, rag=reuse, max_new_tokens=3)
+    assert again.info["reuse"]["chunk_misses"] == 0 and again.token_ids == gen.token_ids
+
+
+def test_engine_chunk_answer_at_full_recompute_equals_plain_generation(rag):
+    """r = 1 through the whole engine path (plan -> prefill_plan -> decode) answers like a plain prefill."""
+    reuse = ChunkReuse(rag.model, rag.tokenizer, method="cacheclip", recompute_ratio=1.0)
+    prompt = reuse.build_prompt(DOCS, QUESTION)
+    gen = rag.engine.answer_chunks(DOCS, QUESTION, rag=reuse, max_new_tokens=5)
+    plain = rag.engine.generate(prompt.ids(), max_new_tokens=5)
+    assert gen.token_ids == plain.token_ids
+
+
+def test_chunk_reuse_needs_chunks(rag):
+    from kvforge.engine import Engine
+    from kvforge.errors import UserError
+
+    reuse = ChunkReuse(rag.model, rag.tokenizer)
+    with pytest.raises(UserError, match="chunks"):
+        reuse.plan([1, 2, 3])
+    with pytest.raises(UserError, match="chunk reuse"):
+        rag.engine.answer_chunks(DOCS, QUESTION)  # the engine has no chunk strategy
+    with pytest.raises(UserError, match="answer_chunks"):  # a chunk strategy cannot answer a plain prompt
+        Engine(rag.model, rag.tokenizer, reuse=reuse).generate("Hello there", max_new_tokens=2)

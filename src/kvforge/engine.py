@@ -19,12 +19,13 @@ from kvforge.cache import CacheSnapshot, KVCache, mismatch_with_model
 from kvforge.decode import SamplingParams, decode, eos_ids, trim_at_stop
 from kvforge.errors import PRESS_WITH_REUSE, UserError
 from kvforge.model import context_length, model_fingerprint
-from kvforge.prefill import DEFAULT_CHUNK_SIZE, prefill
+from kvforge.prefill import DEFAULT_CHUNK_SIZE, prefill, prefill_at
 from kvforge.types import Generation
 
 if TYPE_CHECKING:
     from kvforge.presses.base import Press
     from kvforge.reuse.base import PromptContext, ReusePlan, ReuseStrategy
+    from kvforge.reuse.rag import ChunkReuse
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,18 @@ class Engine:
             )
         return cache, logits
 
+    def prefill_plan(self, plan: ReusePlan) -> tuple[KVCache, Tensor]:
+        """Execute a reuse plan: prefill ``plan.prefill_ids`` on ``plan.cache`` (at ``plan.prefill_positions`` when
+        the plan places them, as RAG chunk plans do); returns (cache, logits)."""
+        if plan.prefill_positions is None:
+            return self.prefill(plan.prefill_ids, plan.cache)
+        cache = plan.cache if plan.cache is not None else self.new_cache()
+        logits = prefill_at(
+            self.model, plan.prefill_ids, plan.prefill_positions, cache, chunk_size=self.chunk_size
+        )
+        cache.token_ids = list(plan.token_ids)
+        return cache, logits
+
     def decode(
         self,
         cache: KVCache,
@@ -250,6 +263,40 @@ class Engine:
             ids, max_new_tokens, sampling, stop, on_token, press, press_size, text=question, context=prompt_context
         )
 
+    def answer_chunks(
+        self,
+        chunks: Sequence[str],
+        question: str,
+        rag: ChunkReuse | None = None,
+        system: str | None = None,
+        separator: str = "\n\n",
+        answer_prefix: str = "",
+        max_new_tokens: int = 64,
+        sampling: SamplingParams | None = None,
+        stop: Sequence[str] | None = None,
+        on_token: Callable[[int], None] | None = None,
+    ) -> Generation:
+        """Answer ``question`` over document ``chunks`` reusing each chunk's stored KV (RAG).
+
+        ``rag``: a :class:`kvforge.reuse.rag.ChunkReuse` (default: the engine's ``reuse``). The prompt is the
+        chunks joined by ``separator`` after the shared prefix (system + user header), then the question; the plan
+        assembles the stored chunks and the engine prefills what it lists (recomputed tokens, separators, question)
+        at their positions, then decodes. TTFT includes the plan (chunk loads, CacheBlend/CacheClip selection).
+        """
+        from kvforge.reuse.rag import ChunkReuse
+
+        rag = rag if rag is not None else self.reuse
+        if not isinstance(rag, ChunkReuse):
+            raise UserError("answering over chunks needs a RAG chunk reuse strategy (kvforge.reuse.rag.ChunkReuse)")
+        try:
+            prompt = rag.build_prompt(chunks, question, system=system, separator=separator,
+                                      answer_prefix=answer_prefix)
+        except ValueError as e:
+            raise UserError(str(e)) from e
+        ids = prompt.ids()
+        return self._execute(ids, max_new_tokens, sampling, stop, on_token, None, 0, text=question, context=prompt,
+                             reuse=rag)
+
     def answer_many(
         self,
         context: str,
@@ -305,23 +352,30 @@ class Engine:
         press_size: int,
         text: str | None,
         context: PromptContext | None,
+        reuse: ReuseStrategy | None = None,
     ) -> Generation:
         """plan what is stored -> load it -> prefill what is missing (the first ``plan.press_size`` tokens under
         ``press``) -> decode -> record what is new. TTFT counts from the plan (store reads) to the first token;
-        recording comes after the answer so it does not delay it."""
+        recording comes after the answer so it does not delay it. ``reuse``: a strategy for this call instead of the
+        engine's (RAG chunks); a plan that places its tokens (``prefill_positions``) is executed by ``prefill_plan``."""
         self.check_length(len(ids), max_new_tokens)
         start = time.perf_counter()
-        plan = self.plan(ids, press, press_size, text=text, context=context)  # reuse: what is stored already?
+        reuse = reuse if reuse is not None else self.reuse
+        plan = self.plan(ids, press, press_size, text=text, context=context, reuse=reuse)  # what is stored already?
         plan_s = time.perf_counter() - start
         self.check_length(len(plan.token_ids), max_new_tokens)
         cache = plan.cache if plan.cache is not None else self.new_cache()  # load
         pressed, rest = plan.prefill_ids[: plan.press_size], plan.prefill_ids[plan.press_size :]
         logits: Tensor | None = None
-        if pressed:  # prefill and compress (the document, or the whole prompt when query-aware)
-            cache, logits = self.prefill(pressed, cache, press=press)
-        document = CacheSnapshot(cache) if pressed and rest and self.reuse is not None else None
-        if rest:  # prefill the rest as it is (the question)
-            cache, logits = self.prefill(rest, cache)
+        document = None
+        if plan.prefill_positions is not None:  # RAG chunks: recompute the listed tokens at their positions
+            cache, logits = self.prefill_plan(plan)
+        else:
+            if pressed:  # prefill and compress (the document, or the whole prompt when query-aware)
+                cache, logits = self.prefill(pressed, cache, press=press)
+            document = CacheSnapshot(cache) if pressed and rest and reuse is not None else None
+            if rest:  # prefill the rest as it is (the question)
+                cache, logits = self.prefill(rest, cache)
         assert logits is not None
         prefill_s = time.perf_counter() - start
         gen = self.decode(cache, logits, max_new_tokens, sampling, stop, on_token)  # decode
@@ -330,11 +384,11 @@ class Engine:
         gen.info.update(cache.info)
         gen.info["prefill_s"] = prefill_s
         gen.info["cache_entries"] = cache.num_entries()
-        if self.reuse is not None:  # record: the new KV (a compressed document: its KV alone, without the question)
+        if reuse is not None:  # record: the new KV (a compressed document: its KV alone, without the question)
             record_start = time.perf_counter()
             if document is not None:
                 document.restore()
-            self.reuse.record(ids, cache, text=text, context=context)  # refuses caches not made of exactly ``ids``
+            reuse.record(ids, cache, text=text, context=context)  # refuses caches not made of exactly ``ids``
             gen.reused_tokens = plan.reused_tokens
             gen.info["reuse"] = plan.summary() | {
                 "plan_s": round(plan_s, 6), "record_s": round(time.perf_counter() - record_start, 6)
@@ -348,15 +402,18 @@ class Engine:
         press_size: int = 0,
         text: str | None = None,
         context: PromptContext | None = None,
+        reuse: ReuseStrategy | None = None,
     ) -> ReusePlan:
         """The :class:`kvforge.reuse.ReusePlan` for ``ids``: the reuse strategy's, or prefill everything.
 
         ``press_size``: without reuse, how many leading tokens the press compresses. A press with a reuse strategy
         needs a query-agnostic document (``context.press``) and a strategy that stores compressed documents.
+        ``reuse``: a strategy for this call instead of the engine's.
         """
         from kvforge.reuse.base import miss_plan
 
-        if self.reuse is None:
+        reuse = reuse if reuse is not None else self.reuse
+        if reuse is None:
             plan = miss_plan(ids)
             plan.press_size = press_size if press is not None else 0
             return plan
@@ -364,9 +421,9 @@ class Engine:
             raise UserError("KV reuse does not support a sliding-window cache (--window)")
         if press is not None and (context is None or context.press is None):
             raise UserError(PRESS_WITH_REUSE)
-        if press is not None and not getattr(self.reuse, "stores_compressed", False):
-            raise UserError(f"{type(self.reuse).__name__} does not store compressed documents: {PRESS_WITH_REUSE}")
-        plan = self.reuse.plan(ids, text=text, context=context)
+        if press is not None and not getattr(reuse, "stores_compressed", False):
+            raise UserError(f"{type(reuse).__name__} does not store compressed documents: {PRESS_WITH_REUSE}")
+        plan = reuse.plan(ids, text=text, context=context)
         if plan.cache is not None and (problem := mismatch_with_model(plan.cache, self.model)) is not None:
             logger.warning("stored KV does not fit this model (%s): treated as a miss", problem)
             plan = miss_plan(ids, reason=f"stored KV does not fit the model: {problem}")

@@ -92,6 +92,48 @@ def prefill(
     return logits[:, -1]
 
 
+def prefill_at(
+    model: Any,
+    input_ids: Tensor | list[int],
+    positions: Tensor | list[int],
+    cache: KVCache,
+    *,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+) -> Tensor:
+    """Prefill tokens at explicit RoPE ``positions`` (ascending) over a cache holding the other positions.
+
+    kvforge attention masks by position, so each token attends exactly to the entries at positions <= its own,
+    whatever order they were added in (RAG: assembled chunk KV + the tokens selected for recomputation). Afterwards
+    every layer is sorted by position and ``next_position`` follows the largest position. Returns the last logits.
+    """
+    ids = _as_batch(input_ids)
+    pos = torch.as_tensor(positions, dtype=torch.long).reshape(1, -1)
+    if ids.shape != pos.shape:
+        raise ValueError(f"{ids.shape[1]} tokens but {pos.shape[1]} positions")
+    if pos.numel() == 0:
+        raise ValueError("prefill needs at least one token")
+    step = chunk_size or pos.shape[1]
+    logits: Tensor | None = None
+    for start in range(0, pos.shape[1], step):
+        part = slice(start, start + step)
+        logits = forward(model, ids[:, part], cache, position_ids=pos[:, part].to(model.device))
+    assert logits is not None
+    sort_by_position(cache)
+    cache.next_position = max(cache.next_position, int(pos.max()) + 1)
+    return logits[:, -1]
+
+
+def sort_by_position(cache: KVCache) -> None:
+    """Reorder every layer's entries by position (tokens prefilled at explicit positions were appended last)."""
+    for layer in cache.layers:
+        k, v, pos, _ = layer.view()
+        p = pos[0, 0]
+        if bool((p[1:] >= p[:-1]).all()):
+            continue
+        order = p.argsort(stable=True)
+        layer.replace(k[:, :, order], v[:, :, order], pos[:, :, order])
+
+
 def _chunk_bounds(total: int, chunk_size: int, min_last_chunk: int) -> list[tuple[int, int]]:
     """``[(start, end), ...]`` covering ``total`` tokens; the last chunk holds >= min(min_last_chunk, total)."""
     if total == 0:

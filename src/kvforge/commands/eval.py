@@ -88,6 +88,25 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError("--methods is empty")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be >= 1")
+    if args.rag:
+        _check_rag(args)
+    elif args.aux_model:
+        raise UserError("--aux-model only applies to --rag cacheclip")
+
+
+def _check_rag(args: argparse.Namespace) -> None:
+    """RAG options, before any model loads; options that only apply to presses are refused, not ignored."""
+    from kvforge.rag import STRATEGIES
+
+    unknown = [s for s in args.rag if s not in STRATEGIES]
+    if unknown:
+        raise UserError(f"unknown RAG strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+    if not args.recompute_ratios or any(not 0.0 <= r <= 1.0 for r in args.recompute_ratios):
+        raise UserError(f"--recompute-ratios must lie in [0, 1], got {args.recompute_ratios}")
+    if args.query_agnostic:
+        raise UserError("--query-agnostic applies to presses, not to --rag")
+    if args.aux_model and "cacheclip" not in args.rag:
+        raise UserError("--aux-model only applies to --rag cacheclip")
 
 
 def examples_for(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
@@ -198,18 +217,15 @@ def _command() -> str:
 
 def _rag_trials(args: argparse.Namespace, engine: Any) -> list[Any]:
     """RAG strategies as trials (ratio column = recompute ratio), CacheClip also with ``--aux-model``."""
-    from kvforge.rag import STRATEGIES, RagModel
-    from kvforge.rag.trials import rag_trials
+    from kvforge.eval.runner import chunk_trials
+    from kvforge.reuse.rag import ChunkReuse
 
-    unknown = [s for s in args.rag if s not in STRATEGIES]
-    if unknown:
-        raise UserError(f"unknown RAG strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
     aux = {}
     if args.aux_model:
         from kvforge.model import load_model
 
-        aux[args.aux_model] = RagModel(*load_model(args.aux_model, device=args.device, dtype=args.dtype))
-    return rag_trials(args.rag, args.recompute_ratios, aux)
+        aux[args.aux_model] = ChunkReuse(*load_model(args.aux_model, device=args.device, dtype=args.dtype))
+    return chunk_trials(args.rag, args.recompute_ratios, aux)
 
 
 def _record_examples(examples: list[Any], path: Path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import Any
 
 from kvforge.commands._common import add_model_args, load, read_text_file
@@ -21,7 +20,9 @@ def open_segment_store(url: str | None) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvforge.rag import RagModel, make_strategy
+    from kvforge.engine import Engine
+    from kvforge.rag import make_strategy
+    from kvforge.reuse.rag import ChunkReuse
 
     docs = [read_text_file(f) for f in args.docs]
     if args.recompute_ratio is not None and not 0.0 <= args.recompute_ratio <= 1.0:
@@ -30,29 +31,23 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--aux-model only applies to --strategy cacheclip")
     store = open_segment_store(args.store)
     model, tokenizer = load(args)
-    rag = RagModel(model, tokenizer, store)
+    engine = Engine(model, tokenizer)
     kwargs: dict[str, Any] = {}
     if args.aux_model:
         aux_args = argparse.Namespace(model=args.aux_model, device=args.device, dtype=args.dtype)
-        kwargs["aux"] = RagModel(*load(aux_args), store=store)
-    strategy = make_strategy(args.strategy, args.recompute_ratio, **kwargs)
+        kwargs["aux"] = ChunkReuse(*load(aux_args), store=store)
+    method = make_strategy(args.strategy, args.recompute_ratio, **kwargs)
+    rag = ChunkReuse(model, tokenizer, store, model_id=engine.model_id, method=method)
     separator = args.separator.encode().decode("unicode_escape")
-    try:
-        prompt = rag.build_prompt(docs, args.question, system=args.system, separator=separator)
-    except ValueError as e:
-        raise UserError(str(e)) from e
-    start = time.perf_counter()
-    strategy.warm(rag, prompt)  # precompute + store chunks (a hit when --store already holds them)
-    warm_s = time.perf_counter() - start
-    result = rag.prefill(prompt, strategy)
-    from kvforge.rag.pipeline import greedy_decode
-
-    ids = greedy_decode(rag.model, tokenizer, result.cache, result.logits, args.max_new_tokens)
-    print(tokenizer.decode(ids, skip_special_tokens=True).strip())
+    gen = engine.answer_chunks(
+        docs, args.question, rag=rag, system=args.system, separator=separator, max_new_tokens=args.max_new_tokens
+    )
+    print(gen.text.strip())
+    reuse = gen.info["reuse"]
     print(
-        f"strategy={result.strategy} tokens={result.num_tokens} reused={result.num_reused} "
-        f"recomputed={result.num_recomputed} fresh={result.num_fresh} ttft={result.ttft_s:.3f}s "
-        f"precompute={warm_s:.3f}s chunk_hits={rag.chunks.num_hits} chunk_misses={rag.chunks.num_misses}",
+        f"strategy={args.strategy} tokens={gen.prompt_tokens} reused={gen.reused_tokens} "
+        f"recomputed={reuse.get('recomputed_tokens', gen.prompt_tokens)} fresh={reuse.get('fresh_tokens', 0)} "
+        f"ttft={gen.ttft_s:.3f}s chunk_hits={reuse.get('chunk_hits', 0)} chunk_misses={reuse.get('chunk_misses', 0)}",
         file=sys.stderr,
     )
     return 0

@@ -1,8 +1,8 @@
 """Run examples x methods x compression ratios on an engine; append one JSON row per run to ``results.jsonl``.
 
 A :class:`Trial` is one row kind: a method at a ratio, with a ``prefill(engine, example)`` that builds the cache the
-answer is decoded from (a press during prefill here; RAG strategies add their own trials). Per example the full
-cache trial runs first: its cache size is the reference for ``kept_ratio`` and its teacher-forced distributions the
+answer is decoded from (a press during prefill, or RAG chunk reuse through ``Engine.prefill_plan``). Per example the
+full cache trial runs first: its cache size is the reference for ``kept_ratio`` and its teacher-forced distributions the
 reference for the fidelity metrics, computed once per example and shared by every method and ratio. Decoding is
 greedy, so runs are deterministic; rows are keyed by (example id, method, ratio) and a re-run skips finished rows.
 """
@@ -14,6 +14,7 @@ import logging
 import resource
 import sys
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,68 @@ def press_trials(methods: Sequence[str], ratios: Sequence[float], query_aware: b
     run then covers every method at the first ratio). Presses are built now, so a bad name fails early."""
     trials = [press_trial(FULL, 0.0, query_aware)]
     trials += [press_trial(m, r, query_aware) for r in ratios for m in methods if m != FULL]
+    return trials
+
+
+_CHUNK_STORES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def chunk_trial(
+    method: str, recompute_ratio: float = 0.2, aux: Any = None, aux_name: str | None = None, **kwargs: Any
+) -> Trial:
+    """A trial answering over the example's chunks (``example.chunks``, else the context as one chunk) with RAG chunk
+    reuse ``method`` (:data:`kvforge.rag.STRATEGIES`; ``full`` prefills the same prompt without reuse).
+
+    Chunks are precomputed and stored before the clock starts ("chunks already stored"; one in-memory store per
+    engine shared by the trials of the current example); TTFT covers the plan (loads, re-rotation, CacheBlend/
+    CacheClip selection), the engine's prefill of what the plan lists and the first token. The recompute ratio keys
+    the rows (ratio column).
+    """
+    from kvforge.rag.strategies import RECOMPUTING, make_strategy
+    from kvforge.reuse.rag import ChunkReuse
+
+    ratio = recompute_ratio if method in RECOMPUTING else 0.0
+    if aux is not None:
+        kwargs["aux"] = aux
+    built = make_strategy(method, ratio if method in RECOMPUTING else None, **kwargs)
+    name = method if aux_name is None else f"{method}:{aux_name}"
+
+    def prefill(engine: Any, example: Example) -> Prefilled:
+        from kvforge.rag.chunks import DictStore
+
+        held = _CHUNK_STORES.get(engine)
+        if held is None or held[0] != example.id:  # one example's chunks at a time: memory stays bounded
+            held = _CHUNK_STORES[engine] = (example.id, DictStore())
+        store = held[1]
+        rag = ChunkReuse(engine.model, engine.tokenizer, store=store, model_id=engine.model_id, method=built)
+        docs = list(example.chunks) if example.chunks else [example.context]
+        prompt = rag.build_prompt(docs, example.question, system=example.system, answer_prefix=example.answer_prefix)
+        engine.check_length(len(prompt.ids()), example.max_new_tokens)
+        rag.warm(prompt)
+        _sync()
+        start = time.perf_counter()
+        plan = rag.plan(prompt.ids(), context=prompt)
+        cache, logits = engine.prefill_plan(plan)
+        logits.argmax(-1).tolist()  # the first token: forces the computation (and a GPU sync)
+        ttft = time.perf_counter() - start
+        info = plan.summary() | {"strategy": method, "recompute_ratio": ratio}
+        return Prefilled(cache, logits, ttft, list(plan.token_ids), info)
+
+    return Trial(name, ratio, prefill)
+
+
+def chunk_trials(methods: Sequence[str], ratios: Sequence[float], aux: dict[str, Any] | None = None) -> list[Trial]:
+    """``full`` first, then every method (recomputing ones at every ratio, CacheClip also with each aux model)."""
+    from kvforge.rag.strategies import RECOMPUTING
+
+    trials = [chunk_trial(FULL)]
+    for r in ratios:
+        for m in methods:
+            if m == FULL or (m not in RECOMPUTING and r != ratios[0]):
+                continue
+            trials.append(chunk_trial(m, r))
+            if m == "cacheclip":
+                trials += [chunk_trial(m, r, aux=a, aux_name=n) for n, a in (aux or {}).items()]
     return trials
 
 

@@ -4,7 +4,8 @@ Token order is the prompt's: ``prefix + c_1 + sep + ... + c_n + sep + question``
 every chunk's keys are re-rotated from their stored positions to their new offsets, separators and the question
 are never cached (always computed fresh). Recomputation runs the selected tokens through the model at their true
 positions over a cache holding everyone else's entries: kvforge attention masks by position, so every selected
-token attends exactly to the entries at positions <= its own (an exact position-causal mask).
+token attends exactly to the entries at positions <= its own (an exact position-causal mask): that run is
+:func:`kvforge.prefill.prefill_at`, executed by ``Engine`` from a :class:`kvforge.reuse.rag.ChunkPlan`.
 """
 
 from __future__ import annotations
@@ -18,12 +19,9 @@ import torch
 from torch import Tensor
 
 from kvforge.cache import KVCache
-from kvforge.prefill import forward
 from kvforge.rag.chunks import RagPrompt
 from kvforge.rag.rope import RopeSpec
 from kvforge.types import KVSegment
-
-RECOMPUTE_CHUNK_SIZE = 512
 
 
 @dataclass
@@ -138,37 +136,6 @@ def build_cache(
         k, v = overrides[li] if overrides and li in overrides else (asm.keys[li], asm.values[li])
         layer.replace(k[:, keep][None].to(device), v[:, keep][None].to(device), pos[None].to(device))
     return cache
-
-
-def recompute_tokens(model: Any, asm: Assembly, cache: KVCache, idx: Tensor, chunk_size: int | None = None) -> Tensor:
-    """Run tokens ``idx`` (sorted, must end with the last prompt token) at their positions; returns last logits.
-
-    Afterwards the cache holds all N tokens' entries, sorted by position, and counts N tokens processed.
-    """
-    if int(idx[-1]) != asm.num_tokens - 1:
-        raise ValueError("the last prompt token must be recomputed (its logits start decoding)")
-    step = chunk_size or RECOMPUTE_CHUNK_SIZE
-    logits: Tensor | None = None
-    device = next(model.parameters()).device
-    for start in range(0, idx.numel(), step):
-        part = idx[start : start + step]
-        logits = forward(model, asm.ids[part][None], cache, position_ids=asm.positions[part][None].to(device))
-    assert logits is not None
-    sort_by_position(cache)
-    cache.next_position = int(asm.positions.max()) + 1
-    cache.token_ids = asm.ids.tolist()
-    return logits[:, -1]
-
-
-def sort_by_position(cache: KVCache) -> None:
-    """Reorder every layer's entries by position (recomputed tokens were appended at the end)."""
-    for layer in cache.layers:
-        k, v, pos, _ = layer.view()
-        p = pos[0, 0]
-        if bool((p[1:] >= p[:-1]).all()):
-            continue
-        order = p.argsort(stable=True)
-        layer.replace(k[:, :, order], v[:, :, order], pos[:, :, order])
 
 
 def decoder_layers(model: Any) -> torch.nn.ModuleList:

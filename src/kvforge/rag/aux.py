@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from kvforge.rag.assemble import build_cache, recompute_tokens
+from kvforge.prefill import prefill_at
+from kvforge.rag.assemble import build_cache
 from kvforge.rag.attend import AttentionCapture
 from kvforge.rag.chunks import RagPrompt
 
 if TYPE_CHECKING:
-    from kvforge.rag.pipeline import RagModel
+    from kvforge.reuse.rag import ChunkReuse
 
 
 def map_scores(
@@ -66,14 +67,14 @@ class AuxScorer:
     token (CacheClip).
     """
 
-    def __init__(self, aux: RagModel) -> None:
+    def __init__(self, aux: ChunkReuse) -> None:
         self.aux = aux
 
     def aux_prompt(self, prompt: RagPrompt) -> RagPrompt:
         return self.aux.build_prompt(prompt.chunk_texts, prompt.question, prompt.system, prompt.separator)
 
     def warm(self, prompt: RagPrompt) -> None:
-        self.aux.warm(self.aux_prompt(prompt))
+        self.aux.chunks.warm(self.aux_prompt(prompt))
 
     @torch.inference_mode()
     def score(self, prompt: RagPrompt) -> Tensor:
@@ -86,7 +87,8 @@ class AuxScorer:
         question_start = asm.num_tokens - len(aux_prompt.question_ids)
         capture = AttentionCapture(cache, self.aux.num_layers - 1, int(asm.positions[question_start]))
         cache.attention_hook = capture
-        recompute_tokens(self.aux.model, asm, cache, asm.fresh_idx)
+        fresh = asm.fresh_idx
+        prefill_at(self.aux.model, asm.ids[fresh], asm.positions[fresh], cache)
         by_pos = capture.scores_by_position(int(asm.positions.max()) + 1)
         aux_ctx = by_pos[asm.positions[asm.context_idx]]  # (N_ctx_aux,)
         out, start = [], 0

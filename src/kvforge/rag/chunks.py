@@ -151,6 +151,10 @@ def model_id_of(model: Any, tokenizer: Any = None) -> str:
     return str(model_fingerprint(model, tokenizer))
 
 
+def _text(prompt: RagPrompt, i: int) -> str | None:
+    return prompt.chunk_texts[i] if i < len(prompt.chunk_texts) else None
+
+
 class ChunkCache:
     """Prefix and chunk KV segments of one model, computed on a miss and kept in ``store``."""
 
@@ -184,8 +188,11 @@ class ChunkCache:
             self.store.put(key, seg)
         return seg
 
-    def chunk(self, prefix_ids: list[int], chunk_ids: list[int]) -> KVSegment:
-        """KV of ``chunk_ids`` prefilled after the prefix: only the chunk's entries, positions ``P..P+L-1``."""
+    def chunk(self, prefix_ids: list[int], chunk_ids: list[int], text: str | None = None) -> KVSegment:
+        """KV of ``chunk_ids`` prefilled after the prefix: only the chunk's entries, positions ``P..P+L-1``.
+
+        ``text`` (the chunk's text) is kept in the stored segment's meta, so a request may name the chunk by its key.
+        """
         key = chunk_key(self.model_id, prefix_ids, chunk_ids)
         seg = self._lookup(key, chunk_ids)
         if seg is not None:
@@ -193,8 +200,18 @@ class ChunkCache:
             return seg
         self.num_misses += 1
         seg = self.compute_chunk(prefix_ids, chunk_ids)
+        if text is not None:
+            seg.meta["text"] = text
         self.store.put(key, seg)
         return seg
+
+    def text_of(self, key: str) -> str:
+        """The text of the stored chunk ``key`` (KeyError when no chunk with its text is stored there)."""
+        seg = self.store.get(key)
+        text = None if seg is None else seg.meta.get("text")
+        if not isinstance(text, str) or (seg is not None and seg.model_id and seg.model_id != self.model_id):
+            raise KeyError(key)
+        return text
 
     def compute_chunk(self, prefix_ids: list[int], chunk_ids: list[int]) -> KVSegment:
         prefix = self.prefix(prefix_ids)
@@ -225,5 +242,5 @@ class ChunkCache:
         """Make sure the prefix and every chunk of ``prompt`` are stored (precompute; not part of TTFT)."""
         with torch.inference_mode():
             self.prefix(prompt.prefix_ids)
-            for chunk in prompt.chunk_ids:
-                self.chunk(prompt.prefix_ids, chunk)
+            for i, chunk in enumerate(prompt.chunk_ids):
+                self.chunk(prompt.prefix_ids, chunk, _text(prompt, i))

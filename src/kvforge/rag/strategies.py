@@ -1,29 +1,30 @@
-"""RAG prefill strategies: ``full`` (reference), ``naive``, ``ape``, ``cacheblend``, ``cacheclip``.
+"""The options of RAG chunk reuse (:class:`kvforge.reuse.rag.ChunkReuse`): ``full`` (reference), ``naive``, ``ape``,
+``cacheblend``, ``cacheclip``.
 
-Each has ``run(rag, prompt) -> RagResult`` and ``warm(rag, prompt)`` (precompute what it reuses).
+Each option's ``select(reuse, prompt)`` assembles the stored chunks (re-rotated to their new positions) and picks the
+tokens to recompute; ``ChunkReuse.plan`` turns that :class:`Selection` into a plan that ``Engine`` executes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch import Tensor
 
-from kvforge.cache import KVCache
-from kvforge.prefill import forward, prefill
-from kvforge.rag.assemble import (
-    RECOMPUTE_CHUNK_SIZE,
-    Assembly,
-    build_cache,
-    recompute_tokens,
-    sort_by_position,
-    truncated,
-)
+from kvforge.cache import AttentionHook, KVCache
+from kvforge.prefill import forward, sort_by_position
+from kvforge.rag.assemble import Assembly, build_cache, truncated
 from kvforge.rag.attend import APEAttention
 from kvforge.rag.aux import AuxScorer, select_top
 from kvforge.rag.chunks import RagPrompt
-from kvforge.rag.pipeline import RagModel, RagResult
+
+if TYPE_CHECKING:
+    from kvforge.reuse.rag import ChunkReuse
+
+EARLY_CHUNK_SIZE = 512  # CacheBlend's early-layer pass runs the prompt in chunks of this many tokens
 
 
 def _check_ratio(ratio: float) -> None:
@@ -31,39 +32,38 @@ def _check_ratio(ratio: float) -> None:
         raise ValueError(f"recompute_ratio must be in [0, 1], got {ratio}")
 
 
-def _result(name: str, rag: RagModel, asm: Assembly, recompute: torch.Tensor, cache: KVCache, logits: Any,
-            **info: Any) -> RagResult:
-    n_cached = int(asm.is_cached.sum())
-    n_re = int((recompute & asm.is_cached).sum())
-    return RagResult(cache=cache, logits=logits, strategy=name, num_tokens=asm.num_tokens, num_reused=n_cached - n_re,
-                     num_recomputed=n_re, num_fresh=asm.num_tokens - n_cached, info=info)
+@dataclass
+class Selection:
+    """An assembled prompt and what to recompute: ``recompute`` ``(N,)`` bool marks cached tokens run again.
+
+    ``overrides[l] = (keys, values)`` replaces layer l's reused KV (CacheBlend's fresh early layers);
+    ``attention_hook(cache)`` builds the hook that the assembled cache attends with (APE).
+    """
+
+    assembly: Assembly
+    recompute: Tensor
+    overrides: dict[int, tuple[Tensor, Tensor]] | None = None
+    attention_hook: Callable[[KVCache], AttentionHook] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
 
 
-def _run_selected(rag: RagModel, asm: Assembly, recompute: torch.Tensor,
-                  overrides: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> tuple[KVCache, Any]:
-    """Reused KV for everyone else, ``recompute`` + fresh tokens run from layer 0 at their true positions."""
-    cache = build_cache(rag.model, asm, recompute, overrides)
-    idx = (recompute | ~asm.is_cached).nonzero().flatten()
-    return cache, recompute_tokens(rag.model, asm, cache, idx)
+class ChunkMethod(Protocol):
+    """A way of reusing chunk KV: assemble the stored chunks and pick what to recompute (``full``: no select)."""
+
+    name: str
+
+    def select(self, reuse: ChunkReuse, prompt: RagPrompt) -> Selection: ...
+
+
+def _nothing(asm: Assembly) -> Tensor:
+    return torch.zeros(asm.num_tokens, dtype=torch.bool)
 
 
 @dataclass
 class FullStrategy:
-    """Full prefill of the whole prompt (the reference: no reuse)."""
+    """Full prefill of the whole prompt (the reference: nothing reused; ``ChunkReuse.plan`` returns a miss)."""
 
-    chunk_size: int | None = 512
     name: str = "full"
-
-    def warm(self, rag: RagModel, prompt: RagPrompt) -> None:
-        pass
-
-    def run(self, rag: RagModel, prompt: RagPrompt) -> RagResult:
-        ids = prompt.ids()
-        cache = KVCache.for_model(rag.model)
-        logits = prefill(rag.model, ids, cache, chunk_size=self.chunk_size)
-        n_cached = len(prompt.prefix_ids) + prompt.num_context_tokens
-        return RagResult(cache=cache, logits=logits, strategy=self.name, num_tokens=len(ids), num_reused=0,
-                         num_recomputed=n_cached, num_fresh=len(ids) - n_cached)
 
 
 @dataclass
@@ -72,14 +72,9 @@ class NaiveStrategy:
 
     name: str = "naive"
 
-    def warm(self, rag: RagModel, prompt: RagPrompt) -> None:
-        rag.warm(prompt)
-
-    def run(self, rag: RagModel, prompt: RagPrompt) -> RagResult:
-        asm = rag.load(prompt)
-        recompute = torch.zeros(asm.num_tokens, dtype=torch.bool)
-        cache, logits = _run_selected(rag, asm, recompute)
-        return _result(self.name, rag, asm, recompute, cache, logits)
+    def select(self, reuse: ChunkReuse, prompt: RagPrompt) -> Selection:
+        asm = reuse.load(prompt)
+        return Selection(asm, _nothing(asm))
 
 
 @dataclass
@@ -98,19 +93,16 @@ class APEStrategy:
         if self.temperature <= 0 or self.scale <= 0:
             raise ValueError("APE temperature and scale must be > 0")
 
-    def warm(self, rag: RagModel, prompt: RagPrompt) -> None:
-        rag.warm(prompt)
+    def select(self, reuse: ChunkReuse, prompt: RagPrompt) -> Selection:
+        asm = reuse.load(prompt, ape=True)
+        p, end = asm.prefix_len, asm.prefix_len + max(len(c) for c in prompt.chunk_ids)
 
-    def run(self, rag: RagModel, prompt: RagPrompt) -> RagResult:
-        asm = rag.load(prompt, ape=True)
-        recompute = torch.zeros(asm.num_tokens, dtype=torch.bool)
-        cache = build_cache(rag.model, asm, recompute)
-        p = asm.prefix_len
-        cache.attention_hook = APEAttention(
-            cache, p, p + max(len(c) for c in prompt.chunk_ids), self.temperature, self.scale
+        def hook(cache: KVCache) -> AttentionHook:
+            return APEAttention(cache, p, end, self.temperature, self.scale)
+
+        return Selection(
+            asm, _nothing(asm), attention_hook=hook, info={"temperature": self.temperature, "scale": self.scale}
         )
-        logits = recompute_tokens(rag.model, asm, cache, asm.fresh_idx)
-        return _result(self.name, rag, asm, recompute, cache, logits, temperature=self.temperature, scale=self.scale)
 
 
 @dataclass
@@ -132,20 +124,17 @@ class CacheBlendStrategy:
         if self.check_layer < 0:
             raise ValueError("check_layer must be >= 0")
 
-    def warm(self, rag: RagModel, prompt: RagPrompt) -> None:
-        rag.warm(prompt)
-
-    def run(self, rag: RagModel, prompt: RagPrompt) -> RagResult:
-        asm = rag.load(prompt)
-        check = min(self.check_layer, rag.num_layers - 1)
+    def select(self, reuse: ChunkReuse, prompt: RagPrompt) -> Selection:
+        asm = reuse.load(prompt)
+        check = min(self.check_layer, reuse.num_layers - 1)
         # early layers: every non-prefix token, over the prefix only
-        early = build_cache(rag.model, asm, asm.is_context)
+        early = build_cache(reuse.model, asm, asm.is_context)
         rest = torch.arange(asm.prefix_len, asm.num_tokens)
-        device = next(rag.model.parameters()).device
-        with truncated(rag.model, check + 1):
-            for start in range(0, rest.numel(), RECOMPUTE_CHUNK_SIZE):
-                part = rest[start : start + RECOMPUTE_CHUNK_SIZE]
-                forward(rag.model, asm.ids[part][None], early, position_ids=asm.positions[part][None].to(device))
+        device = next(reuse.model.parameters()).device
+        with truncated(reuse.model, check + 1):
+            for start in range(0, rest.numel(), EARLY_CHUNK_SIZE):
+                part = rest[start : start + EARLY_CHUNK_SIZE]
+                forward(reuse.model, asm.ids[part][None], early, position_ids=asm.positions[part][None].to(device))
         sort_by_position(early)
         fresh = {}
         for li in range(check + 1):
@@ -156,10 +145,9 @@ class CacheBlendStrategy:
         diff = (fresh[check][0][:, ctx_in_cached].float() - asm.keys[check][:, ctx_in_cached].float()).pow(2)
         deviation = diff.sum(dim=(0, 2)).cpu()  # (N_ctx,)
         chosen = select_top(deviation, self.recompute_ratio, window_size=1)
-        recompute = torch.zeros(asm.num_tokens, dtype=torch.bool)
+        recompute = _nothing(asm)
         recompute[asm.context_idx[chosen]] = True
-        cache, logits = _run_selected(rag, asm, recompute, fresh)
-        return _result(self.name, rag, asm, recompute, cache, logits, check_layer=check)
+        return Selection(asm, recompute, overrides=fresh, info={"check_layer": check})
 
 
 @dataclass
@@ -172,7 +160,7 @@ class CacheClipStrategy:
     """
 
     recompute_ratio: float = 0.2
-    aux: RagModel | None = None
+    aux: ChunkReuse | None = None
     window_size: int = 8
     window_threshold: int = 5
     name: str = "cacheclip"
@@ -181,25 +169,42 @@ class CacheClipStrategy:
     def __post_init__(self) -> None:
         _check_ratio(self.recompute_ratio)
 
-    def _scorer(self, rag: RagModel) -> AuxScorer:
-        aux = self.aux if self.aux is not None else rag
+    def _scorer(self, reuse: ChunkReuse) -> AuxScorer:
+        aux = self.aux if self.aux is not None else reuse
         return self._scorers.setdefault(id(aux), AuxScorer(aux))
 
-    def warm(self, rag: RagModel, prompt: RagPrompt) -> None:
-        rag.warm(prompt)
-        self._scorer(rag).warm(prompt)
+    def warm(self, reuse: ChunkReuse, prompt: RagPrompt) -> None:
+        """Precompute the auxiliary model's chunks (when it will score)."""
+        if 0.0 < self.recompute_ratio < 1.0:
+            self._scorer(reuse).warm(prompt)
 
-    def run(self, rag: RagModel, prompt: RagPrompt) -> RagResult:
-        asm = rag.load(prompt)
-        recompute = torch.zeros(asm.num_tokens, dtype=torch.bool)
+    def select(self, reuse: ChunkReuse, prompt: RagPrompt) -> Selection:
+        asm = reuse.load(prompt)
+        recompute = _nothing(asm)
         if self.recompute_ratio >= 1.0:
             recompute |= asm.is_context  # no need to score: everything is recomputed
         elif self.recompute_ratio > 0.0:
-            scores = self._scorer(rag).score(prompt)  # (N_ctx,)
+            scores = self._scorer(reuse).score(prompt)  # (N_ctx,)
             chosen = select_top(scores, self.recompute_ratio, self.window_size, self.window_threshold)
             recompute[asm.context_idx[chosen]] = True
-        cache, logits = _run_selected(rag, asm, recompute)
-        return _result(self.name, rag, asm, recompute, cache, logits)
+        return Selection(asm, recompute)
+
+
+@dataclass
+class FixedSelection:
+    """Recompute exactly the context tokens marked in ``chosen`` ``(N_ctx,)`` bool (oracles and ablations in
+    benchmarks; not a registry option)."""
+
+    chosen: Tensor
+    name: str = "fixed"
+
+    def select(self, reuse: ChunkReuse, prompt: RagPrompt) -> Selection:
+        asm = reuse.load(prompt)
+        if self.chosen.shape != (prompt.num_context_tokens,):
+            raise ValueError(f"selection of {tuple(self.chosen.shape)} for {prompt.num_context_tokens} context tokens")
+        recompute = _nothing(asm)
+        recompute[asm.context_idx[self.chosen]] = True
+        return Selection(asm, recompute)
 
 
 STRATEGIES: dict[str, type] = {

@@ -20,7 +20,7 @@ from kvforge.types import KVSegment
 
 logger = logging.getLogger(__name__)
 
-ReuseKind = Literal["miss", "prefix", "semantic"]
+ReuseKind = Literal["miss", "prefix", "semantic", "chunks"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,8 @@ class ReusePlan:
         cache: the reused entries loaded into a cache ready to prefill on top (None on a miss).
         reused_tokens: tokens covered by ``cache`` (its ``next_position``).
         prefill_ids: tokens still to run through the model, on top of ``cache``; never empty (logits come from them).
-        kind: "miss", "prefix" (exact token match) or "semantic" (a similar, not identical, prompt was matched).
+        kind: "miss", "prefix" (exact token match), "semantic" (a similar, not identical, prompt was matched) or
+            "chunks" (RAG chunks assembled at new positions: :class:`kvforge.reuse.rag.ChunkPlan`).
         approximate: True when the model will not see exactly the prompt that was asked (canonical semantic mode
             answers the donor prompt; context mode reuses a slightly different document).
         similarity: cosine similarity of the semantic match (None for exact reuse and misses).
@@ -59,6 +60,8 @@ class ReusePlan:
         info: extra facts for reports (keys, number of blocks loaded, load time...).
         press_size: the first ``press_size`` tokens of ``prefill_ids`` are prefilled under the request's press (the
             document part a compressed-document strategy did not find); the rest is prefilled as it is.
+        prefill_positions: the RoPE position of each of ``prefill_ids`` when they are not the ones following
+            ``cache`` (RAG chunk plans recompute tokens in the middle of the prompt); None = consecutive.
     """
 
     cache: KVCache | None
@@ -70,6 +73,7 @@ class ReusePlan:
     donor_prompt: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
     press_size: int = 0
+    prefill_positions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.prefill_ids:

@@ -29,7 +29,14 @@ from kvforge.serve.errors import APIError, install_handlers, timeout_error, user
 from kvforge.serve.features import Features
 from kvforge.serve.metrics import Metrics
 from kvforge.serve.middleware import GuardMiddleware
-from kvforge.serve.runner import KEEP, GenerationSpec, run_generation, split_context_question
+from kvforge.serve.runner import (
+    KEEP,
+    GenerationSpec,
+    RagSpec,
+    run_generation,
+    split_context_question,
+    split_system_question,
+)
 from kvforge.serve.worker import Aborted, Job, QueueFullError, ShuttingDownError, Worker
 from kvforge.types import Generation
 
@@ -133,6 +140,8 @@ def create_app(
                 code="model_not_found",
             )
         opts = req.kvforge or S.KVForgeOptions()
+        if opts.rag is not None or opts.chunks is not None or opts.chunk_ids is not None or opts.recompute_ratio:
+            return rag_spec_for(req, opts, prompt, raw)
         ratio = opts.compression_ratio if opts.compression_ratio is not None else compression_ratio
         press_obj = features.press(opts.press if opts.press is not None else press, ratio)
         spec_reuse, label = KEEP, reuse_kind
@@ -193,6 +202,54 @@ def create_app(
         spec = GenerationSpec(prompt, raw, max_tokens, sampling, req.stop_list, press_obj, spec_reuse, qa, opts.quant)
         return spec, num_prompt, label
 
+    def rag_spec_for(
+        req: S._GenerationRequest, opts: S.KVForgeOptions, prompt: Any, raw: bool
+    ) -> tuple[GenerationSpec, int, str]:
+        """A chat answered over document chunks (RAG chunk reuse); any option it cannot combine with is a 400."""
+        if opts.rag is None:
+            raise APIError(400, "kvforge.chunks, chunk_ids and recompute_ratio need kvforge.rag", param="kvforge.rag")
+        if raw:
+            raise APIError(400, "RAG chunk reuse takes a chat request (/v1/chat/completions)", param="kvforge.rag")
+        for name in ("press", "compression_ratio", "reuse", "semantic_mode", "query_aware"):
+            if getattr(opts, name) is not None:
+                raise APIError(400, f"kvforge.rag cannot be combined with kvforge.{name} yet", param=f"kvforge.{name}")
+        if press is not None:
+            raise APIError(
+                400, "kvforge.rag cannot be combined with the server's default press yet", param="kvforge.rag"
+            )
+        if (opts.chunks is None) == (opts.chunk_ids is None):
+            raise APIError(
+                400,
+                "kvforge.rag needs exactly one of kvforge.chunks (texts) or kvforge.chunk_ids",
+                param="kvforge.chunks",
+            )
+        if opts.recompute_ratio is not None and opts.rag not in ("cacheblend", "cacheclip"):
+            raise APIError(
+                400, "kvforge.recompute_ratio applies to cacheblend and cacheclip", param="kvforge.recompute_ratio"
+            )
+        question, system = split_system_question(prompt, "messages")
+        strategy = features.chunk_reuse(opts.rag, opts.recompute_ratio)
+        chunks = opts.chunks if opts.chunks is not None else features.chunk_texts(strategy, opts.chunk_ids or [])
+        try:
+            ids = strategy.build_prompt(chunks, question, system=system).ids()
+        except ValueError as e:
+            raise APIError(400, str(e), param="kvforge.chunks") from e
+        max_tokens = (
+            req.max_tokens if req.max_tokens is not None else min(default_max_tokens, engine.max_positions - len(ids))
+        )
+        try:
+            engine.check_length(len(ids), max(max_tokens, 1))
+        except UserError as e:
+            raise user_error(e, param="max_tokens" if req.max_tokens is not None else "messages") from e
+        sampling = SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed,
+        )
+        rag = RagSpec(strategy, list(chunks), question, system)
+        spec = GenerationSpec(prompt, raw, max_tokens, sampling, req.stop_list, None, KEEP, None, rag=rag)
+        return spec, len(ids), f"rag:{opts.rag}"
+
     def submit(fn: Callable[[Job], Any]) -> Job:
         try:
             return worker.submit(fn, asyncio.get_running_loop(), request_timeout_s)
@@ -229,7 +286,7 @@ def create_app(
             "compressed": bool(info.get("compressed", False)),  # the reused document was stored compressed
             "bytes_loaded": info.get("bytes_loaded"),
             "quant": info.get("quant"),
-        }
+        } | ({"rag": _rag_field(info)} if kind == "chunks" else {})
 
     async def wait(request: Request, job: Job, until_started: bool = False) -> Any:
         """The job's result (with ``until_started``: True once it runs).
@@ -468,6 +525,12 @@ def check_quant_name(quant: str, param: str) -> None:
         raise APIError(400, "quantised storage needs kvforge.store", param=param) from e
     except ValueError as e:
         raise APIError(400, str(e), param=param) from e
+
+
+def _rag_field(info: dict[str, Any]) -> dict[str, Any]:
+    """What RAG chunk reuse did: method, ratio, chunks found stored (hits) or computed now (misses), token counts."""
+    keys = ("method", "recompute_ratio", "chunks", "chunk_hits", "chunk_misses", "recomputed_tokens", "fresh_tokens")
+    return {k: info.get(k) for k in keys}
 
 
 def _context_mode(opts: S.KVForgeOptions, server_kind: str, server_mode: str) -> bool:

@@ -147,7 +147,8 @@ class Features:
         ``prefix`` mode stores the document as the context part of a chat prompt (system + user header + document +
         separator, :meth:`Engine.encode_qa`) through ``strategy`` (a prefix reuse strategy), so a later chat request
         whose user message is ``document + "\\n\\n" + question`` reuses it. ``chunks`` mode stores each document
-        as a RAG chunk (``kvforge.rag``), keyed by the rag package's chunk key. Runs on the worker thread.
+        as a RAG chunk (``kvforge.reuse.rag``), keyed by its chunk key (the id a chat request names it by in
+        ``kvforge.chunk_ids``; the chunk's text is stored with its KV). Runs on the worker thread.
 
         With a ``press``, a prefix document is compressed query-agnostic and stored whole, keyed by the press, its
         parameters and ``quant`` (None: the store's): a chat request naming the same press with
@@ -195,18 +196,49 @@ class Features:
             )
         return out
 
-    def _precompute_chunks(self, documents: list[str], system: str | None) -> list[dict[str, Any]]:
-        rag = _import("kvforge.rag", "RAG chunk reuse", "mode")
-        model = rag.RagModel(self.engine.model, self.engine.tokenizer, store=self.store, model_id=self.engine.model_id)
+    def chunk_reuse(self, method: str = "naive", recompute_ratio: float | None = None) -> Any:
+        """A RAG chunk reuse strategy over the server's store (``kvforge.reuse.rag.ChunkReuse``)."""
+        reuse_rag = _import("kvforge.reuse.rag", "RAG chunk reuse", "kvforge.rag")
         try:
-            prompt = model.build_prompt(documents, "?", system=system)
+            return reuse_rag.ChunkReuse(
+                self.engine.model,
+                self.engine.tokenizer,
+                store=self.store,
+                model_id=self.engine.model_id,
+                method=method,
+                recompute_ratio=recompute_ratio,
+            )
+        except (UserError, ValueError, TypeError) as e:
+            raise _bad(e, "kvforge.rag") from e
+
+    def chunk_texts(self, strategy: Any, chunk_ids: list[str]) -> list[str]:
+        """The texts of chunks stored through ``POST /v1/kv/documents`` (``mode: chunks``), by their ids."""
+        texts = []
+        for i, key in enumerate(chunk_ids):
+            try:
+                texts.append(strategy.chunks.text_of(key))
+            except KeyError:
+                raise APIError(
+                    400,
+                    f"unknown chunk id {key[:64]!r}: store the chunk through /v1/kv/documents (mode chunks)",
+                    param=f"kvforge.chunk_ids[{i}]",
+                    code="invalid_value",
+                ) from None
+        return texts
+
+    def _precompute_chunks(self, documents: list[str], system: str | None) -> list[dict[str, Any]]:
+        strategy = self.chunk_reuse()
+        try:
+            prompt = strategy.build_prompt(documents, "?", system=system)
         except ValueError as e:
             raise _bad(e, "documents") from e
         self.engine.check_length(len(prompt.ids()))
-        model.warm(prompt)
+        strategy.warm(prompt)
+        from kvforge.rag import chunk_key
+
         return [
             {
-                "id": rag.chunk_key(model.model_id, prompt.prefix_ids, chunk),
+                "id": chunk_key(strategy.model_id, prompt.prefix_ids, chunk),
                 "object": "kv.document",
                 "mode": "chunks",
                 "tokens": len(chunk),

@@ -28,6 +28,7 @@ class GenerationSpec:
             document is stored and reused); without, semantic reuse in context mode matches the document and
             prefills the question exactly.
         quant: storage quantisation of a compressed document (None: the store's).
+        rag: RAG chunk reuse: :meth:`Engine.answer_chunks` over these chunks with this strategy.
     """
 
     prompt: Any
@@ -39,6 +40,17 @@ class GenerationSpec:
     reuse: Any = KEEP
     qa: tuple[str, str, str | None] | None = None
     quant: str | None = None
+    rag: RagSpec | None = None
+
+
+@dataclass
+class RagSpec:
+    """A chat answered over document chunks: ``strategy`` (a ``ChunkReuse``), the chunk texts, question, system."""
+
+    strategy: Any
+    chunks: list[str]
+    question: str
+    system: str | None = None
 
 
 class DeltaStream:
@@ -99,7 +111,18 @@ def run_generation(engine: Any, spec: GenerationSpec, job: Job, emit: Callable[[
 
     job.check()
     with engine_reuse(engine, spec.reuse):
-        if spec.qa is not None:
+        if spec.rag is not None:
+            gen = engine.answer_chunks(
+                spec.rag.chunks,
+                spec.rag.question,
+                rag=spec.rag.strategy,
+                system=spec.rag.system,
+                max_new_tokens=spec.max_tokens,
+                sampling=spec.sampling,
+                stop=spec.stop or None,
+                on_token=on_token,
+            )
+        elif spec.qa is not None:
             context, question, system = spec.qa
             gen = engine.answer(
                 context,
@@ -125,6 +148,16 @@ def run_generation(engine: Any, spec: GenerationSpec, job: Job, emit: Callable[[
             )
     stream.finish(gen.text)
     return gen
+
+
+def split_system_question(messages: Any, param: str) -> tuple[str, str | None]:
+    """(question, system) of a ``[system?, user]`` chat (RAG requests: the user message is the question)."""
+    roles = [m["role"] for m in messages] if isinstance(messages, list) else []
+    if roles not in (["user"], ["system", "user"]) or not messages[-1]["content"].strip():
+        raise APIError(
+            400, "RAG chunk reuse takes one user message (the question) and an optional system one", param=param
+        )
+    return messages[-1]["content"], messages[0]["content"] if roles[0] == "system" else None
 
 
 def split_context_question(messages: Any) -> tuple[str, str, str | None]:

@@ -14,11 +14,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 REUSE_KINDS = ("prefix", "semantic", "none")
+RAG_METHODS = ("naive", "ape", "cacheblend", "cacheclip")
 SEMANTIC_MODES = ("canonical", "context")
 
 
 class KVForgeOptions(BaseModel):
-    """Per-request kvforge options: compression, reuse strategy, semantic mode, query-aware compression."""
+    """Per-request kvforge options: compression, reuse strategy, semantic mode, query-aware compression, and RAG
+    chunk reuse (``rag`` method, ``recompute_ratio``, the chunks as ``chunks`` texts or ``chunk_ids`` returned by
+    ``POST /v1/kv/documents`` in ``chunks`` mode; the user message is then the question)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -28,6 +31,10 @@ class KVForgeOptions(BaseModel):
     semantic_mode: Literal["canonical", "context"] | None = None
     query_aware: StrictBool | None = None
     quant: StrictStr | None = None  # how a compressed document is stored (query_aware=false + prefix reuse)
+    rag: Literal["naive", "ape", "cacheblend", "cacheclip"] | None = None
+    recompute_ratio: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    chunks: Annotated[list[StrictStr], Field(min_length=1, max_length=256)] | None = None
+    chunk_ids: Annotated[list[StrictStr], Field(min_length=1, max_length=256)] | None = None
 
 
 class StreamOptions(BaseModel):

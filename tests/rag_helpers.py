@@ -1,0 +1,57 @@
+"""RAG tests drive chunk reuse the way every caller does: ``ChunkReuse.plan`` -> ``Engine.prefill_plan``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from kvforge.cache import KVCache
+from kvforge.engine import Engine
+from kvforge.rag import RagPrompt, make_strategy
+from kvforge.reuse.rag import ChunkReuse
+
+
+@dataclass
+class Prefilled:
+    cache: KVCache
+    logits: Tensor
+    num_tokens: int
+    num_reused: int
+    num_recomputed: int
+    num_fresh: int
+    plan: Any
+
+
+class RagRunner:
+    """An engine and one chunk store shared by every method it runs (chunks computed once, as in real use)."""
+
+    def __init__(self, model: Any, tokenizer: Any) -> None:
+        self.engine = Engine(model, tokenizer)
+        self.reuse = ChunkReuse(model, tokenizer, model_id=self.engine.model_id)
+        self.model, self.tokenizer = model, tokenizer
+
+    @property
+    def num_layers(self) -> int:
+        return self.reuse.num_layers
+
+    def build_prompt(self, docs: list[str], question: str, **kwargs: Any) -> RagPrompt:
+        return self.reuse.build_prompt(docs, question, **kwargs)
+
+    def load(self, prompt: RagPrompt, ape: bool = False) -> Any:
+        return self.reuse.load(prompt, ape=ape)
+
+    def prefill(self, prompt: RagPrompt, method: Any) -> Prefilled:
+        self.reuse.method = make_strategy(method) if isinstance(method, str) else method
+        plan = self.reuse.plan(prompt.ids(), context=prompt)
+        cache, logits = self.engine.prefill_plan(plan)
+        if plan.kind == "miss":  # full: every prefix/chunk token computed
+            n_cached = len(prompt.prefix_ids) + prompt.num_context_tokens
+            return Prefilled(cache, logits, len(plan.token_ids), 0, n_cached, len(plan.token_ids) - n_cached, plan)
+        return Prefilled(
+            cache, logits, len(plan.token_ids), plan.reused_tokens, plan.recomputed_tokens, plan.fresh_tokens, plan
+        )
+
+    def run(self, prompt: RagPrompt, name: str, **kwargs: Any) -> Prefilled:
+        return self.prefill(prompt, make_strategy(name, **kwargs))
