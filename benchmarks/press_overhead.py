@@ -2,7 +2,9 @@
 
     PYTHONPATH=src python benchmarks/press_overhead.py --tokens 2048 4096 8192 --presses snapkv adakv --ratio 0.75
 
-One JSON line per (tokens, press): prefill_s (plain prefill, median), press_s (whole compress_prefill, median),
+Plain prefills and the presses' runs alternate (repeat r runs the plain prefill, then every press), so load drifting
+on a shared machine hits them alike. One JSON line per (tokens, press): prefill_s (plain prefill, median), press_s
+(whole compress_prefill, median), replay_vs_prefill (KVzip's replay stage / the prefill stage of the same call),
 stages (compress_prefill's own per-stage clock: prefill / lookahead / reconstruction / compress), overhead =
 (lookahead + reconstruction + compress) / prefill stage of the same run (robust to load drifting between runs on a
 shared machine), e2e_overhead = press_s / prefill_s - 1, cache_bytes (kept) vs full_bytes, decode tokens/s with the
@@ -74,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--chunk-size", type=int, default=512)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -81,53 +84,59 @@ def main(argv: list[str] | None = None) -> int:
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     for n in args.tokens:
         ids = text_ids(tokenizer, n)
-        plain_times, full_cache, full_logits = [], None, None
-        for _ in range(args.repeats):
+        plain_times: list[float] = []
+        runs: dict[str, list[tuple[float, dict[str, float]]]] = {name: [] for name in args.presses}
+        full_cache = full_logits = None
+        caches: dict[str, tuple[KVCache, torch.Tensor]] = {}
+        for _ in range(args.repeats):  # plain prefill and every press alternate: load drifts hit all alike
             cache = KVCache.for_model(model)
             secs, full_logits = timed(lambda c=cache, x=ids: prefill(model, x, c, chunk_size=args.chunk_size))
             plain_times.append(secs)
             full_cache = cache
-        assert full_cache is not None and full_logits is not None
-        full_bytes = full_cache.nbytes()
-        full_tps = decode_speed(model, full_cache, full_logits, args.decode_steps)
-        for name in args.presses:
-            times, overheads, cache, logits = [], [], None, None
-            for _ in range(args.repeats):
+            for name in args.presses:
                 cache = KVCache.for_model(model)
                 secs, logits = timed(
                     lambda c=cache, x=ids, p=name: compress_prefill(
                         model, x, c, build_press(p, args.ratio), args.chunk_size, tokenizer=tokenizer
                     )
                 )
-                times.append(secs)
-                stages = cache.info["press"]["seconds"]
-                overheads.append(
-                    (stages["lookahead"] + stages["reconstruction"] + stages["compress"]) / stages["prefill"]
-                )
-            assert cache is not None and logits is not None
-            plain, press = statistics.median(plain_times), statistics.median(times)
-            print(
-                json.dumps(
-                    {
-                        "git": sha,
-                        "device": "cpu",
-                        "threads": torch.get_num_threads(),
-                        "tokens": n,
-                        "press": name,
-                        "ratio": args.ratio,
-                        "prefill_s": round(plain, 3),
-                        "press_s": round(press, 3),
-                        "overhead": round(statistics.median(overheads), 4),
-                        "stages": stages,
-                        "e2e_overhead": round(press / plain - 1, 4),
-                        "cache_bytes": cache.nbytes(),
-                        "full_bytes": full_bytes,
-                        "decode_tps": round(decode_speed(model, cache, logits, args.decode_steps), 2),
-                        "full_decode_tps": round(full_tps, 2),
-                    }
-                ),
-                flush=True,
-            )
+                runs[name].append((secs, cache.info["press"]["seconds"]))
+                caches[name] = (cache, logits)
+        assert full_cache is not None and full_logits is not None
+        full_bytes = full_cache.nbytes()
+        full_tps = decode_speed(model, full_cache, full_logits, args.decode_steps) if args.decode_steps else None
+        plain = statistics.median(plain_times)
+        for name in args.presses:
+            cache, logits = caches[name]
+            times = [secs for secs, _ in runs[name]]
+            stages = runs[name][-1][1]
+            extra = [(st["lookahead"] + st["reconstruction"] + st["compress"]) / st["prefill"] for _, st in runs[name]]
+            replay = [st["reconstruction"] / st["prefill"] for _, st in runs[name]]
+            press = statistics.median(times)
+            tps = decode_speed(model, cache, logits, args.decode_steps) if args.decode_steps else None
+            row = {
+                "git": sha,
+                "device": "cpu",
+                "threads": torch.get_num_threads(),
+                "tokens": n,
+                "press": name,
+                "ratio": args.ratio,
+                "repeats": args.repeats,
+                "prefill_s": round(plain, 3),
+                "press_s": round(press, 3),
+                "overhead": round(statistics.median(extra), 4),
+                "replay_vs_prefill": round(statistics.median(replay), 4),  # KVzip's replay stage / prefill stage
+                "stages": stages,
+                "e2e_overhead": round(press / plain - 1, 4),
+                "cache_bytes": cache.nbytes(),
+                "full_bytes": full_bytes,
+                "decode_tps": None if tps is None else round(tps, 2),
+                "full_decode_tps": None if full_tps is None else round(full_tps, 2),
+            }
+            print(json.dumps(row), flush=True)
+            if args.out:
+                with Path(args.out).open("a") as f:
+                    f.write(json.dumps(row) + "\n")
     return 0
 
 

@@ -184,3 +184,57 @@ def test_expected_attention_matches_the_gaussian_formula():
             torch.testing.assert_close(
                 scores[0, h // 2], (group + logits.softmax(-1) / 2) * c.values[0, h // 2].norm(dim=-1)
             )
+
+
+class TextbookReplay:
+    """Reference for the replay's scoring: softmax(q k^T * scale) over all keys in float64, keys repeated per group."""
+
+    def __init__(self, bounds):
+        self.bounds, self.scores = bounds, {}
+
+    def __call__(self, module, query, key, value, mask, is_causal, scaling, softcap):
+        assert not is_causal  # the context is in the cache: replay forwards always come with a mask
+        g = query.shape[1] // key.shape[1]
+        k, v = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
+        logits = (query.double() @ k.double().transpose(-1, -2)) * scaling
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        probs = (logits if mask is None else logits.masked_fill(~mask, float("-inf"))).softmax(-1)
+        span = self.bounds.get(module.layer_idx)
+        if span is not None:
+            got = probs[..., span[0] : span[1]].amax(dim=2).float()
+            best = self.scores.get(module.layer_idx)
+            self.scores[module.layer_idx] = got if best is None else torch.maximum(best, got)
+        return (probs.to(v.dtype) @ v).transpose(1, 2).contiguous()
+
+
+def replay_scores_and_kept(model, tok, ids):
+    source = apply_mod.CompressionSource(
+        model, ids, KVCache.for_model(model), apply_mod.Needs(reconstruction=True), chunk_size=16, tokenizer=tok
+    )
+    kept = {}
+    for name in ("kvzip", "kvzip-global"):
+        cache = source.compress(build_press(name, 0.75, replay_chunk=40))
+        kept[name] = [None if layer.keys is None else layer.view()[2].clone() for layer in cache.layers]
+    return {i: s.clone() for i, s in source.collector.reconstruction.items()}, kept
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("path", ["cpu-fused", "explicit"])
+def test_fused_replay_scores_equal_the_textbook_attention(tok, arch, path, monkeypatch):
+    """The replay scores inside the model's attention (no second pass): same scores and same kept entries as
+    softmax(q k^T) written out, on both code paths (CPU kernel + log-sum-exp, explicit softmax)."""
+    import kvforge.presses.hooks as hooks_mod
+
+    model, ids = tiny_model(arch), chat_ids(tok, TEXT * 2)
+    if path == "explicit":
+        monkeypatch.setattr(hooks_mod, "_FLASH_WITH_LSE", None)
+    scores, kept = replay_scores_and_kept(model, tok, ids)
+    monkeypatch.setattr(apply_mod, "ReplayAttention", TextbookReplay)
+    ref_scores, ref_kept = replay_scores_and_kept(model, tok, ids)
+    assert sorted(scores) == sorted(ref_scores) == compressible_layers(KVCache.for_model(model))
+    for i in scores:
+        torch.testing.assert_close(scores[i], ref_scores[i], rtol=1e-4, atol=1e-6)
+    for name in kept:
+        for a, b in zip(kept[name], ref_kept[name], strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
