@@ -7,8 +7,9 @@ on a shared machine hits them alike. One JSON line per (tokens, press): prefill_
 (whole compress_prefill, median), replay_vs_prefill (KVzip's replay stage / the prefill stage of the same call),
 stages (compress_prefill's own per-stage clock: prefill / lookahead / reconstruction / compress), overhead =
 (lookahead + reconstruction + compress) / prefill stage of the same run (robust to load drifting between runs on a
-shared machine), e2e_overhead = press_s / prefill_s - 1, cache_bytes (kept) vs full_bytes, decode tokens/s with the
-compressed and the full cache.
+shared machine), e2e_overhead = press_s / prefill_s - 1, cpu_overhead = the same with process CPU seconds (with
+--threads 1 the least disturbed by other jobs: replay cost = cpu_overhead for KVzip), cache_bytes (kept) vs
+full_bytes, decode tokens/s with the compressed and the full cache.
 Model: smollm2-135m (bundled); tokens are natural text (Moby-Dick) so attention is realistic.
 """
 
@@ -49,9 +50,15 @@ def decode_speed(model: Any, cache: KVCache, logits: torch.Tensor, steps: int) -
     return steps / (time.perf_counter() - t0)
 
 
+CPU_SECONDS: list[float] = []  # process CPU time of every timed() call, in order
+
+
 def timed(fn: Any) -> tuple[float, Any]:
-    t0 = time.perf_counter()
+    """Wall clock of ``fn()``; its process CPU time goes to CPU_SECONDS (with 1 thread, CPU time is what other jobs
+    on a shared machine disturb least)."""
+    c0, t0 = time.process_time(), time.perf_counter()
     out = fn()
+    CPU_SECONDS.append(time.process_time() - c0)
     return time.perf_counter() - t0, out
 
 
@@ -85,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.tokens:
         ids = text_ids(tokenizer, n)
         plain_times: list[float] = []
+        plain_cpu: list[float] = []
+        press_cpu: dict[str, list[float]] = {name: [] for name in args.presses}
         runs: dict[str, list[tuple[float, dict[str, float]]]] = {name: [] for name in args.presses}
         full_cache = full_logits = None
         caches: dict[str, tuple[KVCache, torch.Tensor]] = {}
@@ -92,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             cache = KVCache.for_model(model)
             secs, full_logits = timed(lambda c=cache, x=ids: prefill(model, x, c, chunk_size=args.chunk_size))
             plain_times.append(secs)
+            plain_cpu.append(CPU_SECONDS[-1])
             full_cache = cache
             for name in args.presses:
                 cache = KVCache.for_model(model)
@@ -101,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
                 runs[name].append((secs, cache.info["press"]["seconds"]))
+                press_cpu[name].append(CPU_SECONDS[-1])
                 caches[name] = (cache, logits)
         assert full_cache is not None and full_logits is not None
         full_bytes = full_cache.nbytes()
@@ -128,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
                 "replay_vs_prefill": round(statistics.median(replay), 4),  # KVzip's replay stage / prefill stage
                 "stages": stages,
                 "e2e_overhead": round(press / plain - 1, 4),
+                # process CPU seconds (1 thread): compress_prefill vs the plain prefill of the same repeat
+                "prefill_cpu_s": round(statistics.median(plain_cpu), 3),
+                "press_cpu_s": round(statistics.median(press_cpu[name]), 3),
+                "cpu_overhead": round(
+                    statistics.median(p / q - 1 for p, q in zip(press_cpu[name], plain_cpu, strict=True)), 4
+                ),
                 "cache_bytes": cache.nbytes(),
                 "full_bytes": full_bytes,
                 "decode_tps": None if tps is None else round(tps, 2),
