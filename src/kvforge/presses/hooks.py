@@ -142,8 +142,13 @@ class ReplayAttention:
     Layers outside ``bounds`` (sliding-window layers) get plain attention.
     """
 
-    def __init__(self, bounds: dict[int, tuple[int, int]], max_elements: int = 1 << 24) -> None:
+    def __init__(
+        self, bounds: dict[int, tuple[int, int]], normalise: str = "all", sinks: int = 0, max_elements: int = 1 << 24
+    ) -> None:
         self.bounds = bounds
+        self.normalise = normalise  # "all": softmax over every key; "chunk": over sinks + chunk + replay (KVzip's)
+        self.sinks = sinks
+        self.chunk: tuple[int, int] | None = None  # context entries (relative to start) the current request repeats
         self.scores: dict[int, Tensor] = {}
         self.max_elements = max_elements
 
@@ -160,9 +165,14 @@ class ReplayAttention:
         if query.device.type == "cpu" and softcap is None and _FLASH_WITH_LSE is not None:
             bias = None if mask is None else torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, -math.inf)
             out, lse = _FLASH_WITH_LSE(query, key, value, 0.0, False, attn_mask=bias, scale=scale)
-            if span is not None:
+            if span is not None and self.normalise == "chunk":
+                self._chunk_scores(idx, span, query, key, mask, scale, softcap)
+            elif span is not None:
                 self._log_prob_max(idx, span, query * scale, -lse.to(query.dtype), key, mask)
             return out.transpose(1, 2).contiguous()
+        if span is not None and self.normalise == "chunk":
+            self._chunk_scores(idx, span, query, key, mask, scale, softcap)
+            span = None
         return self._explicit(idx, span, query, key, value, mask, scale, softcap)
 
     def _keep(self, idx: int, got: Tensor) -> None:
@@ -191,6 +201,39 @@ class ReplayAttention:
                 sub = hidden[..., i : i + n, :]
                 log_p.masked_fill_(sub.view(b, h_kv, g, n, -1) if sub.shape[1] == h else sub[:, :, None], -math.inf)
             self._keep(idx, log_p.amax(dim=3).reshape(b, h, -1).exp_())
+
+    def _chunk_scores(
+        self, idx: int, span: tuple[int, int], query: Tensor, key: Tensor, mask: Tensor | None, scale: float,
+        softcap: float | None,
+    ) -> None:  # fmt: skip
+        """KVzip's scoring: softmax over the sinks, the chunk being repeated and the replay's own keys only; the max
+        over queries lands on the chunk's entries (the other context entries keep what earlier chunks gave them)."""
+        b, h, q, d = query.shape
+        h_kv, g = key.shape[1], h // key.shape[1]
+        lo, hi = (span[0], span[1]) if self.chunk is None else (span[0] + self.chunk[0], span[0] + self.chunk[1])
+        sink = min(self.sinks, lo)
+        cols = torch.cat([torch.arange(sink), torch.arange(lo, hi), torch.arange(span[1], key.shape[2])]).to(key.device)
+        sub = key.index_select(2, cols)
+        if mask is not None:
+            mask = mask.index_select(3, cols)
+            mask = mask.view(b, h_kv, g, q, -1) if mask.shape[1] == h and h > 1 else mask[:, :, None]
+        grouped = query.view(b, h_kv, g, q, d)
+        best = self.scores.get(idx)
+        if best is None:
+            best = query.new_zeros(b, h, span[1] - span[0], dtype=torch.float32)
+        part = best[:, :, lo - span[0] : hi - span[0]]
+        step = max(1, self.max_elements // max(1, h * cols.numel()))
+        for i in range(0, q, step):
+            n = min(step, q - i)
+            logits = (grouped[:, :, :, i : i + n].reshape(b, h_kv, g * n, d) @ sub.transpose(-1, -2)).float()
+            logits = logits.mul_(scale).view(b, h_kv, g, n, -1)
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+            if mask is not None:
+                logits.masked_fill_(~mask[..., i : i + n, :], -math.inf)
+            got = logits.softmax(dim=-1)[..., sink : sink + hi - lo].amax(dim=3).reshape(b, h, -1)
+            torch.maximum(part, got, out=part)
+        self.scores[idx] = best
 
     def _explicit(
         self, idx: int, span: tuple[int, int] | None, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,

@@ -36,7 +36,11 @@ from kvforge.presses.base import LayerContext, Needs, ScorerPress, Selection, nu
 from kvforge.presses.criticalkv import projected_value_norms
 
 REPEAT_PROMPT = "Repeat the previous context exactly."
+REPEAT_PART_PROMPT = "Repeat the part of the previous context exactly, starting with"
 BUDGETS = ("head", "layer", "global")
+TURNS = ("continue", "new")
+NORMALISE = ("chunk", "all")
+OVERLAP = 8  # a later chunk's request quotes the previous chunk's last tokens (KVzip / kvpress)
 
 
 @dataclass
@@ -51,11 +55,17 @@ class KVzipPress(ScorerPress):
     keep_header: bool = True
     keep_first: int = 4
     value_aware: bool = False
+    replay_turn: str = "continue"
+    normalise: str = "chunk"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.budget not in BUDGETS:
             raise ValueError(f"budget must be one of {BUDGETS}, got {self.budget!r}")
+        if self.replay_turn not in TURNS:
+            raise ValueError(f"replay_turn must be one of {TURNS}, got {self.replay_turn!r}")
+        if self.normalise not in NORMALISE:
+            raise ValueError(f"normalise must be one of {NORMALISE}, got {self.normalise!r}")
         if self.replay_chunk < 0 or self.keep_first < 0:
             raise ValueError("replay_chunk and keep_first must be >= 0 (replay_chunk 0 = the whole context at once)")
 
@@ -121,10 +131,19 @@ def header_length(tokenizer: Any, ids: list[int]) -> int:
     return _common(a[: _common(a, b)], ids)
 
 
-def replay_prefix(tokenizer: Any, prompt: str, use_template: bool) -> list[int]:
-    """Token ids put before each teacher-forced context chunk: the repeat request as a later user turn of the chat
-    template (no system prompt: the cache holds it) ending in the assistant's turn, or the bare prompt."""
+def replay_prefix(tokenizer: Any, prompt: str, use_template: bool, turn: str = "new") -> list[int]:
+    """Token ids put before a teacher-forced context chunk.
+
+    ``turn="continue"`` (KVzip's and kvpress's layout, for a context that ends inside the user turn that holds it, as
+    :meth:`Engine.encode_qa` builds it): ``"\n\n" + prompt``, then the template's end of the user turn and the
+    assistant's header. ``turn="new"``: the request as a later user turn of the template (no system prompt: the cache
+    holds it) ending in the assistant's turn. Without a template: the bare prompt.
+    """
     if use_template and tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        if turn == "continue":
+            suffix = _assistant_suffix(tokenizer)
+            if suffix is not None:
+                return _encode(tokenizer, "\n\n" + prompt) + _encode(tokenizer, suffix)
         try:
             earlier = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
             before = tokenizer.apply_chat_template(earlier, tokenize=False)
@@ -134,10 +153,52 @@ def replay_prefix(tokenizer: Any, prompt: str, use_template: bool) -> list[int]:
         except Exception:
             before, after = "", ""
         if after.startswith(before) and after != before:
-            return list(tokenizer.encode(after[len(before) :], add_special_tokens=False))
+            return _encode(tokenizer, after[len(before) :])
     if tokenizer is None:
         return []
-    return list(tokenizer.encode("\n\n" + prompt + "\n", add_special_tokens=False))
+    return _encode(tokenizer, "\n\n" + prompt + "\n")
+
+
+def replay_requests(press: KVzipPress, tokenizer: Any, context: list[int]) -> list[tuple[int, list[int]]]:
+    """``[(offset, ids), ...]``: each context chunk (``replay_chunk`` tokens from ``offset``) behind its request.
+
+    With ``replay_turn="continue"`` a later chunk is asked for as KVzip does ("Repeat the part of the previous
+    context exactly, starting with" + the previous chunk's last 8 tokens); otherwise every chunk repeats the prompt.
+    """
+    step = press.replay_chunk or len(context) or 1
+    if press.prompt_ids is not None:
+        first = later = list(press.prompt_ids)
+    elif tokenizer is None:
+        first = later = []
+    else:
+        first = replay_prefix(tokenizer, press.prompt, press.chat_template, press.replay_turn)
+        later = first
+    continued = press.prompt_ids is None and press.replay_turn == "continue" and press.chat_template
+    suffix = _assistant_suffix(tokenizer) if continued and tokenizer is not None else None
+    out = []
+    for a in range(0, max(1, len(context)), step):
+        chunk = context[a : a + step]
+        if a and suffix is not None:
+            quote = context[max(0, a - OVERLAP) : a]
+            later = _encode(tokenizer, "\n\n" + REPEAT_PART_PROMPT) + quote + _encode(tokenizer, suffix)
+        out.append((a, (later if a else first) + chunk))
+    return out
+
+
+def _assistant_suffix(tokenizer: Any) -> str | None:
+    """What the template puts after a user message's content: end of the user turn + the assistant's header."""
+    marker = "\x00kvzip\x00"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+        )
+    except Exception:
+        return None
+    return text.split(marker, 1)[1] if marker in text else None
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]], generation: bool) -> list[int]:
