@@ -241,13 +241,13 @@ class TextbookReplay:
         return (probs.to(v.dtype) @ v).transpose(1, 2).contiguous()
 
 
-def replay_scores_and_kept(model, tok, ids, **options):
+def replay_scores_and_kept(model, tok, ids, replay_chunk=40, **options):
     source = apply_mod.CompressionSource(
         model, ids, KVCache.for_model(model), apply_mod.Needs(reconstruction=True), chunk_size=16, tokenizer=tok
     )
     kept = {}
     for name in ("kvzip", "kvzip-global"):
-        cache = source.compress(build_press(name, 0.75, replay_chunk=40, **options))
+        cache = source.compress(build_press(name, 0.75, replay_chunk=replay_chunk, **options))
         kept[name] = [None if layer.keys is None else layer.view()[2].clone() for layer in cache.layers]
     return {i: s.clone() for i, s in source.collector.reconstruction.items()}, kept
 
@@ -255,7 +255,8 @@ def replay_scores_and_kept(model, tok, ids, **options):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("path", ["cpu-fused", "explicit"])
 @pytest.mark.parametrize("normalise", ["chunk", "all"])
-def test_fused_replay_scores_equal_the_textbook_attention(tok, arch, path, normalise, monkeypatch):
+@pytest.mark.parametrize("options", [{"replay_chunk": 40}, {"replay_chunk": 0, "keep_first": 1}])
+def test_fused_replay_scores_equal_the_textbook_attention(tok, arch, path, normalise, options, monkeypatch):
     """The replay scores inside the model's attention (no second pass): same scores and same kept entries as
     softmax(q k^T) written out, on both code paths (CPU kernel + log-sum-exp, explicit softmax)."""
     import kvforge.presses.hooks as hooks_mod
@@ -263,9 +264,9 @@ def test_fused_replay_scores_equal_the_textbook_attention(tok, arch, path, norma
     model, ids = tiny_model(arch), chat_ids(tok, TEXT * 2)
     if path == "explicit":
         monkeypatch.setattr(hooks_mod, "_FLASH_WITH_LSE", None)
-    scores, kept = replay_scores_and_kept(model, tok, ids, normalise=normalise)
+    scores, kept = replay_scores_and_kept(model, tok, ids, normalise=normalise, **options)
     monkeypatch.setattr(apply_mod, "ReplayAttention", TextbookReplay)
-    ref_scores, ref_kept = replay_scores_and_kept(model, tok, ids, normalise=normalise)
+    ref_scores, ref_kept = replay_scores_and_kept(model, tok, ids, normalise=normalise, **options)
     assert sorted(scores) == sorted(ref_scores) == compressible_layers(KVCache.for_model(model))
     for i in scores:
         torch.testing.assert_close(scores[i], ref_scores[i], rtol=1e-4, atol=1e-6)

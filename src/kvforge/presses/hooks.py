@@ -166,7 +166,12 @@ class ReplayAttention:
             bias = None if mask is None else torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, -math.inf)
             out, lse = _FLASH_WITH_LSE(query, key, value, 0.0, False, attn_mask=bias, scale=scale)
             if span is not None and self.normalise == "chunk":
-                self._chunk_scores(idx, span, query, key, mask, scale, softcap)
+                lse_sub = self._chunk_lse(span, query, key, mask, scale, lse)
+                if lse_sub is None:  # the chunk is a small part of the keys: score it directly
+                    self._chunk_scores(idx, span, query, key, mask, scale, softcap)
+                else:
+                    lo, hi = self._chunk_slots(span)
+                    self._log_prob_max(idx, span, query * scale, -lse_sub.to(query.dtype), key, mask, (lo, hi))
             elif span is not None:
                 self._log_prob_max(idx, span, query * scale, -lse.to(query.dtype), key, mask)
             return out.transpose(1, 2).contiguous()
@@ -179,19 +184,48 @@ class ReplayAttention:
         best = self.scores.get(idx)
         self.scores[idx] = got if best is None else torch.maximum(best, got)
 
-    def _log_prob_max(
-        self, idx: int, span: tuple[int, int], query: Tensor, neg_lse: Tensor, key: Tensor, mask: Tensor | None
-    ) -> None:
-        """Max over queries of ``exp(scale q.k - lse)`` for the context keys: one (D+1)-wide matmul per query slice."""
+    def _chunk_slots(self, span: tuple[int, int]) -> tuple[int, int]:
+        return (span[0], span[1]) if self.chunk is None else (span[0] + self.chunk[0], span[0] + self.chunk[1])
+
+    def _chunk_lse(
+        self, span: tuple[int, int], query: Tensor, key: Tensor, mask: Tensor | None, scale: float, lse: Tensor
+    ) -> Tensor | None:
+        """Log-sum-exp over sinks + chunk + replay keys, from the kernel's over all keys minus the few keys left out
+        (template header, other chunks): ``log(exp(lse) - sum_out exp(x))``; None when that is not the cheap way (the
+        left-out keys are many, are masked for some query, or hold nearly all the attention)."""
+        lo, hi = self._chunk_slots(span)
+        sink = min(self.sinks, lo)
+        out = torch.cat([torch.arange(sink, lo), torch.arange(hi, span[1])]).to(key.device)
+        if out.numel() == 0:
+            return lse
+        if out.numel() * 4 > hi - lo or (mask is not None and not bool(mask.index_select(3, out).all())):
+            return None
         b, h, q, d = query.shape
         h_kv, g = key.shape[1], h // key.shape[1]
-        ctx = key[:, :, span[0] : span[1]]
+        logits = query.reshape(b, h_kv, g * q, d) @ key.index_select(2, out).transpose(-1, -2)
+        left = (logits.double() * scale).logsumexp(dim=-1).view(b, h, q) - lse.double()  # log share left out
+        if bool((left > -1e-3).any()):
+            return None
+        return (lse.double() + torch.log1p(-left.exp())).float()
+
+    def _log_prob_max(
+        self, idx: int, span: tuple[int, int], query: Tensor, neg_lse: Tensor, key: Tensor, mask: Tensor | None,
+        cols: tuple[int, int] | None = None,
+    ) -> None:  # fmt: skip
+        """Max over queries of ``exp(scale q.k - lse)`` for the context keys (or the slots ``cols`` of them): one
+        (D+1)-wide matmul per query slice."""
+        b, h, q, d = query.shape
+        h_kv, g = key.shape[1], h // key.shape[1]
+        lo, hi = cols if cols is not None else span
+        ctx = key[:, :, lo:hi]
         ones = ctx.new_ones(*ctx.shape[:3], 1)
         keys_t = torch.cat([ctx, ones], dim=-1).transpose(-1, -2)  # (B, H_kv, D+1, S)
         grouped = torch.cat([query, neg_lse[..., None]], dim=-1).view(b, h_kv, g, q, d + 1)
-        hidden = None if mask is None else ~mask[..., span[0] : span[1]]
+        hidden = None if mask is None else ~mask[..., lo:hi]
         if hidden is not None and not bool(hidden.any()):
             hidden = None  # the context is visible to every replay query (the usual case)
+        if cols is not None and idx not in self.scores:
+            self.scores[idx] = query.new_zeros(b, h, span[1] - span[0], dtype=torch.float32)
         step = max(1, self.max_elements // max(1, h * ctx.shape[2]))
         for i in range(0, q, step):
             n = min(step, q - i)
@@ -200,7 +234,12 @@ class ReplayAttention:
             if hidden is not None:
                 sub = hidden[..., i : i + n, :]
                 log_p.masked_fill_(sub.view(b, h_kv, g, n, -1) if sub.shape[1] == h else sub[:, :, None], -math.inf)
-            self._keep(idx, log_p.amax(dim=3).reshape(b, h, -1).exp_())
+            got = log_p.amax(dim=3).reshape(b, h, -1).exp_()
+            if cols is None:
+                self._keep(idx, got)
+            else:
+                part = self.scores[idx][:, :, lo - span[0] : hi - span[0]]
+                torch.maximum(part, got, out=part)
 
     def _chunk_scores(
         self, idx: int, span: tuple[int, int], query: Tensor, key: Tensor, mask: Tensor | None, scale: float,
@@ -210,7 +249,7 @@ class ReplayAttention:
         over queries lands on the chunk's entries (the other context entries keep what earlier chunks gave them)."""
         b, h, q, d = query.shape
         h_kv, g = key.shape[1], h // key.shape[1]
-        lo, hi = (span[0], span[1]) if self.chunk is None else (span[0] + self.chunk[0], span[0] + self.chunk[1])
+        lo, hi = self._chunk_slots(span)
         sink = min(self.sinks, lo)
         cols = torch.cat([torch.arange(sink), torch.arange(lo, hi), torch.arange(span[1], key.shape[2])]).to(key.device)
         sub = key.index_select(2, cols)
