@@ -1,17 +1,26 @@
 """KVzip (Kim et al., 2025, arXiv 2505.23416): score entries by how much the model needs them to repeat the context.
 
-After the context is prefilled, the model is asked to repeat it: by default as a proper chat turn of the model's
-template (user: "Repeat the previous context exactly.", assistant: the context, teacher-forced), chunk by chunk
-(``replay_chunk`` context tokens per forward, each chunk behind its own repeat prompt). An entry's score is the max
-attention it receives from those replay queries, per (layer, KV head, token): max over the queries and over the
-query heads of its GQA group. The replay entries are removed afterwards (cost: about one extra prefill of the
-context, paid once per document: the right trade for a query-agnostic cache that is stored and reused).
+After the context is prefilled, the model is asked to repeat it, as KVzip's code (and kvpress's KVzipPress) does: the
+request "Repeat the previous context exactly." continues the user turn that holds the context, the template closes the
+turn and opens the assistant's, and the context is teacher-forced as the answer, chunk by chunk (``replay_chunk``
+context tokens per forward; a later chunk is asked for with "Repeat the part of the previous context exactly,
+starting with" + the previous chunk's last 8 tokens). An entry's score is the max attention it receives from the
+replay queries, per (layer, KV head, token): max over the queries and over the query heads of its GQA group, the
+softmax taken over the sinks, the chunk being repeated and the replay's own keys (``normalise="chunk"``, as KVzip).
+The scores are taken inside the replay's own attention (:class:`~kvforge.presses.hooks.ReplayAttention`); the replay
+entries are removed afterwards (cost: one extra forward of the context on top of it, paid once per document: the
+right trade for a query-agnostic cache that is stored and reused). Scores equal kvpress 0.5.5's to 3e-6
+(``benchmarks/kvzip_crosscheck.py``).
 
 As in the paper (and each switchable so its effect is measured):
 - ``chat_template`` (True): the replay is a chat turn; False = the bare prompt + context (kvforge before issue 13).
-- ``budget``: ``"layer"`` (default) one top-k over all KV heads of a layer (non-uniform head budgets, exact layer
-  total); ``"global"`` one top-k over every (layer, head, token) of the model (the paper's ranking: per-layer lengths
-  differ, the model total is exact, memory is freed through the head-wise layout); ``"head"`` per-head uniform.
+- ``replay_turn``: ``"continue"`` (default, above) or ``"new"``: the request as a later user turn of its own (for a
+  context that closed its turn; kvforge's default before the kvpress comparison).
+- ``normalise``: ``"chunk"`` (default) or ``"all"``: softmax over every key in the cache (header, other chunks).
+- ``budget``: ``"global"`` (default) one top-k over every (layer, head, token) of the model (the paper's and kvpress's
+  ranking: per-layer lengths differ, the model total is exact, memory is freed through the head-wise layout);
+  ``"layer"`` one top-k over all KV heads of a layer (non-uniform head budgets, exact layer total; the default before
+  it was measured worse); ``"head"`` per-head uniform.
 - ``keep_header`` / ``keep_first``: the chat template header (system prompt, role tokens: found as the prompt's
   common prefix with the template's own rendering) and the first ``keep_first`` entries are always kept (they count
   in the budget).
@@ -51,7 +60,7 @@ class KVzipPress(ScorerPress):
     prompt_ids: list[int] | None = field(default=None, repr=False)
     chat_template: bool = True
     replay_chunk: int = 2048
-    budget: str = "layer"
+    budget: str = "global"
     keep_header: bool = True
     keep_first: int = 4
     value_aware: bool = False
