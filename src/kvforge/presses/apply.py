@@ -145,7 +145,6 @@ class CompressionSource:
                 kvzip.prompt,
                 kvzip.chat_template,
                 kvzip.replay_chunk,
-                kvzip.keep_header,
                 kvzip.replay_turn,
                 kvzip.normalise,
                 kvzip.keep_first,
@@ -241,9 +240,9 @@ def _reconstruct(
     if kvzip.prompt_ids is None and tokenizer is None:
         logger.warning("KVzip without tokenizer or prompt_ids: repeating the context without an instruction")
     context = ids[0].tolist()
-    # context tokens not repeated: the template header when it is kept anyway (found on the whole prompt: a BOS can
-    # be the header's first token, as SmolLM2's <|im_start|>), else a leading BOS
-    offset = header_length(tokenizer, context) if kvzip.chat_template and kvzip.keep_header else 0
+    # context tokens not repeated (as KVzip): the template header (found on the whole prompt: a BOS can be the
+    # header's first token, as SmolLM2's <|im_start|>), else a leading BOS
+    offset = header_length(tokenizer, context) if kvzip.chat_template else 0
     bos = getattr(tokenizer, "bos_token_id", None)
     if offset == 0 and bos is not None and context and context[0] == bos:
         offset = 1

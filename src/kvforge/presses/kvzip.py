@@ -23,7 +23,8 @@ As in the paper (and each switchable so its effect is measured):
   it was measured worse); ``"head"`` per-head uniform.
 - ``keep_header`` / ``keep_first``: the chat template header (system prompt, role tokens: found as the prompt's
   common prefix with the template's own rendering) and the first ``keep_first`` entries are always kept (they count
-  in the budget).
+  in the budget). The header is never repeated (as KVzip), so with ``keep_header=False`` it scores 0 beyond the
+  sinks and goes first, which is kvpress's behaviour.
 - ``value_aware`` (KVzip+): score x the entry's projected value contribution ``||V_i W_O||_1`` (CriticalKV's
   :func:`~kvforge.presses.criticalkv.projected_value_norms`), normalised by its mean over the layer's entries so that
   layers compare under a global budget (the paper normalises by the residual stream's norm; the layer mean of the
