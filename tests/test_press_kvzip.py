@@ -255,7 +255,7 @@ def replay_scores_and_kept(model, tok, ids, replay_chunk=40, **options):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("path", ["cpu-fused", "explicit"])
 @pytest.mark.parametrize("normalise", ["chunk", "all"])
-@pytest.mark.parametrize("options", [{"replay_chunk": 40}, {"replay_chunk": 0, "keep_first": 1}])
+@pytest.mark.parametrize("options", [{"replay_chunk": 40}, {"replay_chunk": 300}, {"replay_chunk": 0, "keep_first": 1}])
 def test_fused_replay_scores_equal_the_textbook_attention(tok, arch, path, normalise, options, monkeypatch):
     """The replay scores inside the model's attention (no second pass): same scores and same kept entries as
     softmax(q k^T) written out, on both code paths (CPU kernel + log-sum-exp, explicit softmax)."""

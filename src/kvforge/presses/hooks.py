@@ -190,15 +190,15 @@ class ReplayAttention:
     def _chunk_lse(
         self, span: tuple[int, int], query: Tensor, key: Tensor, mask: Tensor | None, scale: float, lse: Tensor
     ) -> Tensor | None:
-        """Log-sum-exp over sinks + chunk + replay keys, from the kernel's over all keys minus the few keys left out
+        """Log-sum-exp over sinks + chunk + replay keys, from the kernel's over all keys minus the keys left out
         (template header, other chunks): ``log(exp(lse) - sum_out exp(x))``; None when that is not the cheap way (the
-        left-out keys are many, are masked for some query, or hold nearly all the attention)."""
+        left-out keys outnumber the kept ones, are masked for some query, or hold over 99.9% of the attention)."""
         lo, hi = self._chunk_slots(span)
         sink = min(self.sinks, lo)
         out = torch.cat([torch.arange(sink, lo), torch.arange(hi, span[1])]).to(key.device)
         if out.numel() == 0:
             return lse
-        if out.numel() * 4 > hi - lo or (mask is not None and not bool(mask.index_select(3, out).all())):
+        if out.numel() > key.shape[2] - out.numel() or (mask is not None and not bool(mask.index_select(3, out).all())):
             return None
         b, h, q, d = query.shape
         h_kv, g = key.shape[1], h // key.shape[1]
