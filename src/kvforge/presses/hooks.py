@@ -203,7 +203,7 @@ class ReplayAttention:
         b, h, q, d = query.shape
         h_kv, g = key.shape[1], h // key.shape[1]
         logits = query.reshape(b, h_kv, g * q, d) @ key.index_select(2, out).transpose(-1, -2)
-        left = (logits.double() * scale).logsumexp(dim=-1).view(b, h, q) - lse.double()  # log share left out
+        left = logits.float().mul_(scale).logsumexp(dim=-1).view(b, h, q).double() - lse.double()  # log share left out
         if bool((left > -1e-3).any()):
             return None
         return (lse.double() + torch.log1p(-left.exp())).float()
