@@ -45,7 +45,7 @@ def kl(full: torch.Tensor, other: torch.Tensor) -> float:
 
 # ------------------------------------------------------------------------------------------- kvpress side (venv)
 @torch.inference_mode()
-def kvpress_side(cases_path: str, out_path: str, ratios: list[float]) -> None:
+def kvpress_side(cases_path: str, out_path: str, ratios: list[float], labels: list[str]) -> None:
     import kvpress
     import kvpress.presses.kvzip_press as kvzip_mod
     from press_crosscheck import gguf_model
@@ -89,6 +89,8 @@ def kvpress_side(cases_path: str, out_path: str, ratios: list[float]) -> None:
         text, full = run(ctx, q, None)
         rows.append({"method": "kvpress:full", "ratio": 0.0, "case": i, "score": float(answer in text), "kl": 0.0})
         for label, make in KVPRESS.items():
+            if label.split(":")[1] not in labels:
+                continue
             for ratio in ratios:
                 text, logits = run(ctx, q, make(kvpress, ratio))
                 rows.append({"method": label, "ratio": ratio, "case": i, "score": float(answer in text),
@@ -112,7 +114,7 @@ def kvforge_side(model: Any, tok: Any, cases: list, ratios: list[float], methods
             needs = needs.merge(p.needs())
         source = CompressionSource(model, [ctx], KVCache.for_model(model), needs, tokenizer=tok)
 
-        def answer_of(cache: KVCache) -> tuple[str, torch.Tensor]:
+        def answer_of(cache: KVCache, q: list[int] = q) -> tuple[str, torch.Tensor]:
             logits = prefill(model, torch.tensor([q]), cache)
             first, tokens = logits[0], []
             for _ in range(MAX_NEW):
@@ -153,12 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--ratios", type=float, nargs="+", default=RATIOS)
     ap.add_argument("--methods", nargs="+", default=KVFORGE)
+    ap.add_argument("--kvpress-methods", nargs="+", default=[k.split(":")[1] for k in KVPRESS])
+    ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--venv", type=Path, default=VENV)
     ap.add_argument("--out", type=Path, default=Path("kvpress_side_by_side.jsonl"))
     ap.add_argument("--kvpress-side", nargs=2, metavar=("CASES_JSON", "OUT_JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.kvpress_side:
-        kvpress_side(*args.kvpress_side, args.ratios)
+        kvpress_side(*args.kvpress_side, args.ratios, args.kvpress_methods)
         return 0
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from press_needle import load_smollm2, needle_case
@@ -173,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         cases_path, out_path = Path(tmp) / "cases.json", Path(tmp) / "rows.json"
         cases_path.write_text(json.dumps(cases))
         cmd = [str(python), __file__, "--kvpress-side", str(cases_path), str(out_path), "--ratios",
-               *map(str, args.ratios)]  # fmt: skip
+               *map(str, args.ratios), "--kvpress-methods", *args.kvpress_methods,
+               "--threads", str(args.threads or torch.get_num_threads())]  # fmt: skip
         subprocess.run(cmd, check=True)
         rows = json.loads(out_path.read_text())
     rows += kvforge_side(model, tok, cases, args.ratios, args.methods)

@@ -2,11 +2,14 @@
 
     PYTHONPATH=src python benchmarks/press_overhead.py --tokens 2048 4096 8192 --presses snapkv adakv --ratio 0.75
 
-One JSON line per (tokens, press): prefill_s (plain prefill, median), press_s (whole compress_prefill, median),
+Plain prefills and the presses' runs alternate (repeat r runs the plain prefill, then every press), so load drifting
+on a shared machine hits them alike. One JSON line per (tokens, press): prefill_s (plain prefill, median), press_s
+(whole compress_prefill, median), replay_vs_prefill (KVzip's replay stage / the prefill stage of the same call),
 stages (compress_prefill's own per-stage clock: prefill / lookahead / reconstruction / compress), overhead =
 (lookahead + reconstruction + compress) / prefill stage of the same run (robust to load drifting between runs on a
-shared machine), e2e_overhead = press_s / prefill_s - 1, cache_bytes (kept) vs full_bytes, decode tokens/s with the
-compressed and the full cache.
+shared machine), e2e_overhead = press_s / prefill_s - 1, cpu_overhead = the same with process CPU seconds (with
+--threads 1 the least disturbed by other jobs: replay cost = cpu_overhead for KVzip), cache_bytes (kept) vs
+full_bytes, decode tokens/s with the compressed and the full cache.
 Model: smollm2-135m (bundled); tokens are natural text (Moby-Dick) so attention is realistic.
 """
 
@@ -47,9 +50,15 @@ def decode_speed(model: Any, cache: KVCache, logits: torch.Tensor, steps: int) -
     return steps / (time.perf_counter() - t0)
 
 
+CPU_SECONDS: list[float] = []  # process CPU time of every timed() call, in order
+
+
 def timed(fn: Any) -> tuple[float, Any]:
-    t0 = time.perf_counter()
+    """Wall clock of ``fn()``; its process CPU time goes to CPU_SECONDS (with 1 thread, CPU time is what other jobs
+    on a shared machine disturb least)."""
+    c0, t0 = time.process_time(), time.perf_counter()
     out = fn()
+    CPU_SECONDS.append(time.process_time() - c0)
     return time.perf_counter() - t0, out
 
 
@@ -74,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--chunk-size", type=int, default=512)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -81,53 +91,69 @@ def main(argv: list[str] | None = None) -> int:
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     for n in args.tokens:
         ids = text_ids(tokenizer, n)
-        plain_times, full_cache, full_logits = [], None, None
-        for _ in range(args.repeats):
+        plain_times: list[float] = []
+        plain_cpu: list[float] = []
+        press_cpu: dict[str, list[float]] = {name: [] for name in args.presses}
+        runs: dict[str, list[tuple[float, dict[str, float]]]] = {name: [] for name in args.presses}
+        full_cache = full_logits = None
+        caches: dict[str, tuple[KVCache, torch.Tensor]] = {}
+        for _ in range(args.repeats):  # plain prefill and every press alternate: load drifts hit all alike
             cache = KVCache.for_model(model)
             secs, full_logits = timed(lambda c=cache, x=ids: prefill(model, x, c, chunk_size=args.chunk_size))
             plain_times.append(secs)
+            plain_cpu.append(CPU_SECONDS[-1])
             full_cache = cache
-        assert full_cache is not None and full_logits is not None
-        full_bytes = full_cache.nbytes()
-        full_tps = decode_speed(model, full_cache, full_logits, args.decode_steps)
-        for name in args.presses:
-            times, overheads, cache, logits = [], [], None, None
-            for _ in range(args.repeats):
+            for name in args.presses:
                 cache = KVCache.for_model(model)
                 secs, logits = timed(
                     lambda c=cache, x=ids, p=name: compress_prefill(
                         model, x, c, build_press(p, args.ratio), args.chunk_size, tokenizer=tokenizer
                     )
                 )
-                times.append(secs)
-                stages = cache.info["press"]["seconds"]
-                overheads.append(
-                    (stages["lookahead"] + stages["reconstruction"] + stages["compress"]) / stages["prefill"]
-                )
-            assert cache is not None and logits is not None
-            plain, press = statistics.median(plain_times), statistics.median(times)
-            print(
-                json.dumps(
-                    {
-                        "git": sha,
-                        "device": "cpu",
-                        "threads": torch.get_num_threads(),
-                        "tokens": n,
-                        "press": name,
-                        "ratio": args.ratio,
-                        "prefill_s": round(plain, 3),
-                        "press_s": round(press, 3),
-                        "overhead": round(statistics.median(overheads), 4),
-                        "stages": stages,
-                        "e2e_overhead": round(press / plain - 1, 4),
-                        "cache_bytes": cache.nbytes(),
-                        "full_bytes": full_bytes,
-                        "decode_tps": round(decode_speed(model, cache, logits, args.decode_steps), 2),
-                        "full_decode_tps": round(full_tps, 2),
-                    }
+                runs[name].append((secs, cache.info["press"]["seconds"]))
+                press_cpu[name].append(CPU_SECONDS[-1])
+                caches[name] = (cache, logits)
+        assert full_cache is not None and full_logits is not None
+        full_bytes = full_cache.nbytes()
+        full_tps = decode_speed(model, full_cache, full_logits, args.decode_steps) if args.decode_steps else None
+        plain = statistics.median(plain_times)
+        for name in args.presses:
+            cache, logits = caches[name]
+            times = [secs for secs, _ in runs[name]]
+            stages = runs[name][-1][1]
+            extra = [(st["lookahead"] + st["reconstruction"] + st["compress"]) / st["prefill"] for _, st in runs[name]]
+            replay = [st["reconstruction"] / st["prefill"] for _, st in runs[name]]
+            press = statistics.median(times)
+            tps = decode_speed(model, cache, logits, args.decode_steps) if args.decode_steps else None
+            row = {
+                "git": sha,
+                "device": "cpu",
+                "threads": torch.get_num_threads(),
+                "tokens": n,
+                "press": name,
+                "ratio": args.ratio,
+                "repeats": args.repeats,
+                "prefill_s": round(plain, 3),
+                "press_s": round(press, 3),
+                "overhead": round(statistics.median(extra), 4),
+                "replay_vs_prefill": round(statistics.median(replay), 4),  # KVzip's replay stage / prefill stage
+                "stages": stages,
+                "e2e_overhead": round(press / plain - 1, 4),
+                # process CPU seconds (1 thread): compress_prefill vs the plain prefill of the same repeat
+                "prefill_cpu_s": round(statistics.median(plain_cpu), 3),
+                "press_cpu_s": round(statistics.median(press_cpu[name]), 3),
+                "cpu_overhead": round(
+                    statistics.median(p / q - 1 for p, q in zip(press_cpu[name], plain_cpu, strict=True)), 4
                 ),
-                flush=True,
-            )
+                "cache_bytes": cache.nbytes(),
+                "full_bytes": full_bytes,
+                "decode_tps": None if tps is None else round(tps, 2),
+                "full_decode_tps": None if full_tps is None else round(full_tps, 2),
+            }
+            print(json.dumps(row), flush=True)
+            if args.out:
+                with Path(args.out).open("a") as f:
+                    f.write(json.dumps(row) + "\n")
     return 0
 
 

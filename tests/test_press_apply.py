@@ -81,7 +81,7 @@ def test_compressed_cache_decodes_on_every_arch(model, name):
     layers = compressible_layers(KVCache.for_model(model))
     want = S if name == "full" else num_kept(S, 0.5)
     kept = [info["kept_entries_per_layer"][i] for i in layers]
-    if name in ("pyramidkv", "kvzip-global"):  # model-wide budgets: per-layer lengths differ, the total is exact
+    if name in ("pyramidkv", "kvzip", "kvzip-global", "kvzip-plus"):  # model-wide budgets: the total is exact
         assert sum(kept) == h_kv * want * len(layers)
     else:
         assert kept == [h_kv * want] * len(layers)
@@ -99,7 +99,9 @@ def test_exact_kept_count_per_layer_and_head(llama, name, n, ratio):
         assert valid is None and layer.length == num_kept(n, ratio)
 
 
-@pytest.mark.parametrize("name", ["adakv", "criticaladakv", "surrogatekv-ada", "kvzip-ada", "kvzip", "kvzip-head"])
+@pytest.mark.parametrize(
+    "name", ["adakv", "criticaladakv", "surrogatekv-ada", "kvzip-ada", "kvzip-layer", "kvzip-head"]
+)
 @pytest.mark.parametrize("ratio", [0.5, 0.8])
 def test_headwise_layer_totals_exact_and_memory_freed(llama, name, ratio):
     n = 200

@@ -10,7 +10,7 @@ from kvforge.cache import KVCache
 from kvforge.errors import UserError
 from kvforge.presses import KVzipPress, LayerContext, build_press, compress_prefill, compressible_layers, num_kept
 from kvforge.presses.expected_attention import ExpectedAttentionPress, averaged_rope, rotate
-from kvforge.presses.kvzip import REPEAT_PROMPT, header_length, replay_prefix
+from kvforge.presses.kvzip import REPEAT_PART_PROMPT, REPEAT_PROMPT, header_length, replay_prefix
 from kvforge.presses.kvzip_heads import calibration_path, load_head_scores, save_head_scores
 from kvforge.testing import tiny_model, tiny_tokenizer
 
@@ -106,7 +106,8 @@ def test_replay_is_a_chunked_chat_turn(tok, monkeypatch):
 
     monkeypatch.setattr(apply_mod, "prefill", spy)
     model, ids = tiny_model("llama"), chat_ids(tok)
-    compress_prefill(model, ids, KVCache.for_model(model), build_press("kvzip", 0.5, replay_chunk=50), tokenizer=tok)
+    press = build_press("kvzip", 0.5, replay_chunk=50, replay_turn="new")
+    compress_prefill(model, ids, KVCache.for_model(model), press, tokenizer=tok)
     prefix = replay_prefix(tok, REPEAT_PROMPT, True)
     assert tok.decode(prefix) == "<u>" + REPEAT_PROMPT + "\n<a>"  # a user turn, then the assistant's answer
     context = ids[0].tolist()[3:]  # the header is kept, not repeated
@@ -115,6 +116,27 @@ def test_replay_is_a_chunked_chat_turn(tok, monkeypatch):
     assert len(replays) > 1  # chunked
     bare = replay_prefix(tok, REPEAT_PROMPT, False)
     assert tok.decode(bare) == "\n\n" + REPEAT_PROMPT + "\n"
+
+
+def test_replay_continues_the_user_turn_as_kvzip_does(tok, monkeypatch):
+    """Default layout (KVzip / kvpress): the request continues the user turn holding the context, the turn is closed,
+    the assistant repeats; later chunks quote the previous chunk's last 8 tokens."""
+    calls: list[list[int]] = []
+    real = apply_mod.prefill
+    monkeypatch.setattr(
+        apply_mod, "prefill", lambda model, ids, cache, **kw: calls.append(torch.as_tensor(ids)[0].tolist()) or real(
+            model, ids, cache, **kw)
+    )  # fmt: skip
+    model = tiny_model("llama")
+    rendered = tok.apply_chat_template([{"role": "user", "content": TEXT}], tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok.encode(rendered[: rendered.index(TEXT) + len(TEXT)], add_special_tokens=False)])
+    compress_prefill(model, ids, KVCache.for_model(model), build_press("kvzip", 0.5, replay_chunk=50), tokenizer=tok)
+    context = ids[0].tolist()[3:]
+    suffix = rendered[rendered.index(TEXT) + len(TEXT) :]  # end of the user turn + the assistant's header
+    first = tok.encode("\n\n" + REPEAT_PROMPT, add_special_tokens=False) + tok.encode(suffix, add_special_tokens=False)
+    assert calls[1] == first + context[:50]
+    later = tok.encode("\n\n" + REPEAT_PART_PROMPT, add_special_tokens=False)
+    assert calls[2] == later + context[42:50] + tok.encode(suffix, add_special_tokens=False) + context[50:100]
 
 
 def test_calibration_refused_for_another_model(tok, tmp_path):
@@ -184,3 +206,70 @@ def test_expected_attention_matches_the_gaussian_formula():
             torch.testing.assert_close(
                 scores[0, h // 2], (group + logits.softmax(-1) / 2) * c.values[0, h // 2].norm(dim=-1)
             )
+
+
+class TextbookReplay:
+    """Reference for the replay's scoring: softmax(q k^T * scale) in float64 with keys repeated per group, over every
+    key (``normalise="all"``) or over the sinks, the repeated chunk and the replay's keys (``"chunk"``, KVzip's)."""
+
+    def __init__(self, bounds, normalise="all", sinks=0):
+        self.bounds, self.normalise, self.sinks, self.chunk, self.scores = bounds, normalise, sinks, None, {}
+
+    def __call__(self, module, query, key, value, mask, is_causal, scaling, softcap):
+        assert not is_causal  # the context is in the cache: replay forwards always come with a mask
+        g = query.shape[1] // key.shape[1]
+        k, v = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
+        logits = (query.double() @ k.double().transpose(-1, -2)) * scaling
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        logits = logits if mask is None else logits.masked_fill(~mask, float("-inf"))
+        probs = logits.softmax(-1)
+        span = self.bounds.get(module.layer_idx)
+        if span is not None:
+            best = self.scores.get(module.layer_idx)
+            if best is None:
+                best = torch.zeros(query.shape[0], query.shape[1], span[1] - span[0])
+            lo, hi = span[0] + self.chunk[0], span[0] + self.chunk[1]
+            if self.normalise == "chunk":
+                keep = torch.zeros(key.shape[2], dtype=torch.bool)
+                keep[: min(self.sinks, lo)] = keep[lo:hi] = keep[span[1] :] = True
+                got = logits.masked_fill(~keep, float("-inf")).softmax(-1)[..., lo:hi].amax(dim=2).float()
+                best[..., lo - span[0] : hi - span[0]] = torch.maximum(best[..., lo - span[0] : hi - span[0]], got)
+            else:
+                best = torch.maximum(best, probs[..., span[0] : span[1]].amax(dim=2).float())
+            self.scores[module.layer_idx] = best
+        return (probs.to(v.dtype) @ v).transpose(1, 2).contiguous()
+
+
+def replay_scores_and_kept(model, tok, ids, replay_chunk=40, **options):
+    source = apply_mod.CompressionSource(
+        model, ids, KVCache.for_model(model), apply_mod.Needs(reconstruction=True), chunk_size=16, tokenizer=tok
+    )
+    kept = {}
+    for name in ("kvzip", "kvzip-global"):
+        cache = source.compress(build_press(name, 0.75, replay_chunk=replay_chunk, **options))
+        kept[name] = [None if layer.keys is None else layer.view()[2].clone() for layer in cache.layers]
+    return {i: s.clone() for i, s in source.collector.reconstruction.items()}, kept
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("path", ["cpu-fused", "explicit"])
+@pytest.mark.parametrize("normalise", ["chunk", "all"])
+@pytest.mark.parametrize("options", [{"replay_chunk": 40}, {"replay_chunk": 300}, {"replay_chunk": 0, "keep_first": 1}])
+def test_fused_replay_scores_equal_the_textbook_attention(tok, arch, path, normalise, options, monkeypatch):
+    """The replay scores inside the model's attention (no second pass): same scores and same kept entries as
+    softmax(q k^T) written out, on both code paths (CPU kernel + log-sum-exp, explicit softmax)."""
+    import kvforge.presses.hooks as hooks_mod
+
+    model, ids = tiny_model(arch), chat_ids(tok, TEXT * 2)
+    if path == "explicit":
+        monkeypatch.setattr(hooks_mod, "_FLASH_WITH_LSE", None)
+    scores, kept = replay_scores_and_kept(model, tok, ids, normalise=normalise, **options)
+    monkeypatch.setattr(apply_mod, "ReplayAttention", TextbookReplay)
+    ref_scores, ref_kept = replay_scores_and_kept(model, tok, ids, normalise=normalise, **options)
+    assert sorted(scores) == sorted(ref_scores) == compressible_layers(KVCache.for_model(model))
+    for i in scores:
+        torch.testing.assert_close(scores[i], ref_scores[i], rtol=1e-4, atol=1e-6)
+    for name in kept:
+        for a, b in zip(kept[name], ref_kept[name], strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)

@@ -53,6 +53,7 @@ _SPECS: dict[str, tuple[type[Press], type[ScorerPress] | None, dict[str, Any]]] 
     "surrogatekv-lookahead": (SurrogateKVPress, None, {"surrogate": "global", "lookahead": DEFAULT_LOOKAHEAD}),
     "kvzip": (KVzipPress, None, {}),
     "kvzip-global": (KVzipPress, None, {"budget": "global"}),
+    "kvzip-layer": (KVzipPress, None, {"budget": "layer"}),
     "kvzip-plus": (KVzipPress, None, {"value_aware": True}),
     "kvzip-head": (KVzipHeadPress, None, {}),
     "kvzip-ada": (AdaKVPress, KVzipPress, {"budget": "head"}),

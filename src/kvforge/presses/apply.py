@@ -23,8 +23,8 @@ from torch import Tensor
 from kvforge.cache import CacheSnapshot, KVCache, KVLayer
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, forward, prefill
 from kvforge.presses.base import LayerContext, Needs, Press, Selection
-from kvforge.presses.hooks import Collector, attention_hooks, attention_modules, num_query_heads
-from kvforge.presses.kvzip import KVzipPress, header_length, replay_prefix
+from kvforge.presses.hooks import Collector, ReplayAttention, attention_hooks, attention_modules, num_query_heads
+from kvforge.presses.kvzip import KVzipPress, header_length, replay_requests
 
 logger = logging.getLogger(__name__)
 QUERY_SINKS = 4  # query statistics skip the first positions (attention sinks), as kvpress's Expected Attention
@@ -145,15 +145,14 @@ class CompressionSource:
                 kvzip.prompt,
                 kvzip.chat_template,
                 kvzip.replay_chunk,
-                kvzip.keep_header,
+                kvzip.replay_turn,
+                kvzip.normalise,
+                kvzip.keep_first,
             )
             reused = key in self._replays
             if not reused:  # one replay per replay setting, shared by every press and ratio using it
-                with attention_hooks(self.model, self.collector):
-                    _reconstruct(
-                        self.model, cache, self.ids, press, self.tokenizer, self.chunk_size, self.collector, self.start
-                    )
-                self._replays[key] = (self.collector.reconstruction, time.perf_counter() - clock[0])
+                scores = _reconstruct(self.model, cache, self.ids, press, self.tokenizer, self.chunk_size, self.start)
+                self._replays[key] = (scores, time.perf_counter() - clock[0])
             self.collector.reconstruction, replay_seconds = self._replays[key]
         clock.append(time.perf_counter())
         modules = attention_modules(self.model)
@@ -204,15 +203,10 @@ class CompressionSource:
         from kvforge.presses.kvzip_heads import head_scores_from_replay
 
         cache = self.restore()
-        self.collector.reconstruction = {}
-        with attention_hooks(self.model, self.collector):
-            _reconstruct(self.model, cache, self.ids, KVzipPress(), self.tokenizer, self.chunk_size, self.collector,
-                         self.start)  # fmt: skip
+        replay = _reconstruct(self.model, cache, self.ids, KVzipPress(), self.tokenizer, self.chunk_size, self.start)
         modules = attention_modules(self.model)
         group = {i: num_query_heads(modules[i]) // cache.layers[i].keys.shape[1] for i in self.layers}
-        scores = head_scores_from_replay(self.collector.reconstruction, cache.num_layers, group, skip)
-        self.collector.reconstruction = {}
-        return scores
+        return head_scores_from_replay(replay, cache.num_layers, group, skip)
 
 
 def _lookahead(model: Any, cache: KVCache, logits: Tensor, steps: int, collector: Collector) -> None:
@@ -235,35 +229,37 @@ def _reconstruct(
     press: Press,
     tokenizer: Any,
     chunk_size: int | None,
-    collector: Collector,
     start: list[int],
-) -> None:
-    """Teacher-force "repeat the context" + the context on top; keep max attention per context entry; undo."""
+) -> dict[int, Tensor]:
+    """Teacher-force "repeat the context" + the context on top; undo. Returns ``{layer: (B, H, S)}``: the max
+    attention each context entry received, taken inside the replay's attention (:class:`ReplayAttention` as
+    ``cache.attention_hook``) for the compressible layers."""
+    if cache.attention_hook is not None:
+        raise ValueError("KVzip's replay cannot run on a cache that already has an attention hook (RAG assembly)")
     kvzip = _find(press, KVzipPress) or KVzipPress()  # presses reusing KVzip's scores replay with its defaults
-    prompt: list[int] = []
-    if kvzip.prompt_ids is not None:
-        prompt = list(kvzip.prompt_ids)
-    elif tokenizer is not None:
-        prompt = replay_prefix(tokenizer, kvzip.prompt, kvzip.chat_template)
-    else:
+    if kvzip.prompt_ids is None and tokenizer is None:
         logger.warning("KVzip without tokenizer or prompt_ids: repeating the context without an instruction")
     context = ids[0].tolist()
+    # context tokens not repeated (as KVzip): the template header (found on the whole prompt: a BOS can be the
+    # header's first token, as SmolLM2's <|im_start|>), else a leading BOS
+    offset = header_length(tokenizer, context) if kvzip.chat_template else 0
     bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is not None and context and context[0] == bos:
-        context = context[1:]
-    if kvzip.chat_template and kvzip.keep_header:  # the header is kept: no need to repeat it
-        context = context[header_length(tokenizer, context) :]
-    step = kvzip.replay_chunk or len(context) or 1
+    if offset == 0 and bos is not None and context and context[0] == bos:
+        offset = 1
+    context = context[offset:]
     snapshot = CacheSnapshot(cache)
-    collector.mode = "reconstruct"
-    collector.bounds = {i: (start[i], cache.layers[i].length) for i in collector.layers}
+    bounds = {i: (start[i], cache.layers[i].length) for i in compressible_layers(cache)}
+    scorer = ReplayAttention(bounds, normalise=kvzip.normalise, sinks=kvzip.keep_first)
+    cache.attention_hook = scorer
     try:
-        for a in range(0, max(1, len(context)), step):  # each chunk behind its own repeat request, then undone
-            prefill(model, torch.tensor([prompt + context[a : a + step]]), cache, chunk_size=chunk_size)
+        for a, request in replay_requests(kvzip, tokenizer, context):  # each chunk behind its request, then undone
+            scorer.chunk = (offset + a, offset + min(len(context), a + (kvzip.replay_chunk or len(context))))
+            prefill(model, torch.tensor([request]), cache, chunk_size=chunk_size)
             snapshot.restore()
     finally:
-        collector.mode = "window"
+        cache.attention_hook = None
         snapshot.restore()
+    return scorer.scores
 
 
 def _find(press: Any, cls: type) -> Any:

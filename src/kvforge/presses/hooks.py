@@ -1,9 +1,9 @@
 """The only module that touches attention internals: forward hooks on every decoder layer's ``self_attn``.
 
 The hooks read the attention input (``hidden_states``, ``position_embeddings``) and recompute the queries of the
-tokens that matter (observation window, lookahead drafts, reconstruction chunk) with the layer's own ``q_proj``,
-``q_norm`` (Qwen3/Gemma3) and RoPE. Attention weights are never requested from the model and the S x S attention of
-the prompt is never built: a reconstruction chunk's queries are scored in slices of ``_QUERY_SLICE``.
+tokens that matter (observation window, lookahead drafts) with the layer's own ``q_proj``, ``q_norm`` (Qwen3/Gemma3)
+and RoPE. Attention weights are never requested from the model and the S x S attention of the prompt is never built.
+KVzip's replay scores inside the attention itself (:class:`ReplayAttention`, a declared ``cache.attention_hook``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from kvforge.attention import rotate_half
 from kvforge.cache import KVCache
 
 logger = logging.getLogger(__name__)
-
-_QUERY_SLICE = 128  # reconstruction queries scored at once: bounds the (B, H, slice, L) temporary
 
 
 def attention_modules(model: Any) -> list[nn.Module]:
@@ -77,8 +75,8 @@ class Collector:
     """Hook state: what to record for which layers, and what was recorded.
 
     Modes: ``"window"`` keeps the last ``window_size`` queries of the forward that ends at ``final_position``;
-    ``"lookahead"`` appends every draft token's query; ``"reconstruct"`` keeps, per context entry
-    (slots ``start[l]:end[l]``), the max attention received from the forward's queries.
+    ``"lookahead"`` appends every draft token's query. ``reconstruction`` holds KVzip's replay scores
+    (:class:`ReplayAttention`'s), per layer ``(B, H, S)``.
     """
 
     def __init__(
@@ -96,7 +94,6 @@ class Collector:
         self.window_positions: Tensor | None = None
         self.lookahead_queries: dict[int, list[Tensor]] = {}
         self.reconstruction: dict[int, Tensor] = {}
-        self.bounds: dict[int, tuple[int, int]] = {}
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         idx = int(module.layer_idx)  # type: ignore[arg-type]
@@ -120,10 +117,8 @@ class Collector:
             cos, sin = rope
             self.window_queries[idx] = compute_queries(module, hidden[:, -w:], (cos[:, -w:], sin[:, -w:]))
             self.window_positions = qpos[:, -w:]
-        elif self.mode == "lookahead":
-            self.lookahead_queries.setdefault(idx, []).append(compute_queries(module, hidden, rope))
         else:
-            self._reconstruct(idx, module, compute_queries(module, hidden, rope), qpos)
+            self.lookahead_queries.setdefault(idx, []).append(compute_queries(module, hidden, rope))
 
     def _moments(self, idx: int, module: nn.Module, hidden: Tensor, qpos: Tensor) -> None:
         """Running sums of pre-RoPE queries and their outer products (first query_stats positions skipped)."""
@@ -134,26 +129,182 @@ class Collector:
         total, outer, count = self.query_moments.get(idx, (0.0, 0.0, 0))
         self.query_moments[idx] = (total + q.sum(2), outer + q.transpose(-1, -2) @ q, count + q.shape[2])
 
-    def _reconstruct(self, idx: int, module: nn.Module, queries: Tensor, qpos: Tensor) -> None:
-        """Running max attention (B, H, S_ctx) of this chunk's queries to the context entries, slice by slice."""
-        keys, _, positions, valid = self.cache.layers[idx].view()
-        start, end = self.bounds[idx]
-        group = queries.shape[1] // keys.shape[1]
-        keys = keys.repeat_interleave(group, dim=1).to(queries.dtype)  # (B, H, L, D)
-        pos = positions.repeat_interleave(group, dim=1)  # (B, H, L)
-        ok_valid = None if valid is None else valid.repeat_interleave(group, dim=1)[:, :, None, :]
-        scale = float(getattr(module, "scaling", queries.shape[-1] ** -0.5))
-        best = self.reconstruction.get(idx)
-        for i in range(0, queries.shape[2], _QUERY_SLICE):
-            q, qp = queries[:, :, i : i + _QUERY_SLICE], qpos[:, i : i + _QUERY_SLICE]
-            logits = (q @ keys.transpose(-1, -2)).float() * scale  # (B, H, q, L)
-            ok = pos[:, :, None, :] <= qp[:, None, :, None]
-            if ok_valid is not None:
-                ok = ok & ok_valid
-            probs = logits.masked_fill(~ok, float("-inf")).softmax(dim=-1)[..., start:end].amax(dim=2)
-            best = probs if best is None else torch.maximum(best, probs)
-        assert best is not None
-        self.reconstruction[idx] = best
+
+class ReplayAttention:
+    """KVzip's replay attention, set as ``cache.attention_hook``: each layer's attention and its scores in one place.
+
+    For the layers in ``bounds`` the running max probability each context entry (slots ``start:end``) receives from
+    the forward's queries is kept in ``scores`` ``{layer: (B, H, S_ctx)}`` (per query head), without recomputing the
+    queries and without a second softmax over the full ``(Q, K)`` attention: on CPU the fused attention kernel also
+    returns each query's log-sum-exp, and ``log p = [q * scale, -lse] . [k, 1]`` is one matmul over the context keys
+    (queries grouped per KV head: no keys repeated), followed by a max over the queries; elsewhere (CUDA, soft-capping)
+    the attention is computed explicitly and its probabilities are read. Temporaries are bounded by ``max_elements``.
+    Layers outside ``bounds`` (sliding-window layers) get plain attention.
+    """
+
+    def __init__(
+        self, bounds: dict[int, tuple[int, int]], normalise: str = "all", sinks: int = 0, max_elements: int = 1 << 24
+    ) -> None:
+        self.bounds = bounds
+        self.normalise = normalise  # "all": softmax over every key; "chunk": over sinks + chunk + replay (KVzip's)
+        self.sinks = sinks
+        self.chunk: tuple[int, int] | None = None  # context entries (relative to start) the current request repeats
+        self.scores: dict[int, Tensor] = {}
+        self.max_elements = max_elements
+
+    def __call__(
+        self, module: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool,
+        scaling: float | None, softcap: float | None,
+    ) -> Tensor:  # fmt: skip
+        idx = int(module.layer_idx)
+        span = self.bounds.get(idx)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if mask is None and is_causal:
+            mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device)
+            mask = mask.tril(key.shape[2] - query.shape[2])[None, None]
+        if query.device.type == "cpu" and softcap is None and _FLASH_WITH_LSE is not None:
+            bias = None if mask is None else torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, -math.inf)
+            out, lse = _FLASH_WITH_LSE(query, key, value, 0.0, False, attn_mask=bias, scale=scale)
+            if span is not None and self.normalise == "chunk":
+                lse_sub = self._chunk_lse(span, query, key, mask, scale, lse)
+                if lse_sub is None:  # the chunk is a small part of the keys: score it directly
+                    self._chunk_scores(idx, span, query, key, mask, scale, softcap)
+                else:
+                    lo, hi = self._chunk_slots(span)
+                    self._log_prob_max(idx, span, query * scale, -lse_sub.to(query.dtype), key, mask, (lo, hi))
+            elif span is not None:
+                self._log_prob_max(idx, span, query * scale, -lse.to(query.dtype), key, mask)
+            return out.transpose(1, 2).contiguous()
+        if span is not None and self.normalise == "chunk":
+            self._chunk_scores(idx, span, query, key, mask, scale, softcap)
+            span = None
+        return self._explicit(idx, span, query, key, value, mask, scale, softcap)
+
+    def _keep(self, idx: int, got: Tensor) -> None:
+        best = self.scores.get(idx)
+        self.scores[idx] = got if best is None else torch.maximum(best, got)
+
+    def _chunk_slots(self, span: tuple[int, int]) -> tuple[int, int]:
+        return (span[0], span[1]) if self.chunk is None else (span[0] + self.chunk[0], span[0] + self.chunk[1])
+
+    def _chunk_lse(
+        self, span: tuple[int, int], query: Tensor, key: Tensor, mask: Tensor | None, scale: float, lse: Tensor
+    ) -> Tensor | None:
+        """Log-sum-exp over sinks + chunk + replay keys, from the kernel's over all keys minus the keys left out
+        (template header, other chunks): ``log(exp(lse) - sum_out exp(x))``; None when that is not the cheap way (the
+        left-out keys outnumber the kept ones, are masked for some query, or hold over 99.9% of the attention)."""
+        lo, hi = self._chunk_slots(span)
+        sink = min(self.sinks, lo)
+        out = torch.cat([torch.arange(sink, lo), torch.arange(hi, span[1])]).to(key.device)
+        if out.numel() == 0:
+            return lse
+        if out.numel() > key.shape[2] - out.numel() or (mask is not None and not bool(mask.index_select(3, out).all())):
+            return None
+        b, h, q, d = query.shape
+        h_kv, g = key.shape[1], h // key.shape[1]
+        logits = query.reshape(b, h_kv, g * q, d) @ key.index_select(2, out).transpose(-1, -2)
+        left = logits.float().mul_(scale).logsumexp(dim=-1).view(b, h, q).double() - lse.double()  # log share left out
+        if bool((left > -1e-3).any()):
+            return None
+        return (lse.double() + torch.log1p(-left.exp())).float()
+
+    def _log_prob_max(
+        self, idx: int, span: tuple[int, int], query: Tensor, neg_lse: Tensor, key: Tensor, mask: Tensor | None,
+        cols: tuple[int, int] | None = None,
+    ) -> None:  # fmt: skip
+        """Max over queries of ``exp(scale q.k - lse)`` for the context keys (or the slots ``cols`` of them): one
+        (D+1)-wide matmul per query slice."""
+        b, h, q, d = query.shape
+        h_kv, g = key.shape[1], h // key.shape[1]
+        lo, hi = cols if cols is not None else span
+        ctx = key[:, :, lo:hi]
+        ones = ctx.new_ones(*ctx.shape[:3], 1)
+        keys_t = torch.cat([ctx, ones], dim=-1).transpose(-1, -2)  # (B, H_kv, D+1, S)
+        grouped = torch.cat([query, neg_lse[..., None]], dim=-1).view(b, h_kv, g, q, d + 1)
+        hidden = None if mask is None else ~mask[..., lo:hi]
+        if hidden is not None and not bool(hidden.any()):
+            hidden = None  # the context is visible to every replay query (the usual case)
+        if cols is not None and idx not in self.scores:
+            self.scores[idx] = query.new_zeros(b, h, span[1] - span[0], dtype=torch.float32)
+        step = max(1, self.max_elements // max(1, h * ctx.shape[2]))
+        for i in range(0, q, step):
+            n = min(step, q - i)
+            log_p = (grouped[:, :, :, i : i + n].reshape(b, h_kv, g * n, d + 1) @ keys_t).float()
+            log_p = log_p.view(b, h_kv, g, n, -1)
+            if hidden is not None:
+                sub = hidden[..., i : i + n, :]
+                log_p.masked_fill_(sub.view(b, h_kv, g, n, -1) if sub.shape[1] == h else sub[:, :, None], -math.inf)
+            got = log_p.amax(dim=3).reshape(b, h, -1).exp_()
+            if cols is None:
+                self._keep(idx, got)
+            else:
+                part = self.scores[idx][:, :, lo - span[0] : hi - span[0]]
+                torch.maximum(part, got, out=part)
+
+    def _chunk_scores(
+        self, idx: int, span: tuple[int, int], query: Tensor, key: Tensor, mask: Tensor | None, scale: float,
+        softcap: float | None,
+    ) -> None:  # fmt: skip
+        """KVzip's scoring: softmax over the sinks, the chunk being repeated and the replay's own keys only; the max
+        over queries lands on the chunk's entries (the other context entries keep what earlier chunks gave them)."""
+        b, h, q, d = query.shape
+        h_kv, g = key.shape[1], h // key.shape[1]
+        lo, hi = self._chunk_slots(span)
+        sink = min(self.sinks, lo)
+        cols = torch.cat([torch.arange(sink), torch.arange(lo, hi), torch.arange(span[1], key.shape[2])]).to(key.device)
+        sub = key.index_select(2, cols)
+        if mask is not None:
+            mask = mask.index_select(3, cols)
+            mask = mask.view(b, h_kv, g, q, -1) if mask.shape[1] == h and h > 1 else mask[:, :, None]
+        grouped = query.view(b, h_kv, g, q, d)
+        best = self.scores.get(idx)
+        if best is None:
+            best = query.new_zeros(b, h, span[1] - span[0], dtype=torch.float32)
+        part = best[:, :, lo - span[0] : hi - span[0]]
+        step = max(1, self.max_elements // max(1, h * cols.numel()))
+        for i in range(0, q, step):
+            n = min(step, q - i)
+            logits = (grouped[:, :, :, i : i + n].reshape(b, h_kv, g * n, d) @ sub.transpose(-1, -2)).float()
+            logits = logits.mul_(scale).view(b, h_kv, g, n, -1)
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+            if mask is not None:
+                logits.masked_fill_(~mask[..., i : i + n, :], -math.inf)
+            got = logits.softmax(dim=-1)[..., sink : sink + hi - lo].amax(dim=3).reshape(b, h, -1)
+            torch.maximum(part, got, out=part)
+        self.scores[idx] = best
+
+    def _explicit(
+        self, idx: int, span: tuple[int, int] | None, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+        scale: float, softcap: float | None,
+    ) -> Tensor:  # fmt: skip
+        """Logits, softmax and values spelled out (any device, soft-capping); probabilities read off for scoring."""
+        b, h, q, d = query.shape
+        h_kv, k_len = key.shape[1], key.shape[2]
+        g = h // h_kv
+        if mask is not None:  # (B, 1 or H, Q, K) -> (B, H_kv or 1, g or 1, Q, K)
+            mask = mask.view(b, h_kv, g, q, k_len) if mask.shape[1] == h and h > 1 else mask[:, :, None]
+        grouped = query.view(b, h_kv, g, q, d)
+        out = value.new_empty(b, h_kv, g, q, value.shape[-1])
+        step = max(1, self.max_elements // max(1, h * k_len))
+        for i in range(0, q, step):
+            n = min(step, q - i)
+            logits = (grouped[:, :, :, i : i + n].reshape(b, h_kv, g * n, d) @ key.transpose(-1, -2)).float()
+            logits = logits.mul_(scale).view(b, h_kv, g, n, k_len)
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+            if mask is not None:
+                logits.masked_fill_(~mask[..., i : i + n, :], -math.inf)
+            probs = logits.softmax(dim=-1)
+            if span is not None:
+                self._keep(idx, probs[..., span[0] : span[1]].amax(dim=3).reshape(b, h, -1))
+            probs = probs.to(value.dtype).view(b, h_kv, g * n, k_len)
+            out[:, :, :, i : i + n] = (probs @ value).view(b, h_kv, g, n, -1)
+        return out.view(b, h, q, -1).transpose(1, 2).contiguous()
+
+
+# the CPU fused attention kernel that also returns each query's log-sum-exp (what sdpa runs on CPU)
+_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 @contextmanager

@@ -1,20 +1,30 @@
 """KVzip (Kim et al., 2025, arXiv 2505.23416): score entries by how much the model needs them to repeat the context.
 
-After the context is prefilled, the model is asked to repeat it: by default as a proper chat turn of the model's
-template (user: "Repeat the previous context exactly.", assistant: the context, teacher-forced), chunk by chunk
-(``replay_chunk`` context tokens per forward, each chunk behind its own repeat prompt). An entry's score is the max
-attention it receives from those replay queries, per (layer, KV head, token): max over the queries and over the
-query heads of its GQA group. The replay entries are removed afterwards (cost: about one extra prefill of the
-context, paid once per document: the right trade for a query-agnostic cache that is stored and reused).
+After the context is prefilled, the model is asked to repeat it, as KVzip's code (and kvpress's KVzipPress) does: the
+request "Repeat the previous context exactly." continues the user turn that holds the context, the template closes the
+turn and opens the assistant's, and the context is teacher-forced as the answer, chunk by chunk (``replay_chunk``
+context tokens per forward; a later chunk is asked for with "Repeat the part of the previous context exactly,
+starting with" + the previous chunk's last 8 tokens). An entry's score is the max attention it receives from the
+replay queries, per (layer, KV head, token): max over the queries and over the query heads of its GQA group, the
+softmax taken over the sinks, the chunk being repeated and the replay's own keys (``normalise="chunk"``, as KVzip).
+The scores are taken inside the replay's own attention (:class:`~kvforge.presses.hooks.ReplayAttention`); the replay
+entries are removed afterwards (cost: one extra forward of the context on top of it, paid once per document: the
+right trade for a query-agnostic cache that is stored and reused). Scores equal kvpress 0.5.5's to 3e-6
+(``benchmarks/kvzip_crosscheck.py``).
 
 As in the paper (and each switchable so its effect is measured):
 - ``chat_template`` (True): the replay is a chat turn; False = the bare prompt + context (kvforge before issue 13).
-- ``budget``: ``"layer"`` (default) one top-k over all KV heads of a layer (non-uniform head budgets, exact layer
-  total); ``"global"`` one top-k over every (layer, head, token) of the model (the paper's ranking: per-layer lengths
-  differ, the model total is exact, memory is freed through the head-wise layout); ``"head"`` per-head uniform.
+- ``replay_turn``: ``"continue"`` (default, above) or ``"new"``: the request as a later user turn of its own (for a
+  context that closed its turn; kvforge's default before the kvpress comparison).
+- ``normalise``: ``"chunk"`` (default) or ``"all"``: softmax over every key in the cache (header, other chunks).
+- ``budget``: ``"global"`` (default) one top-k over every (layer, head, token) of the model (the paper's and kvpress's
+  ranking: per-layer lengths differ, the model total is exact, memory is freed through the head-wise layout);
+  ``"layer"`` one top-k over all KV heads of a layer (non-uniform head budgets, exact layer total; the default before
+  it was measured worse); ``"head"`` per-head uniform.
 - ``keep_header`` / ``keep_first``: the chat template header (system prompt, role tokens: found as the prompt's
   common prefix with the template's own rendering) and the first ``keep_first`` entries are always kept (they count
-  in the budget).
+  in the budget). The header is never repeated (as KVzip), so with ``keep_header=False`` it scores 0 beyond the
+  sinks and goes first, which is kvpress's behaviour.
 - ``value_aware`` (KVzip+): score x the entry's projected value contribution ``||V_i W_O||_1`` (CriticalKV's
   :func:`~kvforge.presses.criticalkv.projected_value_norms`), normalised by its mean over the layer's entries so that
   layers compare under a global budget (the paper normalises by the residual stream's norm; the layer mean of the
@@ -36,7 +46,11 @@ from kvforge.presses.base import LayerContext, Needs, ScorerPress, Selection, nu
 from kvforge.presses.criticalkv import projected_value_norms
 
 REPEAT_PROMPT = "Repeat the previous context exactly."
+REPEAT_PART_PROMPT = "Repeat the part of the previous context exactly, starting with"
 BUDGETS = ("head", "layer", "global")
+TURNS = ("continue", "new")
+NORMALISE = ("chunk", "all")
+OVERLAP = 8  # a later chunk's request quotes the previous chunk's last tokens (KVzip / kvpress)
 
 
 @dataclass
@@ -47,15 +61,21 @@ class KVzipPress(ScorerPress):
     prompt_ids: list[int] | None = field(default=None, repr=False)
     chat_template: bool = True
     replay_chunk: int = 2048
-    budget: str = "layer"
+    budget: str = "global"
     keep_header: bool = True
     keep_first: int = 4
     value_aware: bool = False
+    replay_turn: str = "continue"
+    normalise: str = "chunk"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.budget not in BUDGETS:
             raise ValueError(f"budget must be one of {BUDGETS}, got {self.budget!r}")
+        if self.replay_turn not in TURNS:
+            raise ValueError(f"replay_turn must be one of {TURNS}, got {self.replay_turn!r}")
+        if self.normalise not in NORMALISE:
+            raise ValueError(f"normalise must be one of {NORMALISE}, got {self.normalise!r}")
         if self.replay_chunk < 0 or self.keep_first < 0:
             raise ValueError("replay_chunk and keep_first must be >= 0 (replay_chunk 0 = the whole context at once)")
 
@@ -121,10 +141,19 @@ def header_length(tokenizer: Any, ids: list[int]) -> int:
     return _common(a[: _common(a, b)], ids)
 
 
-def replay_prefix(tokenizer: Any, prompt: str, use_template: bool) -> list[int]:
-    """Token ids put before each teacher-forced context chunk: the repeat request as a later user turn of the chat
-    template (no system prompt: the cache holds it) ending in the assistant's turn, or the bare prompt."""
+def replay_prefix(tokenizer: Any, prompt: str, use_template: bool, turn: str = "new") -> list[int]:
+    """Token ids put before a teacher-forced context chunk.
+
+    ``turn="continue"`` (KVzip's and kvpress's layout, for a context that ends inside the user turn that holds it, as
+    :meth:`Engine.encode_qa` builds it): ``"\n\n" + prompt``, then the template's end of the user turn and the
+    assistant's header. ``turn="new"``: the request as a later user turn of the template (no system prompt: the cache
+    holds it) ending in the assistant's turn. Without a template: the bare prompt.
+    """
     if use_template and tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        if turn == "continue":
+            suffix = _assistant_suffix(tokenizer)
+            if suffix is not None:
+                return _encode(tokenizer, "\n\n" + prompt) + _encode(tokenizer, suffix)
         try:
             earlier = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
             before = tokenizer.apply_chat_template(earlier, tokenize=False)
@@ -134,10 +163,52 @@ def replay_prefix(tokenizer: Any, prompt: str, use_template: bool) -> list[int]:
         except Exception:
             before, after = "", ""
         if after.startswith(before) and after != before:
-            return list(tokenizer.encode(after[len(before) :], add_special_tokens=False))
+            return _encode(tokenizer, after[len(before) :])
     if tokenizer is None:
         return []
-    return list(tokenizer.encode("\n\n" + prompt + "\n", add_special_tokens=False))
+    return _encode(tokenizer, "\n\n" + prompt + "\n")
+
+
+def replay_requests(press: KVzipPress, tokenizer: Any, context: list[int]) -> list[tuple[int, list[int]]]:
+    """``[(offset, ids), ...]``: each context chunk (``replay_chunk`` tokens from ``offset``) behind its request.
+
+    With ``replay_turn="continue"`` a later chunk is asked for as KVzip does ("Repeat the part of the previous
+    context exactly, starting with" + the previous chunk's last 8 tokens); otherwise every chunk repeats the prompt.
+    """
+    step = press.replay_chunk or len(context) or 1
+    if press.prompt_ids is not None:
+        first = later = list(press.prompt_ids)
+    elif tokenizer is None:
+        first = later = []
+    else:
+        first = replay_prefix(tokenizer, press.prompt, press.chat_template, press.replay_turn)
+        later = first
+    continued = press.prompt_ids is None and press.replay_turn == "continue" and press.chat_template
+    suffix = _assistant_suffix(tokenizer) if continued and tokenizer is not None else None
+    out = []
+    for a in range(0, max(1, len(context)), step):
+        chunk = context[a : a + step]
+        if a and suffix is not None:
+            quote = context[max(0, a - OVERLAP) : a]
+            later = _encode(tokenizer, "\n\n" + REPEAT_PART_PROMPT) + quote + _encode(tokenizer, suffix)
+        out.append((a, (later if a else first) + chunk))
+    return out
+
+
+def _assistant_suffix(tokenizer: Any) -> str | None:
+    """What the template puts after a user message's content: end of the user turn + the assistant's header."""
+    marker = "\x00kvzip\x00"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+        )
+    except Exception:
+        return None
+    return text.split(marker, 1)[1] if marker in text else None
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]], generation: bool) -> list[int]:
