@@ -273,6 +273,19 @@ class Engine:
             snapshot.restore()
         return results
 
+    def plan_reuse(self, ids: list[int], text: str | None = None, context: Any = None, reuse: Any = None) -> Any:
+        """The plan of ``reuse`` (default: the engine's strategy) for ``ids``; stored KV that does not fit the model is
+        a miss with one warning. A scheduler batching requests calls this, prefills ``plan.prefill_ids`` on
+        ``plan.cache`` itself, decodes, then records through the strategy, as :meth:`generate` does in one go."""
+        strategy = reuse if reuse is not None else self.reuse
+        plan = strategy.plan(ids, text=text, context=context)
+        if plan.cache is not None and (problem := mismatch_with_model(plan.cache, self.model)) is not None:
+            logger.warning("stored KV does not fit this model (%s): treated as a miss", problem)
+            from kvforge.reuse import miss_plan
+
+            plan = miss_plan(ids, reason=f"stored KV does not fit the model: {problem}")
+        return plan
+
     def _run(
         self,
         parts: list[list[int]],
@@ -315,12 +328,7 @@ class Engine:
             raise UserError("KV reuse does not support a sliding-window cache (--window)")
         self.check_length(len(ids), max_new_tokens)
         start = time.perf_counter()
-        plan = self.reuse.plan(ids, text=text, context=context)
-        if plan.cache is not None and (problem := mismatch_with_model(plan.cache, self.model)) is not None:
-            logger.warning("stored KV does not fit this model (%s): treated as a miss", problem)
-            from kvforge.reuse import miss_plan
-
-            plan = miss_plan(ids, reason=f"stored KV does not fit the model: {problem}")
+        plan = self.plan_reuse(ids, text=text, context=context)
         plan_s = time.perf_counter() - start
         self.check_length(len(plan.token_ids), max_new_tokens)
         cache, logits = self.prefill(plan.prefill_ids, plan.cache)

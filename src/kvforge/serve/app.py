@@ -1,12 +1,13 @@
 """``create_app(engine)``: the OpenAI-compatible FastAPI app around one :class:`~kvforge.engine.Engine`.
 
-Routes only translate OpenAI schemas into :class:`GenerationSpec` s; one worker thread runs them in order
-(:mod:`kvforge.serve.worker`), so the model is never used by two requests at once.
+Routes only translate OpenAI schemas into :class:`GenerationSpec` s; one thread owns the model: the batching
+scheduler (:mod:`kvforge.serve.scheduler`, default) or the one-at-a-time worker (:mod:`kvforge.serve.worker`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
@@ -30,6 +31,7 @@ from kvforge.serve.features import Features
 from kvforge.serve.metrics import Metrics
 from kvforge.serve.middleware import GuardMiddleware
 from kvforge.serve.runner import KEEP, GenerationSpec, run_generation, split_context_question
+from kvforge.serve.scheduler import Scheduler
 from kvforge.serve.worker import Aborted, Job, QueueFullError, ShuttingDownError, Worker
 from kvforge.types import Generation
 
@@ -38,6 +40,7 @@ logger = logging.getLogger(__name__)
 _DONE = object()
 _Body = TypeVar("_Body", bound=BaseModel)
 _POLL_S = 0.25  # how often a waiting non-streaming request checks for a client disconnect
+SCHEDULERS = ("batched", "serial")
 
 
 def create_app(
@@ -55,6 +58,9 @@ def create_app(
     max_body_bytes: int = 8 * 2**20,
     default_max_tokens: int = 256,
     embedder: Any = None,
+    scheduler: str = "batched",
+    max_running: int = 16,
+    prefill_budget: int = 512,
 ) -> FastAPI:
     """The server app.
 
@@ -70,6 +76,8 @@ def create_app(
         max_body_bytes: request bodies above it get a 413.
         default_max_tokens: chat completions without ``max_tokens`` (capped at what the context has left).
         embedder: semantic reuse's embedder (None = MiniLM).
+        scheduler: "batched" (continuous batching: up to ``max_running`` requests decode together, prompts are
+            prefilled ``prefill_budget`` tokens per step between decode steps) or "serial" (one request at a time).
     """
     if not 0 <= compression_ratio < 1:
         raise UserError(f"compression ratio must be in [0, 1), got {compression_ratio}")
@@ -80,7 +88,10 @@ def create_app(
         engine.reuse = features.reuse(reuse, semantic_mode, strict=True) if isinstance(reuse, str) else reuse
     except APIError as e:
         raise UserError(e.message) from e
-    worker = Worker(max_queue)
+    if scheduler not in SCHEDULERS:
+        raise UserError(f"unknown scheduler {scheduler!r}; choose from: {', '.join(SCHEDULERS)}")
+    batched = scheduler == "batched"
+    worker: Any = Scheduler(engine, max_queue, max_running, prefill_budget) if batched else Worker(max_queue)
     stats = CachedStats(features.store_stats)
     metrics = Metrics(lambda: worker.depth, stats.get)
     stats.get()  # first fetch in the background now, so the first scrape has figures
@@ -182,9 +193,30 @@ def create_app(
         spec = GenerationSpec(prompt, raw, max_tokens, sampling, req.stop_list, press_obj, spec_reuse, qa)
         return spec, num_prompt, label
 
-    def submit(fn: Callable[[Job], Any]) -> Job:
+    def submit(fn: Callable[[Job], Any], spec: GenerationSpec | None = None, deltas: Any = None) -> Job:
+        """Queue ``fn`` (or, batched, the generation ``spec``; its text deltas go to the ``deltas`` queue)."""
+        loop = asyncio.get_running_loop()
+
+        def put(item: Any) -> None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
+                loop.call_soon_threadsafe(deltas.put_nowait, item)
+
+        emit = put if deltas is not None else None
         try:
-            return worker.submit(fn, asyncio.get_running_loop(), request_timeout_s)
+            if spec is not None and batched:
+                return worker.submit_generation(  # type: ignore[no-any-return]
+                    spec, loop, request_timeout_s, emit, (lambda: put(_DONE)) if deltas is not None else None
+                )
+            if spec is not None:
+
+                def fn(job: Job) -> Generation:
+                    try:
+                        return run_generation(engine, spec, job, emit)
+                    finally:
+                        if deltas is not None:
+                            put(_DONE)
+
+            return worker.submit(fn, loop, request_timeout_s)  # type: ignore[no-any-return]
         except QueueFullError as e:
             metrics.rejected.inc()
             raise _queue_full(e) from e
@@ -261,7 +293,7 @@ def create_app(
         rid = S.new_id("cmpl" if raw else "chatcmpl")
         if req.stream:
             return await stream(request, req, spec, label, rid, endpoint)
-        job = submit(lambda j: run_generation(engine, spec, j, None))
+        job = submit(None, spec)  # type: ignore[arg-type]
         job.endpoint = endpoint
         gen = await wait(request, job)
         if gen is None:
@@ -279,14 +311,7 @@ def create_app(
     ) -> Response:
         raw = spec.raw
         deltas: asyncio.Queue[Any] = asyncio.Queue()
-
-        def work(job: Job) -> Generation:
-            try:
-                return run_generation(engine, spec, job, lambda d: job.call_soon(deltas.put_nowait, d))
-            finally:
-                job.call_soon(deltas.put_nowait, _DONE)
-
-        job = submit(work)  # a full queue is a 429 before the stream starts
+        job = submit(None, spec, deltas)  # type: ignore[arg-type]  # a full queue is a 429 before the stream starts
         job.endpoint = endpoint
         if await wait(request, job, until_started=True) is not True:  # queueing happens before the 200 is sent
             return Response(status_code=499)
@@ -354,6 +379,8 @@ def create_app(
             "model": model_name,
             "queue_depth": worker.depth,
             "busy": worker.busy,
+            "running": getattr(worker, "num_running", int(worker.busy)),
+            "scheduler": scheduler,
             "reuse": reuse_kind,
             "press": press,
             "store": features.has_store,

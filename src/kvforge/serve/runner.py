@@ -37,6 +37,8 @@ class GenerationSpec:
     press: Any = None
     reuse: Any = KEEP
     qa: tuple[str, str, str | None] | None = None
+    processors: list[Any] = field(default_factory=list)  # logits processors (presence/frequency penalties)
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the k most likely
 
 
 class DeltaStream:
