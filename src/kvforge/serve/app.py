@@ -60,7 +60,7 @@ def create_app(
     embedder: Any = None,
     scheduler: str = "batched",
     max_running: int = 16,
-    prefill_budget: int = 512,
+    prefill_budget: int = 256,
 ) -> FastAPI:
     """The server app.
 
