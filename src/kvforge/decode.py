@@ -37,6 +37,24 @@ class SamplingParams:
         return self.temperature == 0
 
 
+class PresenceFrequencyPenalty:
+    """OpenAI's ``presence_penalty`` / ``frequency_penalty`` as a transformers ``LogitsProcessor``.
+
+    ``logits[t] -= presence * (count[t] > 0) + frequency * count[t]``, counts over ``input_ids`` (vLLM and OpenAI
+    count the generated tokens only: :class:`DecodeState` passes those). transformers ships no additive penalty (its
+    ``RepetitionPenaltyLogitsProcessor`` is multiplicative), so this one implements the same ``__call__`` interface.
+    """
+
+    def __init__(self, presence: float = 0.0, frequency: float = 0.0) -> None:
+        self.presence, self.frequency = presence, frequency
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if input_ids.shape[-1] == 0:
+            return scores
+        counts = torch.zeros_like(scores).scatter_add_(-1, input_ids, torch.ones_like(input_ids, dtype=scores.dtype))
+        return scores - self.presence * (counts > 0).to(scores.dtype) - self.frequency * counts
+
+
 @dataclass
 class DecodeResult:
     token_ids: list[int]

@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from kvforge.decode import SamplingParams
+from kvforge.decode import PresenceFrequencyPenalty, SamplingParams
 from kvforge.errors import UserError
 from kvforge.serve import schemas as S
 from kvforge.serve.errors import APIError, install_handlers, timeout_error, user_error
@@ -171,7 +171,8 @@ def create_app(
             raise APIError(400, f"cannot tokenize the prompt: {e}", param=prompt_param) from e
         room = engine.max_positions - num_prompt
         default = 16 if raw else min(default_max_tokens, room)
-        max_tokens = req.max_tokens if req.max_tokens is not None else default
+        max_tokens = req.max_new_tokens if req.max_new_tokens is not None else default
+        tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         try:
             engine.check_length(num_prompt, max(max_tokens, 1))
             sampling = SamplingParams(
@@ -180,8 +181,8 @@ def create_app(
                 seed=req.seed,
             )
         except UserError as e:  # the prompt alone fits: then it is max_tokens that is too large
-            fits = req.max_tokens is not None and num_prompt < engine.max_positions
-            raise user_error(e, param="max_tokens" if fits else prompt_param) from e
+            fits = req.max_new_tokens is not None and num_prompt < engine.max_positions
+            raise user_error(e, param=tokens_param if fits else prompt_param) from e
         qa = None
         if opts.query_aware is False and press_obj is not None:
             qa = split_context_question(prompt)
@@ -191,7 +192,20 @@ def create_app(
             except APIError:
                 qa = None  # a plain chat: ordinary generation (a miss for context mode)
         spec = GenerationSpec(prompt, raw, max_tokens, sampling, req.stop_list, press_obj, spec_reuse, qa)
+        spec.logprobs = req.num_logprobs
+        if req.presence_penalty or req.frequency_penalty:
+            spec.processors.append(PresenceFrequencyPenalty(req.presence_penalty or 0.0, req.frequency_penalty or 0.0))
+        check_supported(req, spec)
         return spec, num_prompt, label
+
+    def check_supported(req: S._GenerationRequest, spec: GenerationSpec) -> None:
+        """A field this server accepts but cannot honour in this combination is a 400 naming it."""
+        if not batched:  # the one-at-a-time worker runs Engine.generate, which has no logits processors
+            for name in ("presence_penalty", "frequency_penalty", "logprobs"):
+                if getattr(req, name) not in (None, 0, 0.0, False):
+                    raise APIError(400, f"{name} needs the batched scheduler (--scheduler batched)", param=name)
+        if spec.logprobs is not None and req.stream:
+            raise APIError(400, "logprobs are not supported with stream=true", param="logprobs")
 
     def submit(fn: Callable[[Job], Any], spec: GenerationSpec | None = None, deltas: Any = None) -> Job:
         """Queue ``fn`` (or, batched, the generation ``spec``; its text deltas go to the ``deltas`` queue)."""
@@ -301,10 +315,14 @@ def create_app(
         kvf = kvforge_field(gen, job, label, req.kvforge)
         usage = S.usage(gen.prompt_tokens, len(gen.token_ids), gen.reused_tokens)
         finish = gen.finish_reason
+        records = gen.info.get("logprobs")
+        token_text = lambda t: engine.tokenizer.decode([t])  # noqa: E731
         if raw:
             text = (prompt if isinstance(prompt, str) and getattr(req, "echo", False) else "") + gen.text
-            return JSONResponse(S.completion_body(rid, model_name, text, finish, usage, kvf))
-        return JSONResponse(S.chat_body(rid, model_name, gen.text, finish, usage, kvf))
+            lp = S.completion_logprobs(records, token_text) if records is not None else None
+            return JSONResponse(S.completion_body(rid, model_name, text, finish, usage, kvf, logprobs=lp))
+        lp = S.chat_logprobs(records, token_text) if records is not None else None
+        return JSONResponse(S.chat_body(rid, model_name, gen.text, finish, usage, kvf, logprobs=lp))
 
     async def stream(
         request: Request, req: S._GenerationRequest, spec: GenerationSpec, label: str, rid: str, endpoint: str
