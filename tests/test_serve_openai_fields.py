@@ -123,3 +123,29 @@ def test_serial_scheduler_refuses_penalties(engine: Engine) -> None:
         assert "presence_penalty" in e.value.message
     finally:
         server.close()
+
+
+def test_vllm_named_metrics(engine: Engine) -> None:
+    import httpx
+
+    server = LiveServer(create_app(engine, model_name=MODEL, reuse="prefix", store_url="memory://"))
+    try:
+        client = server.client()
+        for _ in range(2):
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0)
+        text = httpx.get(server.url + "/metrics").text
+        values = {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:")
+        }
+        label = '{model_name="tiny"}'
+        assert values[f"vllm:time_to_first_token_seconds_count{label}"] == 2
+        assert values[f"vllm:e2e_request_latency_seconds_count{label}"] == 2
+        assert values[f"vllm:inter_token_latency_seconds_count{label}"] == 2 * 4  # 5 tokens: 4 gaps each
+        assert values[f"vllm:generation_tokens_total{label}"] == 10
+        queries, hits = values[f"vllm:prefix_cache_queries_total{label}"], values[f"vllm:prefix_cache_hits_total{label}"]
+        assert queries == values[f"vllm:prompt_tokens_total{label}"] and 0 < hits < queries  # the 2nd one hits
+        assert values[f"vllm:num_requests_running{label}"] == 0 and values[f"vllm:num_requests_waiting{label}"] == 0
+    finally:
+        server.close()

@@ -93,7 +93,12 @@ def create_app(
     batched = scheduler == "batched"
     worker: Any = Scheduler(engine, max_queue, max_running, prefill_budget) if batched else Worker(max_queue)
     stats = CachedStats(features.store_stats)
-    metrics = Metrics(lambda: worker.depth, stats.get)
+    metrics = Metrics(
+        lambda: worker.depth,
+        stats.get,
+        model_name=model_name,
+        num_running=lambda: getattr(worker, "num_running", int(worker.busy)),
+    )
     stats.get()  # first fetch in the background now, so the first scrape has figures
     # Body parsing, templating and tokenising run here, off the event loop, so /health answers while a 7 MiB request is
     # prepared; one thread keeps the tokenizer used by at most this thread and the worker at once.
@@ -247,6 +252,11 @@ def create_app(
         metrics.prompt_tokens.inc(gen.prompt_tokens)
         metrics.reused_tokens.inc(gen.reused_tokens)
         metrics.completion_tokens.inc(len(gen.token_ids))
+        queue_s = (job.started or job.submitted) - job.submitted
+        metrics.vllm.observe(
+            queue_s, gen.ttft_s, time.monotonic() - job.submitted, gen.info.get("token_times", []), gen.prompt_tokens,
+            len(gen.token_ids), bool(info), gen.reused_tokens, gen.finish_reason,
+        )
         ratio = opts.compression_ratio if opts and opts.compression_ratio is not None else compression_ratio
         press_name = opts.press if opts and opts.press is not None else press
         return {

@@ -93,8 +93,11 @@ def run_generation(engine: Any, spec: GenerationSpec, job: Job, emit: Callable[[
     """Run ``spec`` on ``engine`` in the worker thread; ``job.check()`` on every token aborts a cancelled job."""
     stream = DeltaStream(engine.tokenizer, spec.stop, emit)
 
+    token_times: list[float] = []
+
     def on_token(token: int) -> None:
         job.check()
+        token_times.append(time.perf_counter())
         stream(token)
 
     job.check()
@@ -121,6 +124,7 @@ def run_generation(engine: Any, spec: GenerationSpec, job: Job, emit: Callable[[
                 press=spec.press,
                 on_token=on_token,
             )
+    gen.info.setdefault("token_times", token_times)
     stream.finish(gen.text)
     return gen
 
