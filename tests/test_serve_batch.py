@@ -13,10 +13,11 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from tests.test_serve import MODEL, LiveServer  # noqa: E402
+
 from kvforge.engine import Engine  # noqa: E402
 from kvforge.serve import create_app  # noqa: E402
 from kvforge.testing import tiny_model, tiny_tokenizer  # noqa: E402
-from tests.test_serve import MODEL, LiveServer  # noqa: E402
 
 PROMPTS = ["hello there", "abc " * 30, "x", "The quick brown fox jumps over the lazy dog. " * 4, "zzz\nyyy", "12345"]
 
@@ -56,9 +57,11 @@ def test_concurrent_requests_answer_as_alone(arch: str) -> None:
                 )
                 answers[i] = "".join(c.choices[0].text for c in chunks)
             else:
-                answers[i] = client.completions.create(
-                    model=MODEL, prompt=PROMPTS[i], max_tokens=12, temperature=0
-                ).choices[0].text
+                answers[i] = (
+                    client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=12, temperature=0)
+                    .choices[0]
+                    .text
+                )
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
         for t in threads:

@@ -11,12 +11,13 @@ import torch
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
+from tests.test_serve import MODEL, LiveServer  # noqa: E402
+
 from kvforge.batch import Sequence, decode_step  # noqa: E402
 from kvforge.decode import DecodeState, PresenceFrequencyPenalty  # noqa: E402
 from kvforge.engine import Engine  # noqa: E402
 from kvforge.serve import create_app  # noqa: E402
 from kvforge.testing import tiny_model, tiny_tokenizer  # noqa: E402
-from tests.test_serve import MODEL, LiveServer  # noqa: E402
 
 CHAT = [{"role": "user", "content": "Say something long about the sea."}]
 
@@ -144,7 +145,10 @@ def test_vllm_named_metrics(engine: Engine) -> None:
         assert values[f"vllm:e2e_request_latency_seconds_count{label}"] == 2
         assert values[f"vllm:inter_token_latency_seconds_count{label}"] == 2 * 4  # 5 tokens: 4 gaps each
         assert values[f"vllm:generation_tokens_total{label}"] == 10
-        queries, hits = values[f"vllm:prefix_cache_queries_total{label}"], values[f"vllm:prefix_cache_hits_total{label}"]
+        queries, hits = (
+            values[f"vllm:prefix_cache_queries_total{label}"],
+            values[f"vllm:prefix_cache_hits_total{label}"],
+        )
         assert queries == values[f"vllm:prompt_tokens_total{label}"] and 0 < hits < queries  # the 2nd one hits
         assert values[f"vllm:num_requests_running{label}"] == 0 and values[f"vllm:num_requests_waiting{label}"] == 0
     finally:

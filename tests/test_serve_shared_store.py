@@ -19,11 +19,12 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
+from tests.store_helpers import free_port, redis_server  # noqa: E402
+from tests.test_serve import LONG_DOC, MODEL, LiveServer  # noqa: E402
+
 from kvforge.engine import Engine  # noqa: E402
 from kvforge.serve import create_app  # noqa: E402
 from kvforge.testing import tiny_model, tiny_tokenizer  # noqa: E402
-from tests.store_helpers import free_port, redis_server  # noqa: E402
-from tests.test_serve import LONG_DOC, MODEL, LiveServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,8 +79,22 @@ def model_dir(tmp_path: Path) -> Path:
 
 
 def _serve(model_dir: Path, store: str, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvforge", "serve", "--model", str(model_dir), "--served-model-name", MODEL,
-           "--port", str(port), "--store", store, "--reuse", "prefix"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvforge",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        MODEL,
+        "--port",
+        str(port),
+        "--store",
+        store,
+        "--reuse",
+        "prefix",
+    ]
     env = os.environ | {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 

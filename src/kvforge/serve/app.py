@@ -254,8 +254,15 @@ def create_app(
         metrics.completion_tokens.inc(len(gen.token_ids))
         queue_s = (job.started or job.submitted) - job.submitted
         metrics.vllm.observe(
-            queue_s, gen.ttft_s, time.monotonic() - job.submitted, gen.info.get("token_times", []), gen.prompt_tokens,
-            len(gen.token_ids), bool(info), gen.reused_tokens, gen.finish_reason,
+            queue_s,
+            gen.ttft_s,
+            time.monotonic() - job.submitted,
+            gen.info.get("token_times", []),
+            gen.prompt_tokens,
+            len(gen.token_ids),
+            bool(info),
+            gen.reused_tokens,
+            gen.finish_reason,
         )
         ratio = opts.compression_ratio if opts and opts.compression_ratio is not None else compression_ratio
         press_name = opts.press if opts and opts.press is not None else press

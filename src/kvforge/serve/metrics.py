@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,7 +16,27 @@ logger = logging.getLogger(__name__)
 _TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class Metrics:
@@ -99,13 +120,16 @@ class VLLMMetrics:
         def counter(name: str, doc: str) -> Any:
             return Counter(name, doc, label, registry=r).labels(model_name)
 
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token (queueing included)",
-                              _TIME_BUCKETS)
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token (queueing included)", _TIME_BUCKETS
+        )
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between two output tokens", _ITL_BUCKETS)
-        self.tpot = histogram("vllm:time_per_output_token_seconds", "Time per output token (vLLM v0 name)",
-                              _ITL_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to last token",
-                             _TIME_BUCKETS)
+        self.tpot = histogram(
+            "vllm:time_per_output_token_seconds", "Time per output token (vLLM v0 name)", _ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Request latency, arrival to last token", _TIME_BUCKETS
+        )
         self.queue = histogram("vllm:request_queue_time_seconds", "Time waiting for the batch", _TIME_BUCKETS)
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the KV store")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the KV store")
@@ -115,13 +139,23 @@ class VLLMMetrics:
             "vllm:request_success", "Requests finished", ["model_name", "finished_reason"], registry=r
         )
 
-    def observe(self, queue_s: float, ttft_s: float, e2e_s: float, token_times: list[float], prompt_tokens: int,
-                completion_tokens: int, looked_up: bool, reused_tokens: int, finish_reason: str) -> None:
+    def observe(
+        self,
+        queue_s: float,
+        ttft_s: float,
+        e2e_s: float,
+        token_times: list[float],
+        prompt_tokens: int,
+        completion_tokens: int,
+        looked_up: bool,
+        reused_tokens: int,
+        finish_reason: str,
+    ) -> None:
         """One finished request."""
         self.queue.observe(queue_s)
         self.ttft.observe(queue_s + ttft_s)
         self.e2e.observe(e2e_s)
-        for a, b in zip(token_times, token_times[1:], strict=False):
+        for a, b in itertools.pairwise(token_times):
             self.itl.observe(b - a)
             self.tpot.observe(b - a)
         if looked_up:

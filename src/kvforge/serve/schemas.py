@@ -243,11 +243,7 @@ def chat_logprobs(records: list[tuple[int, float, list[tuple[int, float]]]], tok
         text = token_text(token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    return {
-        "content": [
-            entry(t, lp) | {"top_logprobs": [entry(a, alp) for a, alp in top]} for t, lp, top in records
-        ]
-    }
+    return {"content": [entry(t, lp) | {"top_logprobs": [entry(a, alp) for a, alp in top]} for t, lp, top in records]}
 
 
 def completion_logprobs(records: list[tuple[int, float, list[tuple[int, float]]]], token_text: Any) -> dict[str, Any]:
