@@ -490,7 +490,7 @@ def main() -> int:
     p.add_argument("--stream-fraction", type=float, default=1.0, help="fraction of requests that stream")
     p.add_argument("--schedulers", default="batched", help="comma list of server schedulers to run: serial,batched")
     p.add_argument("--max-running", type=int, default=16, help="server --max-running (batched)")
-    p.add_argument("--prefill-budget", type=int, default=256, help="server --prefill-budget (batched)")
+    p.add_argument("--prefill-budget", type=int, default=128, help="server --prefill-budget (batched)")
     p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
     p.add_argument(
         "--long-prompt-tokens", type=int, default=0, help="after the load: streaming gaps while this prompt prefills"

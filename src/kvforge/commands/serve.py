@@ -46,7 +46,7 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument(
         "--prefill-budget",
         type=positive_int,
-        default=256,
+        default=128,
         help="prompt tokens prefilled per scheduler step, between decode steps (batched)",
     )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])

@@ -60,7 +60,7 @@ def create_app(
     embedder: Any = None,
     scheduler: str = "batched",
     max_running: int = 16,
-    prefill_budget: int = 256,
+    prefill_budget: int = 128,
 ) -> FastAPI:
     """The server app.
 

@@ -79,7 +79,7 @@ class Scheduler:
         prefill_budget: prompt tokens prefilled per step (a long prompt is split into chunks of this size).
     """
 
-    def __init__(self, engine: Any, max_queue: int = 16, max_running: int = 16, prefill_budget: int = 256) -> None:
+    def __init__(self, engine: Any, max_queue: int = 16, max_running: int = 16, prefill_budget: int = 128) -> None:
         if max_queue < 1 or max_running < 1 or prefill_budget < 1:
             raise ValueError("max_queue, max_running and prefill_budget must be >= 1")
         self.engine = engine
