@@ -154,3 +154,26 @@ def test_full_batch_queue_gives_429() -> None:
         assert not waiting.is_alive()
     finally:
         live.close()
+
+
+def test_batch_refuses_what_would_time_out() -> None:
+    """A 429 at once beats a 504 later: a request whose deadline is shorter than the expected time is refused."""
+    import asyncio
+
+    from kvforge.decode import SamplingParams
+    from kvforge.serve.runner import GenerationSpec
+    from kvforge.serve.scheduler import Scheduler
+    from kvforge.serve.worker import QueueFullError
+
+    scheduler = Scheduler(SpyEngine(), max_queue=4, max_running=1)
+    loop = asyncio.new_event_loop()
+    try:
+        scheduler.num_done, scheduler.avg_job_s, scheduler.finish_rate = 5, 10.0, 0.1  # 10 s per request measured
+        spec = GenerationSpec("a", True, 2, SamplingParams())
+        with pytest.raises(QueueFullError):
+            scheduler.submit_generation(spec, loop, timeout_s=5.0)
+        job = scheduler.submit_generation(spec, loop, timeout_s=100.0)
+        assert job.deadline > time.monotonic()
+    finally:
+        scheduler.close()
+        loop.close()

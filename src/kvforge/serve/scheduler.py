@@ -27,7 +27,7 @@ from kvforge.cache import KVCache
 from kvforge.decode import DecodeState, trim_at_stop
 from kvforge.errors import UserError
 from kvforge.serve.runner import KEEP, DeltaStream, GenerationSpec
-from kvforge.serve.worker import Aborted, Job, QueueFullError, ShuttingDownError
+from kvforge.serve.worker import SHED_FACTOR, Aborted, Job, QueueFullError, ShuttingDownError
 from kvforge.types import Generation
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,11 @@ class Scheduler:
         self.exclusive: Job | None = None
         self.draining = False
         self._closed = False
-        self.avg_job_s = 1.0
+        self.avg_job_s = 1.0  # moving average of a request's time in the batch (admission to end)
+        self.finish_rate = 0.0  # requests finished per second (moving average), 0 until measured
+        self._last_finish: float | None = None
+        self._avg_gap = 0.0
+        self.num_done = 0
         self._thread = threading.Thread(target=self._loop, name="kvforge-scheduler", daemon=True)
         self._thread.start()
 
@@ -110,7 +114,14 @@ class Scheduler:
         return self.num_running > 0
 
     def retry_after_s(self) -> int:
-        return max(1, round(self.avg_job_s))
+        return max(1, round(self.expected_wait_s() or self.avg_job_s))
+
+    def expected_wait_s(self) -> float:
+        """Time until a request queued now would be admitted, from the measured finish rate (0 before any)."""
+        if self.num_done < self.max_running or self.finish_rate <= 0:
+            return 0.0
+        ahead = len(self._waiting) + max(0, self.num_running - self.max_running + 1)
+        return ahead / self.finish_rate
 
     def submit(self, fn: Callable[[Job], Any], loop: Any, timeout_s: float | None) -> Job:
         """Queue ``fn(job)`` to run alone between two steps (document precompute)."""
@@ -132,6 +143,10 @@ class Scheduler:
             if self.draining:
                 raise ShuttingDownError("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(self.retry_after_s())
+            # refusing now beats a timeout later: the queue ahead plus the request's own time must fit its deadline
+            expected = self.expected_wait_s() + (SHED_FACTOR * self.avg_job_s if self.num_done else 0.0)
+            if job.deadline - time.monotonic() < expected:
                 raise QueueFullError(self.retry_after_s())
             self._waiting.append(job)
             self._cond.notify()
@@ -184,6 +199,10 @@ class Scheduler:
         reason = job.abort_reason
         if reason is not None:  # gone or expired while waiting: never started
             self._abort(job, reason)
+            return
+        if self.num_done and job.spec is not None and job.deadline - time.monotonic() < SHED_FACTOR * self.avg_job_s:
+            job._resolve(error=QueueFullError(self.retry_after_s()))  # would time out in the batch: refuse it now
+            job.close()
             return
         job.started = time.monotonic()
         job.call_soon(job.started_event.set)
@@ -341,7 +360,13 @@ class Scheduler:
             except Exception as e:  # storing is best effort: the answer is already computed
                 logger.warning("reuse record failed: %s", type(e).__name__)
         elapsed = now - active.started
-        self.avg_job_s = 0.8 * self.avg_job_s + 0.2 * elapsed
+        self.avg_job_s = 0.9 * self.avg_job_s + 0.1 * elapsed if self.num_done else elapsed
+        if self._last_finish is not None:  # mean gap between two ends -> finish rate
+            gap = now - self._last_finish
+            self._avg_gap = 0.9 * self._avg_gap + 0.1 * gap if self._avg_gap else gap
+            self.finish_rate = 1.0 / max(self._avg_gap, 1e-3)
+        self._last_finish = now
+        self.num_done += 1
         active.stream.finish(gen.text)
         active.job._resolve(result=gen)
         active.close()
