@@ -118,7 +118,7 @@ class Scheduler:
 
     def expected_wait_s(self) -> float:
         """Time until a request queued now would be admitted, from the measured finish rate (0 before any)."""
-        if self.num_done < self.max_running or self.finish_rate <= 0:
+        if self.num_done < 4 or self.finish_rate <= 0:
             return 0.0
         ahead = len(self._waiting) + max(0, self.num_running - self.max_running + 1)
         return ahead / self.finish_rate
@@ -266,15 +266,23 @@ class Scheduler:
         return active
 
     def _prefill(self) -> None:
-        """Prefill up to ``prefill_budget`` tokens: whole chunks of the oldest requests (always one at least)."""
-        spent = 0
-        for active in list(self.prefilling):
+        """One chunk of the oldest prefilling request (so a long prompt always progresses), then, within another
+        ``prefill_budget`` tokens, the requests with the least left to prefill (reuse hits start decoding at once
+        instead of waiting behind a long new prompt). Chunks stay aligned to the budget within each request."""
+        if not self.prefilling:
+            return
+        oldest, others = self.prefilling[0], self.prefilling[1:]
+        order = [oldest, *sorted(others, key=lambda a: sum(len(p) for p, _ in a.parts) - a.offset)]
+        extra = 0
+        for active in order:
             if active.job.abort_reason is not None:
                 continue
             ids, press = active.parts[0]
             size = len(ids) - active.offset if press is not None else min(self.prefill_budget, len(ids) - active.offset)
-            if spent and spent + size > self.prefill_budget:
-                break
+            if active is not oldest:
+                if extra + size > self.prefill_budget:
+                    break
+                extra += size
             try:
                 chunk = ids[active.offset : active.offset + size]
                 active.cache, active.logits = self.engine.prefill(chunk, active.cache, press=press)
@@ -283,7 +291,6 @@ class Scheduler:
                 active.job._resolve(error=e)
                 active.close()
                 continue
-            spent += size
             active.offset += size
             if active.offset == len(ids):
                 active.parts.pop(0)
