@@ -13,7 +13,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from tests.test_serve import MODEL, LiveServer  # noqa: E402
+from test_serve import MODEL, LiveServer  # noqa: E402
 
 from kvforge.engine import Engine  # noqa: E402
 from kvforge.serve import create_app  # noqa: E402

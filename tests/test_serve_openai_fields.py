@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from tests.test_serve import MODEL, LiveServer  # noqa: E402
+from test_serve import MODEL, LiveServer  # noqa: E402
 
 from kvforge.batch import Sequence, decode_step  # noqa: E402
 from kvforge.decode import DecodeState, PresenceFrequencyPenalty  # noqa: E402

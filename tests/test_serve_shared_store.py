@@ -19,8 +19,8 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from tests.store_helpers import free_port, redis_server  # noqa: E402
-from tests.test_serve import LONG_DOC, MODEL, LiveServer  # noqa: E402
+from store_helpers import free_port, redis_server  # noqa: E402
+from test_serve import LONG_DOC, MODEL, LiveServer  # noqa: E402
 
 from kvforge.engine import Engine  # noqa: E402
 from kvforge.serve import create_app  # noqa: E402
