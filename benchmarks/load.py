@@ -1,22 +1,31 @@
-"""Load test for ``kvforge serve``: N concurrent streaming clients for a fixed time, one JSON line of results.
+"""Load test for ``kvforge serve``: N concurrent clients for a fixed time, one JSON line of results per scheduler.
 
-Each client loops: pick a prompt (repeated: an exact earlier prompt; paraphrased: an earlier document with its
-question reworded; new: a new long document), stream a chat completion, record TTFT (first content delta), latency,
-``cached_tokens`` and the ``kvforge.reuse`` kind. A 429 is counted and the client waits ``min(Retry-After, 2 s)``;
-anything else that is not a complete answer (other status, stream error event, transport error) is an error.
+Each client loops: pick a prompt (repeated: an exact earlier prompt; document: a question on a document stored at the
+start through ``/v1/kv/documents``; paraphrased: an earlier document with its question reworded; new: a new long
+document), send a chat completion (streamed for a ``--stream-fraction`` of them), record TTFT (first content delta),
+inter-token gaps, latency, ``cached_tokens`` and the answer. A 429 is counted and the client waits
+``min(Retry-After, 2 s)``; anything else that is not a complete answer (other status, stream error event, transport
+error) is an error, a stream that ends without ``[DONE]`` is an incomplete stream. Greedy answers of repeated prompts
+are compared. ``/health`` is probed every 100 ms during the load.
+
+With ``--schedulers serial,batched`` the same load (same seed) runs against a server started with each scheduler, one
+after the other, and a last line gives the ratios. ``--long-prompt-tokens 4096`` then measures, per scheduler, the
+largest gap between the tokens of a request that is streaming while a 4096-token prompt is prefilled.
 
     python benchmarks/load.py --model tiny --duration 60                      # starts a server (subprocess)
-    python benchmarks/load.py --model smollm2-135m --reuse prefix --duration 60
+    OMP_NUM_THREADS=1 python benchmarks/load.py --model smollm2-135m --reuse prefix --schedulers serial,batched \
+        --clients 32 --duration 60 --long-prompt-tokens 4096
     python benchmarks/load.py --url http://127.0.0.1:8000 --served-model-name smollm2-135m
     python benchmarks/load.py --model smollm2-135m --big-request-mib 7 --duration 120   # /health during a 7 MiB body
 
-Writes the JSON line to stdout and appends it to ``benchmarks/results/load.jsonl``.
+Writes the JSON lines to stdout and appends them to ``benchmarks/results/load.jsonl``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -50,19 +59,31 @@ def make_document(rng: random.Random, num_facts: int) -> tuple[str, dict[str, An
 
 
 class PromptMix:
-    """Draws repeated / paraphrased / new prompts (fractions ``repeat`` and ``paraphrase``, the rest new)."""
+    """Draws repeated / document / paraphrased / new prompts (fractions ``repeat``, ``document``, ``paraphrase``; the
+    rest new)."""
 
-    def __init__(self, seed: int, num_facts: int, repeat: float, paraphrase: float) -> None:
+    def __init__(
+        self, seed: int, num_facts: int, repeat: float, paraphrase: float, document: float = 0.0, num_documents: int = 0
+    ) -> None:
         self.rng = random.Random(seed)
-        self.num_facts, self.repeat, self.paraphrase = num_facts, repeat, paraphrase
+        self.num_facts, self.repeat, self.paraphrase, self.document = num_facts, repeat, paraphrase, document
         self.sent: list[tuple[str, dict[str, Any], int, int]] = []  # (document, facts, question idx, room)
+        self.documents = [make_document(random.Random(seed + 1000 + i), num_facts) for i in range(num_documents)]
 
     def next(self) -> tuple[str, str, Any]:
         u = self.rng.random()
-        if self.sent and u < self.repeat:
+        if self.documents and u < self.document:
+            doc, facts = self.rng.choice(self.documents)
+            kind, q, room, wording = (
+                "document",
+                self.rng.randrange(len(QUESTIONS)),
+                self.rng.randrange(self.num_facts),
+                0,
+            )
+        elif self.sent and u < self.document + self.repeat:
             kind, (doc, facts, q, room) = "repeated", self.rng.choice(self.sent)
             wording = 0
-        elif self.sent and u < self.repeat + self.paraphrase:
+        elif self.sent and u < self.document + self.repeat + self.paraphrase:
             kind, (doc, facts, q, room) = "paraphrased", self.rng.choice(self.sent)
             wording = 1
         else:
@@ -82,21 +103,45 @@ class Stats:
         self.ok: list[dict[str, Any]] = []
         self.rejected = 0
         self.errors: list[str] = []
+        self.incomplete = 0  # streams that ended without [DONE]
+        self.answers: dict[str, set[str]] = {}  # prompt -> distinct greedy answers
+        self.asked: dict[str, int] = {}  # prompt -> times answered
 
 
-async def one_request(http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, press: str | None) -> Any:
+async def one_request(
+    http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, press: str | None, stream: bool = True
+) -> Any:
     body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
     }
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
     if press:
         body["kvforge"] = {"press": press}
     start = time.perf_counter()
+    if not stream:
+        r = await http.post("/v1/chat/completions", json=body)
+        if r.status_code == 429:
+            return 429, float(r.headers.get("retry-after", "1"))
+        if r.status_code != 200:
+            return "error", f"HTTP {r.status_code}: {r.content[:200]!r}"
+        out = r.json()
+        latency = time.perf_counter() - start
+        return "ok", {
+            "ttft_s": latency,
+            "latency_s": latency,
+            "usage": out["usage"],
+            "kvforge": out.get("kvforge") or {},
+            "text": out["choices"][0]["message"]["content"],
+            "stream": False,
+            "gaps": [],
+        }
     ttft, usage, kvf, done = None, None, None, False
+    pieces: list[str] = []
+    times: list[float] = []
     async with http.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code == 429:
             await r.aread()
@@ -116,16 +161,22 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: str, max_toke
             if event.get("usage"):
                 usage = event["usage"]
             kvf = event.get("kvforge", kvf)
-            if ttft is None and event.get("choices") and event["choices"][0]["delta"].get("content"):
-                ttft = time.perf_counter() - start
+            if event.get("choices") and event["choices"][0]["delta"].get("content"):
+                now = time.perf_counter()
+                ttft = now - start if ttft is None else ttft
+                times.append(now)
+                pieces.append(event["choices"][0]["delta"]["content"])
     latency = time.perf_counter() - start
     if not done or usage is None:
-        return "error", "stream ended without [DONE] and usage"
+        return "incomplete", "stream ended without [DONE] and usage"
     return "ok", {
         "ttft_s": ttft if ttft is not None else latency,
         "latency_s": latency,
         "usage": usage,
         "kvforge": kvf or {},
+        "text": "".join(pieces),
+        "stream": True,
+        "gaps": [b - a for a, b in itertools.pairwise(times)],
     }
 
 
@@ -137,18 +188,25 @@ async def client_loop(
     async with httpx.AsyncClient(base_url=url, timeout=timeout, headers=headers) as http:
         while time.perf_counter() < stop_at:
             kind, prompt, item = mix.next()
+            stream = mix.rng.random() < args.stream_fraction
             try:
-                status, result = await one_request(http, args.served_model_name, prompt, args.max_tokens, args.press)
+                status, result = await one_request(
+                    http, args.served_model_name, prompt, args.max_tokens, args.press, stream
+                )
             except (httpx.HTTPError, json.JSONDecodeError) as e:
                 status, result = "error", f"{type(e).__name__}: {e}"
             if status == 429:
                 stats.rejected += 1
                 await asyncio.sleep(min(result, 2.0) * (0.5 + mix.rng.random()))
+            elif status == "incomplete":
+                stats.incomplete += 1
             elif status == "error":
                 stats.errors.append(result)
             else:
                 result["kind"] = kind
                 stats.ok.append(result)
+                stats.answers.setdefault(prompt, set()).add(result.pop("text"))
+                stats.asked[prompt] = stats.asked.get(prompt, 0) + 1
                 mix.answered(kind, item)
 
 
@@ -163,7 +221,7 @@ def summarize(stats: Stats, elapsed: float, args: argparse.Namespace) -> dict[st
     ok = stats.ok
     hit = [r for r in ok if r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) > 0]
     by_kind = {}
-    for kind in ("repeated", "paraphrased", "new"):
+    for kind in ("repeated", "document", "paraphrased", "new"):
         rows = [r for r in ok if r["kind"] == kind]
         hits = [r for r in rows if r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) > 0]
         by_kind[kind] = {
@@ -172,6 +230,8 @@ def summarize(stats: Stats, elapsed: float, args: argparse.Namespace) -> dict[st
             "server_ttft_p50_s": percentile([r["kvforge"]["ttft_s"] for r in rows if "ttft_s" in r["kvforge"]], 0.5),
         }
     prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in ok)
+    gaps = [g for r in ok for g in r["gaps"]]
+    asked = len(stats.answers)
     cached = sum(r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) for r in ok)
     return {
         "bench": "serve_load",
@@ -181,10 +241,18 @@ def summarize(stats: Stats, elapsed: float, args: argparse.Namespace) -> dict[st
         "rejected_429": stats.rejected,
         "errors": len(stats.errors),
         "error_samples": stats.errors[:3],
+        "incomplete_streams": stats.incomplete,
+        "share_429": round(stats.rejected / (stats.rejected + len(ok) + len(stats.errors)), 3) if ok else None,
+        "streamed": sum(r["stream"] for r in ok),
+        "distinct_prompts": asked,
+        "prompts_asked_twice_or_more": sum(1 for p in stats.answers if stats.asked.get(p, 0) > 1),
+        "prompts_with_differing_greedy_answers": sum(len(a) > 1 for a in stats.answers.values()),
         "throughput_rps": round(len(ok) / elapsed, 3),
         "completion_tokens_per_s": round(sum(r["usage"]["completion_tokens"] for r in ok) / elapsed, 2),
         "ttft_p50_s": percentile([r["ttft_s"] for r in ok], 0.5),
         "ttft_p99_s": percentile([r["ttft_s"] for r in ok], 0.99),
+        "itl_p50_s": percentile(gaps, 0.5),
+        "itl_p99_s": percentile(gaps, 0.99),
         "server_ttft_p50_s": percentile([r["kvforge"]["ttft_s"] for r in ok if "ttft_s" in r["kvforge"]], 0.5),
         "server_ttft_p99_s": percentile([r["kvforge"]["ttft_s"] for r in ok if "ttft_s" in r["kvforge"]], 0.99),
         "latency_p50_s": percentile([r["latency_s"] for r in ok], 0.5),
@@ -196,7 +264,7 @@ def summarize(stats: Stats, elapsed: float, args: argparse.Namespace) -> dict[st
     }
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def start_server(args: argparse.Namespace, scheduler: str = "batched") -> tuple[subprocess.Popen, str]:
     model = args.model
     if model == "tiny":  # save the tiny random model so the server loads it like any folder
         sys.path.insert(0, str(ROOT / "src"))
@@ -205,9 +273,11 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         model = tempfile.mkdtemp(prefix="kvforge-tiny-")
         tiny_model("llama").save_pretrained(model)
         tiny_tokenizer().save_pretrained(model)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = args.port
+    if not port:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
     cmd = [
         sys.executable,
         "-m",
@@ -227,6 +297,12 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         "cpu",
         "--timeout",
         str(args.request_timeout),
+        "--scheduler",
+        scheduler,
+        "--max-running",
+        str(args.max_running),
+        "--prefill-budget",
+        str(args.prefill_budget),
     ]
     if args.store:
         cmd += ["--store", args.store]
@@ -246,17 +322,110 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     raise SystemExit("server did not start in 300 s")
 
 
+async def probe_health(url: str, stop: asyncio.Event, latencies: list[float]) -> None:
+    """``/health`` every 100 ms until ``stop`` (a failed probe counts as infinite)."""
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        while not stop.is_set():
+            t = time.perf_counter()
+            try:
+                ok = (await http.get("/health")).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            latencies.append(time.perf_counter() - t if ok else float("inf"))
+            await asyncio.sleep(0.1)
+
+
+async def store_documents(url: str, args: argparse.Namespace, mix: PromptMix) -> None:
+    if not mix.documents:
+        return
+    async with httpx.AsyncClient(base_url=url, timeout=args.request_timeout) as http:
+        r = await http.post("/v1/kv/documents", json={"documents": [d for d, _ in mix.documents]})
+        if r.status_code != 200:
+            raise SystemExit(f"storing the documents failed: HTTP {r.status_code} {r.text[:200]}")
+
+
 async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
-    mix, stats = PromptMix(args.seed, args.num_facts, args.repeat, args.paraphrase), Stats()
+    mix = PromptMix(args.seed, args.num_facts, args.repeat, args.paraphrase, args.document, args.num_documents)
+    stats = Stats()
+    await store_documents(url, args, mix)
+    stop, health = asyncio.Event(), []
+    prober = asyncio.ensure_future(probe_health(url, stop, health))
     start = time.perf_counter()
     await asyncio.gather(*(client_loop(i, args, url, mix, stats, start + args.duration) for i in range(args.clients)))
-    result = summarize(stats, time.perf_counter() - start, args)
+    elapsed = time.perf_counter() - start
+    stop.set()
+    await prober
+    result = summarize(stats, elapsed, args)
+    result["health_p50_ms"] = round(1000 * (percentile(health, 0.5) or 0), 1)
+    result["health_p99_ms"] = round(1000 * (percentile(health, 0.99) or 0), 1)
+    result["health_max_ms"] = round(1000 * max(health), 1) if health else None
+    result["health_over_100ms_share"] = round(sum(x > 0.1 for x in health) / len(health), 3) if health else None
     async with httpx.AsyncClient(base_url=url) as http:
         metrics = (await http.get("/metrics")).text
     result["server_aborted"] = sum(
         float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("kvforge_aborted_total")
     )
     return result
+
+
+async def gap_during_long_prefill(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    """Largest gap between a streaming request's tokens while a ``--long-prompt-tokens`` prompt is prefilled.
+
+    Watchers (raw completions counting upwards, so they run long) stream one after the other; once the first has
+    shown 3 tokens the long prompt is sent; the gaps of every watcher token received until the long prompt's answer
+    count (its prefill and its few tokens of decoding).
+    """
+    words = " ".join(f"w{i}" for i in range(int(args.long_prompt_tokens / 4.5)))  # ~4.5 tokens per "w123"
+    long_body = {"model": args.served_model_name, "prompt": words, "max_tokens": 1, "temperature": 0}
+    watch_body = {
+        "model": args.served_model_name,
+        "prompt": ", ".join(str(i) for i in range(1, 40)) + ",",
+        "max_tokens": 1500,
+        "temperature": 0,
+        "stream": True,
+    }
+    times: list[list[float]] = []
+    done = asyncio.Event()
+    started = asyncio.Event()
+
+    async def watch(http: httpx.AsyncClient) -> None:
+        while not done.is_set():
+            mine: list[float] = []
+            times.append(mine)
+            async with http.stream("POST", "/v1/completions", json=watch_body) as r:
+                if r.status_code != 200:
+                    raise SystemExit(f"watcher request failed: HTTP {r.status_code} {(await r.aread())[:200]!r}")
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"text": ""' not in line:
+                        mine.append(time.perf_counter())
+                        if len(mine) >= 3:
+                            started.set()
+                    if done.is_set():
+                        break
+
+    async with httpx.AsyncClient(base_url=url, timeout=args.request_timeout * 4) as http:
+        watcher = asyncio.ensure_future(watch(http))
+        await asyncio.wait_for(started.wait(), timeout=args.request_timeout)
+        t0 = time.perf_counter()
+        r = await http.post("/v1/completions", json=long_body)
+        t1 = time.perf_counter()
+        done.set()
+        await asyncio.wait_for(watcher, timeout=args.request_timeout)
+    gaps = []
+    for ts in times:  # from each watcher's last token before t0 (the gap spanning t0 counts) to t1
+        before = [t for t in ts if t < t0]
+        inside = before[-1:] + [t for t in ts if t0 <= t <= t1]
+        gaps += [b - a for a, b in itertools.pairwise(inside)]
+        if inside and ts[-1] > t1:  # still streaming at t1: the wait since its last token counts too
+            gaps.append(t1 - inside[-1])
+    num_inside = sum(t0 <= t <= t1 for ts in times for t in ts)
+    return {
+        "long_prompt_status": r.status_code,
+        "long_prompt_tokens": r.json().get("usage", {}).get("prompt_tokens") if r.status_code == 200 else None,
+        "long_prompt_s": round(t1 - t0, 2),
+        "watcher_tokens_during_long_prompt": num_inside,
+        "watcher_max_gap_s": round(max(gaps), 3) if gaps else None,
+    }
 
 
 async def health_during_big_request(args: argparse.Namespace, url: str) -> dict[str, Any]:
@@ -316,6 +485,16 @@ def main() -> int:
     p.add_argument("--num-facts", type=int, default=20, help="facts per document (sets the prompt length)")
     p.add_argument("--repeat", type=float, default=0.3, help="fraction of exact repeats")
     p.add_argument("--paraphrase", type=float, default=0.3, help="fraction of reworded questions on a seen document")
+    p.add_argument("--document", type=float, default=0.0, help="fraction of questions on documents stored at start")
+    p.add_argument("--num-documents", type=int, default=8, help="documents stored through /v1/kv/documents")
+    p.add_argument("--stream-fraction", type=float, default=1.0, help="fraction of requests that stream")
+    p.add_argument("--schedulers", default="batched", help="comma list of server schedulers to run: serial,batched")
+    p.add_argument("--max-running", type=int, default=16, help="server --max-running (batched)")
+    p.add_argument("--prefill-budget", type=int, default=128, help="server --prefill-budget (batched)")
+    p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
+    p.add_argument(
+        "--long-prompt-tokens", type=int, default=0, help="after the load: streaming gaps while this prompt prefills"
+    )
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -326,24 +505,49 @@ def main() -> int:
         help="instead of the load: /health latency during one big request",
     )
     args = p.parse_args()
-    proc = None
-    url = args.url
-    if url is None:
-        proc, url = start_server(args)
-    try:
-        job = health_during_big_request if args.big_request_mib else run
-        result = asyncio.run(job(args, url.rstrip("/")))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
+    results = []
+    for scheduler in args.schedulers.split(",") if args.url is None else ["(external)"]:
+        proc = None
+        url = args.url
+        if url is None:
+            proc, url = start_server(args, scheduler)
+        try:
+            job = health_during_big_request if args.big_request_mib else run
+            result = asyncio.run(job(args, url.rstrip("/")))
+            if args.long_prompt_tokens and not args.big_request_mib and scheduler != "serial":
+                # (serial: the long prompt would wait for the watcher's end, there is nothing to interleave)
+                result |= asyncio.run(gap_during_long_prefill(args, url.rstrip("/")))
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(30)
+        result["scheduler"] = scheduler
+        results.append(result)
+        emit(result)
+    by = {r["scheduler"]: r for r in results}
+    if "serial" in by and "batched" in by and not args.big_request_mib:
+        emit(
+            {
+                "bench": "serve_load_compare",
+                "requests_ratio_batched_over_serial": round(
+                    by["batched"]["completed"] / max(by["serial"]["completed"], 1), 2
+                ),
+                "tokens_per_s_ratio": round(
+                    by["batched"]["completion_tokens_per_s"] / max(by["serial"]["completion_tokens_per_s"], 1e-9), 2
+                ),
+                "completed": {k: v["completed"] for k, v in by.items()},
+            }
+        )
+    return 0
+
+
+def emit(result: dict[str, Any]) -> None:
     line = json.dumps(result)
-    print(line)
+    print(line, flush=True)
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "load.jsonl", "a") as f:
         f.write(line + "\n")
-    return 0
 
 
 if __name__ == "__main__":

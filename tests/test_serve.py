@@ -251,7 +251,7 @@ def test_api_key() -> None:
 # ------------------------------------------------------------------------------------------------ concurrency
 def test_full_queue_gives_429_and_disconnect_stops_generation() -> None:
     engine = SlowEngine(delay_s=0.02)
-    live = LiveServer(create_app(engine, model_name=MODEL, max_queue=1))
+    live = LiveServer(create_app(engine, model_name=MODEL, max_queue=1, scheduler="serial"))
     try:
         client = live.client()
         # 1) a streaming request occupies the model; read a few tokens, then hang up
@@ -285,7 +285,7 @@ def test_full_queue_gives_429_and_disconnect_stops_generation() -> None:
 
 def test_timeout_gives_504() -> None:
     engine = SlowEngine(delay_s=0.02)
-    live = LiveServer(create_app(engine, model_name=MODEL, request_timeout_s=0.5))
+    live = LiveServer(create_app(engine, model_name=MODEL, request_timeout_s=0.5, scheduler="serial"))
     try:
         start = time.monotonic()
         with pytest.raises(openai.APIStatusError) as e:

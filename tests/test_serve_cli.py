@@ -106,6 +106,8 @@ def test_sigterm_cancels_waiting_requests_and_exits(tiny_llama_dir: Path) -> Non
         "cpu",
         "--grace-period",
         "1",
+        "--max-running",
+        "1",  # one in the batch, the others wait: SIGTERM must answer those 503
     ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -158,17 +158,18 @@ def test_documents_validation(client: Any) -> None:
     assert _err(client.post("/v1/kv/documents", json={"documents": ["a"], "model": "x"}), 404)["param"] == "model"
 
 
-def test_engine_failure_is_500_and_the_server_keeps_serving(engine: Engine) -> None:
+@pytest.mark.parametrize("scheduler", ["batched", "serial"])
+def test_engine_failure_is_500_and_the_server_keeps_serving(engine: Engine, scheduler: str) -> None:
     class Broken(Engine):
         fail = True
 
-        def generate(self, *args: Any, **kwargs: Any) -> Any:
+        def prefill(self, *args: Any, **kwargs: Any) -> Any:
             if self.fail:
                 raise RuntimeError("boom")
-            return super().generate(*args, **kwargs)
+            return super().prefill(*args, **kwargs)
 
     broken = Broken(engine.model, engine.tokenizer)
-    with TestClient(create_app(broken, model_name=MODEL), raise_server_exceptions=False) as c:
+    with TestClient(create_app(broken, model_name=MODEL, scheduler=scheduler), raise_server_exceptions=False) as c:
         body = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
         assert _err(c.post("/v1/chat/completions", json=body), 500)["type"] == "server_error"
         broken.fail = False

@@ -38,6 +38,9 @@ def kvforge_attention(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """Scaled dot-product attention with masks from the cache; ``query`` ``(B, H, Q, D)`` -> ``(B, Q, H, D)``."""
+    if kv_cache is not None and hasattr(kv_cache, "attend_rows"):  # a batched step: each row on its own cache
+        rows = kv_cache.attend_rows(module, query, scaling=scaling, sliding_window=sliding_window, softcap=softcap)
+        return rows, None
     num_heads, q_len = query.shape[1], query.shape[2]
     layer = kv_cache.layers[module.layer_idx] if kv_cache is not None else None  # type: ignore[index]
     is_causal = False

@@ -37,6 +37,24 @@ class SamplingParams:
         return self.temperature == 0
 
 
+class PresenceFrequencyPenalty:
+    """OpenAI's ``presence_penalty`` / ``frequency_penalty`` as a transformers ``LogitsProcessor``.
+
+    ``logits[t] -= presence * (count[t] > 0) + frequency * count[t]``, counts over ``input_ids`` (vLLM and OpenAI
+    count the generated tokens only: :class:`DecodeState` passes those). transformers ships no additive penalty (its
+    ``RepetitionPenaltyLogitsProcessor`` is multiplicative), so this one implements the same ``__call__`` interface.
+    """
+
+    def __init__(self, presence: float = 0.0, frequency: float = 0.0) -> None:
+        self.presence, self.frequency = presence, frequency
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if input_ids.shape[-1] == 0:
+            return scores
+        counts = torch.zeros_like(scores).scatter_add_(-1, input_ids, torch.ones_like(input_ids, dtype=scores.dtype))
+        return scores - self.presence * (counts > 0).to(scores.dtype) - self.frequency * counts
+
+
 @dataclass
 class DecodeResult:
     token_ids: list[int]
@@ -63,6 +81,85 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+class DecodeState:
+    """One sequence's token choices: sampling (own seeded generator), logits processors, EOS, stop strings, budget.
+
+    :func:`decode` drives one; :mod:`kvforge.batch` drives many through one forward per step, so a sequence picks
+    exactly the same tokens alone or batched. ``pick(logits)`` returns the token to feed next, or None once finished
+    (``finish_reason`` set). ``logprobs`` > 0 records, per emitted token, its log-probability and the ``logprobs``
+    most likely alternatives (after processors, before temperature, as OpenAI reports them).
+    """
+
+    def __init__(
+        self,
+        max_new_tokens: int,
+        sampling: SamplingParams | None = None,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
+        tokenizer: Any = None,
+        on_token: Callable[[int], None] | None = None,
+        processors: Sequence[Any] = (),
+        prompt_ids: Sequence[int] = (),
+        logprobs: int | None = None,
+    ) -> None:
+        if max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if stop and tokenizer is None:
+            raise ValueError("stop strings need the tokenizer")
+        self.max_new_tokens = max_new_tokens
+        self.params = sampling or SamplingParams()
+        self.generator: torch.Generator | None = None
+        self.eos = set(eos_token_ids)
+        self.stop = list(stop)
+        self.tokenizer = tokenizer
+        self.on_token = on_token
+        self.processors = list(processors)
+        self.prompt_ids = list(prompt_ids)
+        self.num_logprobs = logprobs
+        self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []  # (token, logprob, top alternatives)
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None  # "length" | "stop" once finished
+        self.num_picks = 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def pick(self, logits: Tensor) -> int | None:
+        """Choose the next token from ``logits`` ``(1, V)`` (or ``(1, S, V)``); None when the sequence ends here."""
+        logits = logits[:, -1] if logits.dim() == 3 else logits
+        if self.processors:
+            history = torch.tensor([self.prompt_ids + self.tokens], dtype=torch.long, device=logits.device)
+            for processor in self.processors:
+                logits = processor(history, logits)
+        params = self.params
+        if self.generator is None and not params.is_greedy and params.seed is not None:
+            self.generator = torch.Generator(device=logits.device).manual_seed(params.seed)
+        token = int(sample(logits, params, self.generator)[0])
+        self.num_picks += 1
+        if token in self.eos:
+            self.finish_reason = "stop"
+            return None
+        if self.num_logprobs is not None:
+            self._record_logprobs(logits[0], token)
+        self.tokens.append(token)
+        if self.on_token is not None:
+            self.on_token(token)
+        if self.stop and _hits_stop(self.tokenizer, self.tokens, self.stop):
+            self.finish_reason = "stop"
+            return None
+        if len(self.tokens) >= self.max_new_tokens:
+            self.finish_reason = "length"
+            return None
+        return token
+
+    def _record_logprobs(self, logits: Tensor, token: int) -> None:
+        logprobs = logits.float().log_softmax(dim=-1)
+        top = logprobs.topk(self.num_logprobs).indices.tolist() if self.num_logprobs else []
+        self.logprobs.append((token, float(logprobs[token]), [(int(t), float(logprobs[t])) for t in top]))
+
+
 @torch.inference_mode()
 def decode(
     model: Any,
@@ -81,38 +178,22 @@ def decode(
     Stops at an EOS id (not included) or once the decoded text contains a stop string (the token completing it is
     included; the caller trims the text). ``on_token(id)`` is called for every emitted token (streaming).
     """
-    if max_new_tokens < 1:
-        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    params = sampling or SamplingParams()
-    generator = None
-    if not params.is_greedy and params.seed is not None:
-        generator = torch.Generator(device=logits.device).manual_seed(params.seed)
-    if stop and tokenizer is None:
-        raise ValueError("stop strings need the tokenizer")
-    eos = set(eos_token_ids)
-    tokens: list[int] = []
-    finish = "length"
+    state = DecodeState(
+        max_new_tokens, sampling, eos_token_ids=eos_token_ids, stop=stop, tokenizer=tokenizer, on_token=on_token
+    )
     start = time.perf_counter()
     first_token_s = 0.0
     step_ids = torch.empty((1, 1), dtype=torch.long, device=logits.device)
-    for i in range(max_new_tokens):
-        token = int(sample(logits[:, -1] if logits.dim() == 3 else logits, params, generator)[0])
-        if i == 0:
+    while True:
+        token = state.pick(logits)
+        if state.num_picks == 1:
             first_token_s = time.perf_counter() - start
-        if token in eos:
-            finish = "stop"
-            break
-        tokens.append(token)
-        if on_token is not None:
-            on_token(token)
-        if stop and _hits_stop(tokenizer, tokens, stop):
-            finish = "stop"
-            break
-        if i == max_new_tokens - 1:
+        if token is None:
             break
         step_ids[0, 0] = token
         logits = forward(model, step_ids, cache)
-    return DecodeResult(tokens, finish, time.perf_counter() - start, first_token_s)
+    assert state.finish_reason is not None
+    return DecodeResult(state.tokens, state.finish_reason, time.perf_counter() - start, first_token_s)
 
 
 def _hits_stop(tokenizer: Any, tokens: list[int], stop: Sequence[str]) -> bool:

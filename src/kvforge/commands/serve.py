@@ -37,6 +37,19 @@ def register(sub: Any, bench_sub: Any) -> None:
         help="seconds SIGTERM gives the running generation; waiting requests get a 503 at once",
     )
     p.add_argument("--chunk-size", type=positive_int, default=512, help="prefill chunk size in tokens")
+    p.add_argument(
+        "--scheduler",
+        choices=["batched", "serial"],
+        default="batched",
+        help="batched: continuous batching (running requests decode together); serial: one request at a time",
+    )
+    p.add_argument("--max-running", type=positive_int, default=16, help="requests decoding together (batched)")
+    p.add_argument(
+        "--prefill-budget",
+        type=positive_int,
+        default=128,
+        help="prompt tokens prefilled per scheduler step, between decode steps (batched)",
+    )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_serve)
 
@@ -74,6 +87,9 @@ def run_serve(args: argparse.Namespace) -> int:
         request_timeout_s=args.timeout,
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
+        scheduler=args.scheduler,
+        max_running=args.max_running,
+        prefill_budget=args.prefill_budget,
     )
     print(f"kvforge: serving {args.served_model_name or args.model} on http://{args.host}:{args.port}/v1", flush=True)
     config = uvicorn.Config(

@@ -1,12 +1,13 @@
 """``create_app(engine)``: the OpenAI-compatible FastAPI app around one :class:`~kvforge.engine.Engine`.
 
-Routes only translate OpenAI schemas into :class:`GenerationSpec` s; one worker thread runs them in order
-(:mod:`kvforge.serve.worker`), so the model is never used by two requests at once.
+Routes only translate OpenAI schemas into :class:`GenerationSpec` s; one thread owns the model: the batching
+scheduler (:mod:`kvforge.serve.scheduler`, default) or the one-at-a-time worker (:mod:`kvforge.serve.worker`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
@@ -22,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from kvforge.decode import SamplingParams
+from kvforge.decode import PresenceFrequencyPenalty, SamplingParams
 from kvforge.errors import PRESS_WITH_REUSE, UserError
 from kvforge.serve import schemas as S
 from kvforge.serve.errors import APIError, install_handlers, timeout_error, user_error
@@ -34,9 +35,11 @@ from kvforge.serve.runner import (
     GenerationSpec,
     RagSpec,
     run_generation,
+    runs_alone,
     split_context_question,
     split_system_question,
 )
+from kvforge.serve.scheduler import Scheduler
 from kvforge.serve.worker import Aborted, Job, QueueFullError, ShuttingDownError, Worker
 from kvforge.types import Generation
 
@@ -45,6 +48,7 @@ logger = logging.getLogger(__name__)
 _DONE = object()
 _Body = TypeVar("_Body", bound=BaseModel)
 _POLL_S = 0.25  # how often a waiting non-streaming request checks for a client disconnect
+SCHEDULERS = ("batched", "serial")
 
 
 def create_app(
@@ -62,6 +66,9 @@ def create_app(
     max_body_bytes: int = 8 * 2**20,
     default_max_tokens: int = 256,
     embedder: Any = None,
+    scheduler: str = "batched",
+    max_running: int = 16,
+    prefill_budget: int = 128,
 ) -> FastAPI:
     """The server app.
 
@@ -77,6 +84,8 @@ def create_app(
         max_body_bytes: request bodies above it get a 413.
         default_max_tokens: chat completions without ``max_tokens`` (capped at what the context has left).
         embedder: semantic reuse's embedder (None = MiniLM).
+        scheduler: "batched" (continuous batching: up to ``max_running`` requests decode together, prompts are
+            prefilled ``prefill_budget`` tokens per step between decode steps) or "serial" (one request at a time).
     """
     if not 0 <= compression_ratio < 1:
         raise UserError(f"compression ratio must be in [0, 1), got {compression_ratio}")
@@ -87,9 +96,17 @@ def create_app(
         engine.reuse = features.reuse(reuse, semantic_mode, strict=True) if isinstance(reuse, str) else reuse
     except APIError as e:
         raise UserError(e.message) from e
-    worker = Worker(max_queue)
+    if scheduler not in SCHEDULERS:
+        raise UserError(f"unknown scheduler {scheduler!r}; choose from: {', '.join(SCHEDULERS)}")
+    batched = scheduler == "batched"
+    worker: Any = Scheduler(engine, max_queue, max_running, prefill_budget) if batched else Worker(max_queue)
     stats = CachedStats(features.store_stats)
-    metrics = Metrics(lambda: worker.depth, stats.get)
+    metrics = Metrics(
+        lambda: worker.depth,
+        stats.get,
+        model_name=model_name,
+        num_running=lambda: getattr(worker, "num_running", int(worker.busy)),
+    )
     stats.get()  # first fetch in the background now, so the first scrape has figures
     # Body parsing, templating and tokenising run here, off the event loop, so /health answers while a 7 MiB request is
     # prepared; one thread keeps the tokenizer used by at most this thread and the worker at once.
@@ -169,7 +186,8 @@ def create_app(
             raise APIError(400, f"cannot tokenize the prompt: {e}", param=prompt_param) from e
         room = engine.max_positions - num_prompt
         default = 16 if raw else min(default_max_tokens, room)
-        max_tokens = req.max_tokens if req.max_tokens is not None else default
+        max_tokens = req.max_new_tokens if req.max_new_tokens is not None else default
+        tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         try:
             engine.check_length(num_prompt, max(max_tokens, 1))
             sampling = SamplingParams(
@@ -178,8 +196,8 @@ def create_app(
                 seed=req.seed,
             )
         except UserError as e:  # the prompt alone fits: then it is max_tokens that is too large
-            fits = req.max_tokens is not None and num_prompt < engine.max_positions
-            raise user_error(e, param="max_tokens" if fits else prompt_param) from e
+            fits = req.max_new_tokens is not None and num_prompt < engine.max_positions
+            raise user_error(e, param=tokens_param if fits else prompt_param) from e
         qa = None
         if press_obj is not None and label != "none" and (opts.query_aware is not False or label == "semantic"):
             raise APIError(400, PRESS_WITH_REUSE, param="kvforge.press")  # the engine's and the CLI's message
@@ -200,6 +218,10 @@ def create_app(
             except APIError:
                 qa = None  # a plain chat: ordinary generation (a miss for context mode)
         spec = GenerationSpec(prompt, raw, max_tokens, sampling, req.stop_list, press_obj, spec_reuse, qa, opts.quant)
+        spec.logprobs = req.num_logprobs
+        if req.presence_penalty or req.frequency_penalty:
+            spec.processors.append(PresenceFrequencyPenalty(req.presence_penalty or 0.0, req.frequency_penalty or 0.0))
+        check_supported(req, spec)
         return spec, num_prompt, label
 
     def rag_spec_for(
@@ -227,6 +249,7 @@ def create_app(
             raise APIError(
                 400, "kvforge.recompute_ratio applies to cacheblend and cacheclip", param="kvforge.recompute_ratio"
             )
+        tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         question, system = split_system_question(prompt, "messages")
         strategy = features.chunk_reuse(opts.rag, opts.recompute_ratio)
         chunks = opts.chunks if opts.chunks is not None else features.chunk_texts(strategy, opts.chunk_ids or [])
@@ -235,12 +258,14 @@ def create_app(
         except ValueError as e:
             raise APIError(400, str(e), param="kvforge.chunks") from e
         max_tokens = (
-            req.max_tokens if req.max_tokens is not None else min(default_max_tokens, engine.max_positions - len(ids))
+            req.max_new_tokens
+            if req.max_new_tokens is not None
+            else min(default_max_tokens, engine.max_positions - len(ids))
         )
         try:
             engine.check_length(len(ids), max(max_tokens, 1))
         except UserError as e:
-            raise user_error(e, param="max_tokens" if req.max_tokens is not None else "messages") from e
+            raise user_error(e, param=tokens_param if req.max_new_tokens is not None else "messages") from e
         sampling = SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
@@ -248,11 +273,47 @@ def create_app(
         )
         rag = RagSpec(strategy, list(chunks), question, system)
         spec = GenerationSpec(prompt, raw, max_tokens, sampling, req.stop_list, None, KEEP, None, rag=rag)
+        check_supported(req, spec)
         return spec, len(ids), f"rag:{opts.rag}"
 
-    def submit(fn: Callable[[Job], Any]) -> Job:
+    def check_supported(req: S._GenerationRequest, spec: GenerationSpec) -> None:
+        """A field this server accepts but cannot honour in this combination is a 400 naming it."""
+        # the one-at-a-time worker, and the batch for what it runs whole through the Engine (RAG chunks, query-agnostic
+        # compression), run Engine.generate/answer, which have no logits processors
+        if not batched or runs_alone(spec):
+            for name in ("presence_penalty", "frequency_penalty", "logprobs"):
+                if getattr(req, name) not in (None, 0, 0.0, False):
+                    why = "a request without kvforge.rag" if spec.rag is not None else "no query-agnostic press"
+                    if not batched:
+                        why = "the batched scheduler (--scheduler batched)"
+                    raise APIError(400, f"{name} needs {why}", param=name)
+        if spec.logprobs is not None and req.stream:
+            raise APIError(400, "logprobs are not supported with stream=true", param="logprobs")
+
+    def submit(fn: Callable[[Job], Any], spec: GenerationSpec | None = None, deltas: Any = None) -> Job:
+        """Queue ``fn`` (or, batched, the generation ``spec``; its text deltas go to the ``deltas`` queue)."""
+        loop = asyncio.get_running_loop()
+
+        def put(item: Any) -> None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
+                loop.call_soon_threadsafe(deltas.put_nowait, item)
+
+        emit = put if deltas is not None else None
         try:
-            return worker.submit(fn, asyncio.get_running_loop(), request_timeout_s)
+            if spec is not None and batched:
+                return worker.submit_generation(  # type: ignore[no-any-return]
+                    spec, loop, request_timeout_s, emit, (lambda: put(_DONE)) if deltas is not None else None
+                )
+            if spec is not None:
+
+                def fn(job: Job) -> Generation:
+                    try:
+                        return run_generation(engine, spec, job, emit)
+                    finally:
+                        if deltas is not None:
+                            put(_DONE)
+
+            return worker.submit(fn, loop, request_timeout_s)  # type: ignore[no-any-return]
         except QueueFullError as e:
             metrics.rejected.inc()
             raise _queue_full(e) from e
@@ -269,6 +330,18 @@ def create_app(
         metrics.prompt_tokens.inc(gen.prompt_tokens)
         metrics.reused_tokens.inc(gen.reused_tokens)
         metrics.completion_tokens.inc(len(gen.token_ids))
+        queue_s = (job.started or job.submitted) - job.submitted
+        metrics.vllm.observe(
+            queue_s,
+            gen.ttft_s,
+            time.monotonic() - job.submitted,
+            gen.info.get("token_times", []),
+            gen.prompt_tokens,
+            len(gen.token_ids),
+            bool(info),
+            gen.reused_tokens,
+            gen.finish_reason,
+        )
         ratio = opts.compression_ratio if opts and opts.compression_ratio is not None else compression_ratio
         press_name = opts.press if opts and opts.press is not None else press
         return {
@@ -332,7 +405,7 @@ def create_app(
         rid = S.new_id("cmpl" if raw else "chatcmpl")
         if req.stream:
             return await stream(request, req, spec, label, rid, endpoint)
-        job = submit(lambda j: run_generation(engine, spec, j, None))
+        job = submit(None, spec)  # type: ignore[arg-type]
         job.endpoint = endpoint
         gen = await wait(request, job)
         if gen is None:
@@ -340,24 +413,21 @@ def create_app(
         kvf = kvforge_field(gen, job, label, req.kvforge)
         usage = S.usage(gen.prompt_tokens, len(gen.token_ids), gen.reused_tokens)
         finish = gen.finish_reason
+        records = gen.info.get("logprobs")
+        token_text = lambda t: engine.tokenizer.decode([t])  # noqa: E731
         if raw:
             text = (prompt if isinstance(prompt, str) and getattr(req, "echo", False) else "") + gen.text
-            return JSONResponse(S.completion_body(rid, model_name, text, finish, usage, kvf))
-        return JSONResponse(S.chat_body(rid, model_name, gen.text, finish, usage, kvf))
+            lp = S.completion_logprobs(records, token_text) if records is not None else None
+            return JSONResponse(S.completion_body(rid, model_name, text, finish, usage, kvf, logprobs=lp))
+        lp = S.chat_logprobs(records, token_text) if records is not None else None
+        return JSONResponse(S.chat_body(rid, model_name, gen.text, finish, usage, kvf, logprobs=lp))
 
     async def stream(
         request: Request, req: S._GenerationRequest, spec: GenerationSpec, label: str, rid: str, endpoint: str
     ) -> Response:
         raw = spec.raw
         deltas: asyncio.Queue[Any] = asyncio.Queue()
-
-        def work(job: Job) -> Generation:
-            try:
-                return run_generation(engine, spec, job, lambda d: job.call_soon(deltas.put_nowait, d))
-            finally:
-                job.call_soon(deltas.put_nowait, _DONE)
-
-        job = submit(work)  # a full queue is a 429 before the stream starts
+        job = submit(None, spec, deltas)  # type: ignore[arg-type]  # a full queue is a 429 before the stream starts
         job.endpoint = endpoint
         if await wait(request, job, until_started=True) is not True:  # queueing happens before the 200 is sent
             return Response(status_code=499)
@@ -425,6 +495,8 @@ def create_app(
             "model": model_name,
             "queue_depth": worker.depth,
             "busy": worker.busy,
+            "running": getattr(worker, "num_running", int(worker.busy)),
+            "scheduler": scheduler,
             "reuse": reuse_kind,
             "press": press,
             "store": features.has_store,

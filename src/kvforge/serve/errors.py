@@ -76,6 +76,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     # union members add their type name to the location ("prompt.str"): keep field names only
     param = ".".join(p for p in loc if p.isidentifier() and p not in _TYPE_NAMES) or None
     more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+    if first.get("type") == "extra_forbidden":
+        return f"unsupported field {param!r}: kvforge does not implement it{more}", param, "unsupported_field"
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}{more}", param, first.get("type")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,10 +16,40 @@ logger = logging.getLogger(__name__)
 _TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
-class Metrics:
-    """Requests, errors, TTFT/latency histograms, reuse hits per kind, tokens, queue depth and store bytes."""
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
-    def __init__(self, queue_depth: Callable[[], int], store_stats: Callable[[], dict[str, Any] | None]) -> None:
+
+class Metrics:
+    """Requests, errors, TTFT/latency histograms, reuse hits per kind, tokens, queue depth and store bytes; plus the
+    vLLM-named series (``vllm:*``, label ``model_name``) that existing vLLM dashboards read."""
+
+    def __init__(
+        self,
+        queue_depth: Callable[[], int],
+        store_stats: Callable[[], dict[str, Any] | None],
+        model_name: str = "kvforge",
+        num_running: Callable[[], int] | None = None,
+    ) -> None:
         disable_created_metrics()  # no *_created series: they double the output and no dashboard reads them
         self.registry = CollectorRegistry()
         r = self.registry
@@ -54,6 +85,7 @@ class Metrics:
         self.completion_tokens = Counter("kvforge_completion_tokens", "Tokens generated", registry=r)
         self.queue_depth = Gauge("kvforge_queue_depth", "Requests waiting for the model", registry=r)
         self.queue_depth.set_function(lambda: float(queue_depth()))
+        self.vllm = VLLMMetrics(r, model_name, queue_depth, num_running or (lambda: 0))
         self._hits: dict[str, list[int]] = {}  # strategy -> [hits, lookups]
         r.register(_DerivedCollector(self._hits, store_stats))
 
@@ -65,6 +97,73 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class VLLMMetrics:
+    """The series vLLM exports, under its names and with its ``model_name`` label (tokens for prefix-cache counts)."""
+
+    def __init__(
+        self, r: CollectorRegistry, model_name: str, waiting: Callable[[], int], running: Callable[[], int]
+    ) -> None:
+        label = ["model_name"]
+        self.model_name = model_name
+        gauges = [
+            ("vllm:num_requests_running", "Requests in the model batch (prefilling or decoding)", running),
+            ("vllm:num_requests_waiting", "Requests waiting for a place in the batch", waiting),
+        ]
+        for name, doc, fn in gauges:
+            Gauge(name, doc, label, registry=r).labels(model_name).set_function(lambda fn=fn: float(fn()))
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, label, buckets=buckets, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, label, registry=r).labels(model_name)
+
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token (queueing included)", _TIME_BUCKETS
+        )
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between two output tokens", _ITL_BUCKETS)
+        self.tpot = histogram(
+            "vllm:time_per_output_token_seconds", "Time per output token (vLLM v0 name)", _ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Request latency, arrival to last token", _TIME_BUCKETS
+        )
+        self.queue = histogram("vllm:request_queue_time_seconds", "Time waiting for the batch", _TIME_BUCKETS)
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the KV store")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the KV store")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
+        self.success = Counter(
+            "vllm:request_success", "Requests finished", ["model_name", "finished_reason"], registry=r
+        )
+
+    def observe(
+        self,
+        queue_s: float,
+        ttft_s: float,
+        e2e_s: float,
+        token_times: list[float],
+        prompt_tokens: int,
+        completion_tokens: int,
+        looked_up: bool,
+        reused_tokens: int,
+        finish_reason: str,
+    ) -> None:
+        """One finished request."""
+        self.queue.observe(queue_s)
+        self.ttft.observe(queue_s + ttft_s)
+        self.e2e.observe(e2e_s)
+        for a, b in itertools.pairwise(token_times):
+            self.itl.observe(b - a)
+            self.tpot.observe(b - a)
+        if looked_up:
+            self.prefix_queries.inc(prompt_tokens)
+            self.prefix_hits.inc(reused_tokens)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.success.labels(self.model_name, finish_reason).inc()
 
 
 class _DerivedCollector(Collector):

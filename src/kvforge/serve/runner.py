@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ class GenerationSpec:
     qa: tuple[str, str, str | None] | None = None
     quant: str | None = None
     rag: RagSpec | None = None
+    processors: list[Any] = field(default_factory=list)  # logits processors (presence/frequency penalties)
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the k most likely
 
 
 @dataclass
@@ -105,8 +108,11 @@ def run_generation(engine: Any, spec: GenerationSpec, job: Job, emit: Callable[[
     """Run ``spec`` on ``engine`` in the worker thread; ``job.check()`` on every token aborts a cancelled job."""
     stream = DeltaStream(engine.tokenizer, spec.stop, emit)
 
+    token_times: list[float] = []
+
     def on_token(token: int) -> None:
         job.check()
+        token_times.append(time.perf_counter())
         stream(token)
 
     job.check()
@@ -146,8 +152,16 @@ def run_generation(engine: Any, spec: GenerationSpec, job: Job, emit: Callable[[
                 press=spec.press,
                 on_token=on_token,
             )
+    gen.info.setdefault("token_times", token_times)
     stream.finish(gen.text)
     return gen
+
+
+def runs_alone(spec: GenerationSpec) -> bool:
+    """Specs the batch scheduler runs whole through the Engine between two steps, not in the batch: RAG chunks
+    (:meth:`Engine.answer_chunks`) and query-agnostic compression (:meth:`Engine.answer`: the press sees the document
+    alone, and with prefix reuse the compressed document is stored or loaded)."""
+    return spec.rag is not None or (spec.qa is not None and spec.press is not None)
 
 
 def split_system_question(messages: Any, param: str) -> tuple[str, str | None]:

@@ -1,7 +1,8 @@
 """OpenAI request and response bodies (pydantic), plus the namespaced ``kvforge`` options field.
 
-Requests ignore OpenAI fields kvforge does not use (``user``, ``logit_bias``...) like the OpenAI API ignores unknown
-ones; the ``kvforge`` object forbids unknown keys so a typo is a 400, not a silent no-op.
+Every field a request may carry is listed here: any other (``logit_bias``, ``tools``, ``response_format``...) is a
+400 that names it, never silently ignored; so is an unknown key of the ``kvforge`` object (a typo is not a no-op).
+``user`` is accepted: it names the end user and changes no output.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 REUSE_KINDS = ("prefix", "semantic", "none")
 RAG_METHODS = ("naive", "ape", "cacheblend", "cacheclip")
@@ -41,13 +42,20 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+_Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+
+
 class _GenerationRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: StrictStr
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # OpenAI's newer name for max_tokens
+    presence_penalty: _Penalty | None = None
+    frequency_penalty: _Penalty | None = None
+    user: StrictStr | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
     stop: StrictStr | list[StrictStr] | None = None
@@ -73,12 +81,27 @@ class _GenerationRequest(BaseModel):
     def stop_list(self) -> list[str]:
         return list(self.stop or [])  # type: ignore[arg-type]
 
+    @property
+    def max_new_tokens(self) -> int | None:
+        """``max_completion_tokens``, else ``max_tokens`` (None: the server's default)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token to report (0: the chosen token's logprob only), or None for no logprobs."""
+        return None
+
 
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: one raw prompt (text, or token ids), no chat template."""
 
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool = False
+    logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -98,7 +121,7 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant"]
     content: StrictStr | list[TextPart] | None = None
@@ -115,6 +138,18 @@ class ChatCompletionRequest(_GenerationRequest):
     """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat(self) -> list[dict[str, str]]:
         """Messages as the tokenizer's chat template wants them (``developer`` is OpenAI's new ``system``)."""
@@ -161,7 +196,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def completion_body(
-    rid: str, model: str, text: str, finish: str | None, usage_: dict | None, kvf: dict | None, chunk: bool = False
+    rid: str,
+    model: str,
+    text: str,
+    finish: str | None,
+    usage_: dict | None,
+    kvf: dict | None,
+    chunk: bool = False,
+    logprobs: dict | None = None,
 ) -> dict[str, Any]:
     """A ``text_completion`` object (a whole one, or one SSE chunk of a stream)."""
     body: dict[str, Any] = {
@@ -169,7 +211,7 @@ def completion_body(
         "object": "text_completion",
         "created": now(),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
     }
     if usage_ is not None:
         body["usage"] = usage_
@@ -178,7 +220,9 @@ def completion_body(
     return body
 
 
-def chat_body(rid: str, model: str, text: str, finish: str, usage_: dict, kvf: dict) -> dict[str, Any]:
+def chat_body(
+    rid: str, model: str, text: str, finish: str, usage_: dict, kvf: dict, logprobs: dict | None = None
+) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "chat.completion",
@@ -188,7 +232,7 @@ def chat_body(rid: str, model: str, text: str, finish: str, usage_: dict, kvf: d
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }
         ],
@@ -201,6 +245,31 @@ def chat_chunk(rid: str, model: str, delta: dict[str, Any] | None, finish: str |
     """One ``chat.completion.chunk``; ``delta=None`` gives the usage-only final chunk (empty choices)."""
     choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
     return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model, "choices": choices}
+
+
+def chat_logprobs(records: list[tuple[int, float, list[tuple[int, float]]]], token_text: Any) -> dict[str, Any]:
+    """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}`` from DecodeState records."""
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [entry(t, lp) | {"top_logprobs": [entry(a, alp) for a, alp in top]} for t, lp, top in records]}
+
+
+def completion_logprobs(records: list[tuple[int, float, list[tuple[int, float]]]], token_text: Any) -> dict[str, Any]:
+    """Legacy completions ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``."""
+    tokens = [token_text(t) for t, _, _ in records]
+    offsets, pos = [], 0
+    for text in tokens:
+        offsets.append(pos)
+        pos += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for _, lp, _ in records],
+        "top_logprobs": [{token_text(a): alp for a, alp in top} for _, _, top in records],
+        "text_offset": offsets,
+    }
 
 
 def model_card(name: str) -> dict[str, Any]:

@@ -1,0 +1,138 @@
+"""Several servers, one store: a document stored or a prompt prefilled through one server is a hit on another.
+
+Redis: two real ``kvforge serve`` processes (a tiny model saved to a folder) on one real redis-server. ``file://``:
+two apps in this process, each with its own engine and its own handle on the folder.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from store_helpers import free_port, redis_server  # noqa: E402
+from test_serve import LONG_DOC, MODEL, LiveServer  # noqa: E402
+
+from kvforge.engine import Engine  # noqa: E402
+from kvforge.serve import create_app  # noqa: E402
+from kvforge.testing import tiny_model, tiny_tokenizer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _chat(url: str, content: str) -> dict[str, Any]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def _store_document(url: str, doc: str) -> None:
+    r = httpx.post(url + "/v1/kv/documents", json={"model": MODEL, "documents": [doc]}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def _check_sharing(a: str, b: str) -> None:
+    """A document stored through ``a`` and a prompt answered by ``a`` are hits on ``b``, with the same answers."""
+    doc = LONG_DOC.replace("code word", "shared secret")
+    _store_document(a, doc)
+    on_b = _chat(b, doc + "\n\nWhat is the shared secret of room 3?")
+    assert on_b["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+    prompt = LONG_DOC + "\n\nWhich room has the code word ccc?"
+    first = _chat(a, prompt)
+    second = _chat(b, prompt)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+
+
+def test_two_apps_share_one_file_store(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'kv'}"
+    model = tiny_model("llama")
+    servers = [
+        LiveServer(create_app(Engine(model, tiny_tokenizer()), model_name=MODEL, store_url=url, reuse="prefix"))
+        for _ in range(2)
+    ]
+    try:
+        _check_sharing(servers[0].url, servers[1].url)
+    finally:
+        for s in servers:
+            s.close()
+
+
+@pytest.fixture()
+def model_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "tiny"
+    tiny_model("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _serve(model_dir: Path, store: str, port: int) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvforge",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        MODEL,
+        "--port",
+        str(port),
+        "--store",
+        store,
+        "--reuse",
+        "prefix",
+    ]
+    env = os.environ | {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise RuntimeError("server did not start")
+
+
+@pytest.fixture()
+def two_servers_on_redis(model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    pytest.importorskip("redis")
+    with redis_server(tmp_path) as redis_url:
+        ports = [free_port(), free_port()]
+        procs = [_serve(model_dir, redis_url, port) for port in ports]
+        try:
+            urls = [f"http://127.0.0.1:{port}" for port in ports]
+            for url, proc in zip(urls, procs, strict=True):
+                _wait_healthy(url, proc)
+            yield urls[0], urls[1]
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+@pytest.mark.redis
+def test_two_server_processes_share_one_redis(two_servers_on_redis: tuple[str, str]) -> None:
+    _check_sharing(*two_servers_on_redis)
