@@ -241,3 +241,30 @@ def test_projected_value_norms_match_explicit_heads():
         v = ctx.values[0, h // (H // H_KV)]  # (S, D) of the head's KV group
         want[0, h // (H // H_KV)] += (v @ w[:, h * D : (h + 1) * D].t()).abs().sum(-1) / (H // H_KV)
     torch.testing.assert_close(projected_value_norms(ctx), want)
+
+
+def test_value_norm_bounds_hold_per_token():
+    from kvforge.presses.criticalkv import _grouped_output_weight, projected_value_norms, value_norm_bounds
+
+    ctx = make_ctx(120, seed=3)
+    exact = projected_value_norms(ctx)
+    lower, upper = value_norm_bounds(ctx, _grouped_output_weight(ctx))
+    assert bool((lower <= exact).all()) and bool((exact <= upper).all())
+
+
+@pytest.mark.parametrize("ratio", [0.3, 0.5, 0.75, 0.9])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pruned_critical_selection_equals_computing_every_norm(ratio, seed):
+    from kvforge.presses.adakv import adaptive_budgets
+    from kvforge.presses.criticalkv import critical_select, critical_select_pruned, projected_value_norms
+
+    ctx = make_ctx(300, seed=seed)
+    scores = SnapKVPress(compression_ratio=ratio, window_size=16).score(ctx)
+    n = num_kept(300, ratio)
+    uniform = torch.full(scores.shape[:2], n, dtype=torch.long)
+    _, varying = adaptive_budgets(scores, n, 0.2)  # AdaKV: budgets differ per head
+    for budgets in (uniform, varying):
+        want = critical_select(scores, projected_value_norms(ctx), budgets, 0.5, 1e-4)
+        got = critical_select_pruned(scores, ctx, budgets, 0.5, 1e-4)
+        assert torch.equal(got, want)
+        assert got.sum(-1).tolist() == budgets.tolist()

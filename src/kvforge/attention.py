@@ -7,6 +7,7 @@ and heads different entries. Without a cache it is plain causal (or sliding-wind
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,7 +38,11 @@ def kvforge_attention(
     position_ids: Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """Scaled dot-product attention with masks from the cache; ``query`` ``(B, H, Q, D)`` -> ``(B, Q, H, D)``."""
+    """Scaled dot-product attention with masks from the cache; ``query`` ``(B, H, Q, D)`` -> ``(B, Q, H, D)``.
+
+    ``is_causal`` here means the queries are the last Q of the K keys (lower-right causal): a later chunk of a plain
+    cache runs on the causal kernels, with no mask built. Masks are built once per layer and KV head.
+    """
     if kv_cache is not None and hasattr(kv_cache, "attend_rows"):  # a batched step: each row on its own cache
         rows = kv_cache.attend_rows(module, query, scaling=scaling, sliding_window=sliding_window, softcap=softcap)
         return rows, None
@@ -49,20 +54,94 @@ def kvforge_attention(
         if layer.is_plain_causal(kv_cache.query_positions):
             mask, is_causal = None, q_len > 1
         else:
-            mask = layer.attention_mask(kv_cache.query_positions, num_heads)
+            mask = layer.attention_mask(kv_cache.query_positions)  # (B, 1 or H_kv, Q, K)
     else:
         mask = _plain_mask(query, key, sliding_window, attention_mask)
         is_causal = mask is None and q_len > 1 and q_len == key.shape[2]
     hook = kv_cache.attention_hook if kv_cache is not None else None  # declared AttentionHook (APE, aux scoring)
     if hook is not None:
-        return hook(module, query, key, value, mask, is_causal, scaling, softcap), None
+        return hook(module, query, key, value, per_query_head(mask, num_heads), is_causal, scaling, softcap), None
     if softcap is not None:
-        scores = attention_scores(query, key, mask, is_causal, scaling, softcap)  # eager: soft-capping
+        scores = attention_scores(query, key, per_query_head(mask, num_heads), is_causal, scaling, softcap)  # eager
         return attend(torch.softmax(scores, dim=-1), value), None
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling, enable_gqa=key.shape[1] != num_heads
+    return sdpa(query, key, value, mask, is_causal, scaling), None
+
+
+def per_query_head(mask: Tensor | None, num_heads: int) -> Tensor | None:
+    """A ``(B, 1 or H_kv, Q, K)`` mask broadcastable to ``(B, H, Q, K)`` (GQA groups share their KV head's row)."""
+    if mask is None or mask.shape[1] in (1, num_heads):
+        return mask
+    return mask.repeat_interleave(num_heads // mask.shape[1], dim=1)
+
+
+def sdpa(
+    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None
+) -> Tensor:
+    """Attention of ``query`` ``(B, H, Q, D)`` on ``key``/``value`` ``(B, H_kv, K, D)``; returns ``(B, Q, H, D)``.
+
+    ``is_causal`` = the queries are the last Q keys' positions (lower-right causal, any Q <= K). ``mask`` is
+    ``(B, 1 or H_kv, Q, K)`` or None. A single query (decoding) runs with each GQA group folded into one KV head's
+    rows, so the group's keys are read once and a head-wise mask is used as is.
+    """
+    b, num_heads, q_len, d = query.shape
+    h_kv, k_len = key.shape[1], key.shape[2]
+    if is_causal and q_len < k_len:
+        out = _lower_right_causal(query, key, value, scale)
+    elif q_len == 1 and num_heads != h_kv:
+        folded = query.reshape(b, h_kv, num_heads // h_kv, d)  # heads h_kv*g + i -> KV head h_kv (repeat_interleave)
+        out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scale)
+        return out.reshape(b, 1, num_heads, value.shape[-1])
+    else:
+        out = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=per_query_head(mask, num_heads),
+            is_causal=is_causal and q_len > 1,
+            scale=scale,
+            enable_gqa=h_kv != num_heads,
+        )
+    return out.transpose(1, 2).contiguous()
+
+
+def _lower_right_causal(query: Tensor, key: Tensor, value: Tensor, scale: float | None) -> Tensor:
+    """Causal attention of Q queries that are the last Q of K keys: ``(B, H, Q, D)``, no mask materialised.
+
+    On CPU: the keys before the queries (seen in full) and the queries' own block (causal) go through the flash
+    kernel separately and are merged with their log-sum-exps (exact up to rounding). Elsewhere:
+    ``causal_lower_right``, which CUDA's flash / memory-efficient kernels take without a mask.
+    """
+    q_len, k_len = query.shape[2], key.shape[2]
+    gqa = key.shape[1] != query.shape[1]
+    if query.device.type == "cpu" and _cpu_flash_with_lse() is not None:
+        flash = _cpu_flash_with_lse()
+        past = k_len - q_len
+        out_past, lse_past = flash(query, key[:, :, :past], value[:, :, :past], 0.0, False, scale=scale)
+        out_new, lse_new = flash(query, key[:, :, past:], value[:, :, past:], 0.0, True, scale=scale)
+        weight = torch.sigmoid(lse_past - lse_new).unsqueeze(-1).to(out_new.dtype)  # share of the past keys
+        return torch.lerp(out_new, out_past, weight)
+    from torch.nn.attention.bias import causal_lower_right
+
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=causal_lower_right(q_len, k_len), scale=scale, enable_gqa=gqa
     )
-    return out.transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _cpu_flash_with_lse() -> Any:
+    """torch's CPU flash-attention op (returns the log-sum-exp too) if it exists and handles GQA here, else None."""
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is None:
+        return None
+    try:
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, h, 3, 8, generator=gen) for h in (4, 2, 2))
+        out, lse = op(q, k, v, 0.0, False, scale=None)
+        ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        ok = out.shape == ref.shape and lse.shape == q.shape[:3] and bool(torch.allclose(out, ref, atol=1e-5))
+    except (RuntimeError, TypeError):
+        return None
+    return op if ok else None
 
 
 def _plain_mask(query: Tensor, key: Tensor, sliding_window: int | None, attention_mask: Tensor | None) -> Tensor | None:

@@ -56,6 +56,9 @@ class KVLayer:
         self.valid: Tensor | None = None
         self.length = 0
         self.is_headwise = False  # True when heads hold different positions (then masks are built per head)
+        # entries 0..length-1 hold positions run_start, run_start+1, ... in every row and head (None: not known to):
+        # then a forward whose queries come right after them attends plain causally (no mask, the causal kernels)
+        self.run_start: int | None = None
         self.num_new = 0  # entries appended by the current forward (they attend causally among themselves)
         self.num_reallocations = 0
 
@@ -86,7 +89,12 @@ class KVLayer:
             self._allocate(like_keys, like_values, math.ceil(num_tokens / self.block_size) * self.block_size)
 
     def append(
-        self, keys: Tensor, values: Tensor, positions: Tensor, first_position: int | None = None
+        self,
+        keys: Tensor,
+        values: Tensor,
+        positions: Tensor,
+        first_position: int | None = None,
+        contiguous: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """Write new entries after the used slots; returns views of all entries (for attention).
 
@@ -94,9 +102,14 @@ class KVLayer:
             keys, values: ``(B, H_kv, S, D)``.
             positions: ``(B, S)`` positions of the new tokens (shared by all heads).
             first_position: ``positions.min()`` if the caller knows it (saves a device sync per layer).
+            contiguous: the caller knows ``positions`` is ``first_position + arange(S)`` in every row (keeps the
+                layer on the plain causal path when it continues a contiguous run).
         """
+        if first_position is None:
+            first_position = int(positions.min())
         if self.window is not None:
-            self._drop_outside_window(int(positions.min()) if first_position is None else first_position)
+            self._drop_outside_window(first_position)
+        self.run_start = self._next_run_start(first_position, contiguous)
         s = keys.shape[2]
         if self.keys is not None and (self.keys.dtype != keys.dtype or self.keys.shape[:2] != keys.shape[:2]):
             raise ValueError(
@@ -114,6 +127,16 @@ class KVLayer:
         self.length = end
         self.num_new = s
         return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def _next_run_start(self, first_position: int, contiguous: bool) -> int | None:
+        """``run_start`` after appending a contiguous block (or not) that starts at ``first_position``."""
+        if not contiguous or self.valid is not None:
+            return None
+        if self.length == 0:
+            return first_position
+        if self.run_start is not None and self.run_start + self.length == first_position:
+            return self.run_start
+        return None
 
     def _drop_outside_window(self, first_new_position: int) -> None:
         """Compact away entries no future query can see; done once a block of them has built up (amortised)."""
@@ -180,6 +203,7 @@ class KVLayer:
         self.length = s
         self.num_new = 0
         self.is_headwise = bool(h > 1 and not (positions == positions[:, :1]).all()) or valid is not None
+        self.run_start = None if self.valid is not None else _run_start(positions)
 
     def replace_masked(self, keys: Tensor, values: Tensor, positions: Tensor, keep: Tensor) -> None:
         """Keep a different set of entries per head: pack each head's kept entries to the front, pad to the longest.
@@ -206,6 +230,7 @@ class KVLayer:
         self.length = 0
         self.num_new = 0
         self.is_headwise = False
+        self.run_start = None
 
     # ----------------------------------------------------------------------------------------------- reading
     def view(self) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -245,11 +270,12 @@ class KVLayer:
         )
         return per_slot * self.length
 
-    def attention_mask(self, query_positions: Tensor, num_query_heads: int) -> Tensor | None:
-        """Boolean mask ``(B, 1 or H, Q, K)`` for this layer's entries, or None when every entry is visible.
+    def attention_mask(self, query_positions: Tensor, num_query_heads: int | None = None) -> Tensor | None:
+        """Boolean mask ``(B, 1 or H_kv, Q, K)`` for this layer's entries, or None when every entry is visible.
 
         An entry is visible to a query when its position is <= the query's, it is valid, and (with a window) it is
-        within ``window`` positions or a sink.
+        within ``window`` positions or a sink. The mask is per KV head (a GQA group shares it);
+        ``num_query_heads`` given, a head-wise mask is repeated to ``(B, H, Q, K)`` (for code that wants that).
         """
         _, _, pos, valid = self.view()
         q = query_positions  # (B, Q)
@@ -262,13 +288,33 @@ class KVLayer:
             allowed &= near | (k_pos[:, :, None, :] < self.num_sink)
         if valid is not None:
             allowed &= valid[:, :, None, :]
-        if allowed.shape[1] > 1 and allowed.shape[1] != num_query_heads:
+        if num_query_heads is not None and 1 < allowed.shape[1] != num_query_heads:
             allowed = allowed.repeat_interleave(num_query_heads // allowed.shape[1], dim=1)
         return allowed
 
     def is_plain_causal(self, query_positions: Tensor) -> bool:
-        """True when this forward's queries are the only entries and form a contiguous causal block."""
-        return self.length == self.num_new == query_positions.shape[1] and self.window is None and self.valid is None
+        """True when this forward's queries are the last entries and see every earlier one: plain causal attention
+        with the queries as the last rows (lower-right), no mask needed.
+
+        Either the queries are the only entries (a first chunk), or the entries are one contiguous run of positions
+        that the queries continue (a later chunk of a plain cache, a prefix reused from a store) and no window
+        hides any of them.
+        """
+        if self.valid is not None or self.num_new != query_positions.shape[1]:
+            return False
+        if self.length == self.num_new and self.window is None:
+            return True
+        return self.run_start is not None and (self.window is None or self.length <= self.window)
+
+
+def _run_start(positions: Tensor) -> int | None:
+    """``p0`` when ``positions`` ``(B, H, S)`` is ``p0, p0 + 1, ...`` in every row and head, else None."""
+    s = positions.shape[-1]
+    if s == 0:
+        return None
+    p0 = int(positions.flatten()[0])
+    run = torch.arange(p0, p0 + s, device=positions.device)
+    return p0 if bool((positions == run).all()) else None
 
 
 class AttentionHook(Protocol):
@@ -326,6 +372,7 @@ class KVCache(Cache):
         self.next_position = 0  # position of the next token: tokens processed so far
         self.query_positions: Tensor | None = None  # (B, Q) positions of the forward in flight
         self._first_position = 0
+        self._contiguous = False  # the forward in flight has positions first, first + 1, ... in every row
         self.token_ids: list[int] = []  # tokens processed, in order (single-sequence caches)
         self.info: dict[str, Any] = {}  # facts about how the cache was built (press, reuse), for reports
         self.attention_hook: AttentionHook | None = None  # replaces the softmax in kvforge_attention (RAG)
@@ -344,7 +391,9 @@ class KVCache(Cache):
         """Append the new keys/values of ``layer_idx`` and return all of that layer's entries."""
         if self.query_positions is None or self._hf_layer is not None:
             return self._update_hf(key_states, value_states, layer_idx)
-        return self.layers[layer_idx].append(key_states, value_states, self.query_positions, self._first_position)
+        return self.layers[layer_idx].append(
+            key_states, value_states, self.query_positions, self._first_position, self._contiguous
+        )
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens processed (NOT entries held): what models use to place the next positions."""
@@ -440,6 +489,7 @@ class KVCache(Cache):
         """Announce the positions ``(B, Q)`` of the forward about to run."""
         self.query_positions = position_ids
         self._first_position = int(position_ids.min())
+        self._contiguous = _is_contiguous(position_ids, self._first_position)
 
     def end(self, input_ids: Tensor) -> None:
         """Close the forward: advance the processed count, remember the tokens."""
@@ -560,6 +610,14 @@ class KVCache(Cache):
         return cache
 
 
+def _is_contiguous(position_ids: Tensor, first: int) -> bool:
+    """True when every row of ``position_ids`` ``(B, Q)`` is ``first, first + 1, ...`` (one sync per forward)."""
+    if position_ids.numel() == 1:
+        return True
+    run = torch.arange(first, first + position_ids.shape[1], device=position_ids.device)
+    return bool((position_ids == run).all())
+
+
 class CacheSnapshot:
     """Remember a cache's content so extra forwards (lookahead drafts, reconstruction) can be undone exactly.
 
@@ -569,16 +627,16 @@ class CacheSnapshot:
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
         self.layers = [
-            (layer.keys, layer.values, layer.positions, layer.valid, layer.length, layer.is_headwise)
+            (layer.keys, layer.values, layer.positions, layer.valid, layer.length, layer.is_headwise, layer.run_start)
             for layer in cache.layers
         ]
         self.next_position = cache.next_position
         self.num_tokens = len(cache.token_ids)
 
     def restore(self) -> None:
-        for layer, (k, v, p, m, n, hw) in zip(self.cache.layers, self.layers, strict=True):
+        for layer, (k, v, p, m, n, hw, run) in zip(self.cache.layers, self.layers, strict=True):
             layer.keys, layer.values, layer.positions, layer.valid = k, v, p, m
-            layer.length, layer.is_headwise, layer.num_new = n, hw, 0
+            layer.length, layer.is_headwise, layer.num_new, layer.run_start = n, hw, 0, run
         self.cache.next_position = self.next_position
         del self.cache.token_ids[self.num_tokens :]
         self.cache.query_positions = None

@@ -90,7 +90,8 @@ def assemble(
         for li in range(len(keys)):
             stored = seg.positions[li][0]  # (L,) same for every head
             first = int(stored[0])
-            if stored.numel() != len(chunk_ids) or not torch.equal(stored, torch.arange(first, first + len(chunk_ids))):
+            run = torch.arange(first, first + len(chunk_ids), device=stored.device)
+            if stored.numel() != len(chunk_ids) or not torch.equal(stored, run):
                 raise ValueError(f"chunk {i}, layer {li}: stored positions are not {len(chunk_ids)} contiguous ones")
             delta = cursor - first
             if delta and rope is None:

@@ -1,0 +1,149 @@
+"""Which attention path a forward takes, and that each one computes exactly masked softmax attention.
+
+A later chunk of a plain cache runs on the causal kernels (lower-right, no mask); a cache that needs a mask
+(compressed, head-wise, window) still gets one, per KV head; decoding folds GQA groups into their KV head.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge import attention
+from kvforge.attention import attend, attention_scores, sdpa
+from kvforge.cache import CacheSnapshot, KVCache, KVLayer
+from kvforge.prefill import forward, prefill
+
+
+def _ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 99, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _qkv(q_len: int, k_len: int, heads: int = 4, kv_heads: int = 2, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(2, heads, q_len, 16, generator=g),
+        torch.randn(2, kv_heads, k_len, 16, generator=g),
+        torch.randn(2, kv_heads, k_len, 16, generator=g),
+    )
+
+
+def _reference(q, k, v, mask):
+    """Eager masked softmax attention, mask ``(B, 1 or H, Q, K)``: ``(B, Q, H, D)``."""
+    return attend(torch.softmax(attention_scores(q, k, mask, False, None, None), dim=-1), v)
+
+
+def _lower_right(q_len: int, k_len: int) -> torch.Tensor:
+    return torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)[None, None]
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+@pytest.mark.parametrize(("q_len", "k_len"), [(5, 12), (1, 9), (7, 7), (3, 4)])
+@pytest.mark.parametrize("cpu_flash", [True, False])
+def test_lower_right_causal_equals_the_masked_reference(monkeypatch, kv_heads, q_len, k_len, cpu_flash):
+    if not cpu_flash:  # the causal_lower_right path (what CUDA takes), run on CPU
+        monkeypatch.setattr(attention, "_cpu_flash_with_lse", lambda: None)
+    q, k, v = _qkv(q_len, k_len, kv_heads=kv_heads)
+    out = sdpa(q, k, v, None, q_len > 1, None)
+    torch.testing.assert_close(out, _reference(q, k, v, _lower_right(q_len, k_len)), atol=1e-5, rtol=0)
+
+
+def test_cpu_flash_probe_finds_the_kernel_here():
+    assert attention._cpu_flash_with_lse() is not None  # else the CPU fast path silently never runs
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_decode_folds_gqa_groups_with_a_per_kv_head_mask(kv_heads):
+    q, k, v = _qkv(1, 10, heads=4, kv_heads=kv_heads, seed=1)
+    mask = torch.rand(2, kv_heads, 1, 10, generator=torch.Generator().manual_seed(2)) < 0.6
+    mask[..., 0] = True
+    expected = _reference(q, k, v, mask.repeat_interleave(4 // kv_heads, 1))
+    torch.testing.assert_close(sdpa(q, k, v, mask, False, None), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(sdpa(q, k, v, None, False, None), _reference(q, k, v, None), atol=1e-5, rtol=0)
+
+
+def test_headwise_mask_is_per_kv_head():
+    layer = KVLayer()
+    keys = torch.randn(1, 2, 6, 4)
+    keep = torch.tensor([[[1, 1, 0, 1, 0, 1], [0, 1, 1, 1, 1, 1]]], dtype=torch.bool)
+    layer.replace_masked(keys, keys.clone(), torch.arange(6)[None], keep)
+    mask = layer.attention_mask(torch.tensor([[9]]))
+    assert mask is not None and tuple(mask.shape) == (1, 2, 1, 5)
+    assert tuple(layer.attention_mask(torch.tensor([[9]]), num_query_heads=4).shape) == (1, 4, 1, 5)
+
+
+def _no_mask(monkeypatch):
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("a plain cache built a mask")
+
+    monkeypatch.setattr(KVLayer, "attention_mask", refuse)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("chunk_size", [4, 16])
+def test_chunked_prefill_of_a_plain_cache_builds_no_mask_and_equals_one_shot(monkeypatch, chunk_size):
+    from kvforge.testing import tiny_model
+
+    model = tiny_model("llama")
+    ids = _ids(40, seed=3)
+    one = prefill(model, ids, KVCache.for_model(model), chunk_size=None)
+    _no_mask(monkeypatch)
+    cache = KVCache.for_model(model)
+    chunked = prefill(model, ids, cache, chunk_size=chunk_size)
+    torch.testing.assert_close(chunked, one, atol=1e-4, rtol=0)
+    assert all(layer.run_start == 0 for layer in cache.layers)
+    full = model(ids).logits[:, -1]  # transformers' own sdpa forward
+    torch.testing.assert_close(chunked, full, atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_a_prefix_loaded_from_a_segment_continues_on_the_causal_path(monkeypatch):
+    from kvforge.testing import tiny_model
+
+    model = tiny_model("qwen2")
+    ids = _ids(30, seed=4)
+    full = prefill(model, ids, KVCache.for_model(model), chunk_size=None)
+    first = KVCache.for_model(model)
+    prefill(model, ids[:, :18], first)
+    loaded = KVCache.from_segment(first.to_segment(), model)
+    assert all(layer.run_start == 0 for layer in loaded.layers)
+    _no_mask(monkeypatch)
+    torch.testing.assert_close(prefill(model, ids[:, 18:], loaded), full, atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_a_shortened_cache_is_not_plain_and_still_masks(model):
+    ids = _ids(20, seed=5)
+    cache = KVCache.for_model(model)
+    prefill(model, ids, cache)
+    for layer in cache.layers:
+        k, v, p, _ = layer.view()
+        keep = torch.tensor([i for i in range(p.shape[-1]) if i % 3 != 1])
+        layer.replace(k[:, :, keep].clone(), v[:, :, keep].clone(), p[:, :, keep].clone())
+        assert layer.run_start is None
+    # a two-token forward after the gap: its queries must not see the dropped entries, and see each other causally
+    out = forward(model, [5, 6], cache, logits_to_keep=2)
+    assert out.shape[1] == 2 and torch.isfinite(out).all()
+    assert not any(layer.is_plain_causal(torch.tensor([[20, 21]])) for layer in cache.layers)
+
+
+def test_run_start_follows_appends_aborts_and_snapshots():
+    cache = KVCache(1)
+    layer = cache.layers[0]
+    kv = torch.randn(1, 1, 3, 4)
+    cache.begin(torch.arange(3)[None])
+    cache.update(kv, kv, 0)
+    cache.end(torch.zeros(1, 3, dtype=torch.long))
+    assert layer.run_start == 0
+    snap = CacheSnapshot(cache)
+    cache.begin(torch.tensor([[7, 9]]))  # not contiguous: the run is broken
+    cache.update(kv[:, :, :2], kv[:, :, :2], 0)
+    assert layer.run_start is None
+    cache.end(torch.zeros(1, 2, dtype=torch.long))
+    snap.restore()
+    assert layer.run_start == 0 and layer.length == 3
+    cache.begin(torch.arange(3, 5)[None])
+    cache.update(kv[:, :, :2], kv[:, :, :2], 0)
+    assert layer.run_start == 0 and layer.is_plain_causal(torch.arange(3, 5)[None])
+    cache.abort()
+    assert layer.length == 3 and layer.run_start == 0
