@@ -49,7 +49,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def check_names(args: argparse.Namespace) -> None:
     """Check every name in ``args`` (press, methods, task, RAG strategies, dtype, model) against
     :mod:`kvforge.names`: a typo fails in a fraction of a second with "did you mean", before torch is imported.
-    The model comes last, so that a wrong press or task is named even when the model is a placeholder."""
+    The command's own option check (``args.check``, set by the subcommand; no torch) runs before the model's, so that
+    a wrong press, task or option is named even when the model is a placeholder."""
     from kvforge import names
 
     def as_list(value: Any) -> list[str]:
@@ -57,17 +58,23 @@ def check_names(args: argparse.Namespace) -> None:
             return []
         return [x.strip() for x in value.split(",") if x.strip()] if isinstance(value, str) else list(value)
 
-    for attr, check in (
-        ("press", names.check_press),
-        ("methods", names.check_press),
-        ("task", names.check_task),
-        ("rag", names.check_rag_strategy),
-        ("dtype", names.check_dtype),
-        ("model", names.check_model),
-        ("aux_model", names.check_model),
-    ):
-        for value in as_list(getattr(args, attr, None)):
-            check(value)
+    def check_all(checks: tuple[tuple[str, Any], ...]) -> None:
+        for attr, check in checks:
+            for value in as_list(getattr(args, attr, None)):
+                check(value)
+
+    check_all(
+        (
+            ("press", names.check_press),
+            ("methods", names.check_press),
+            ("task", names.check_task),
+            ("rag", names.check_rag_strategy),
+            ("dtype", names.check_dtype),
+        )
+    )
+    if callable(command_check := getattr(args, "check", None)):
+        command_check(args)
+    check_all((("model", names.check_model), ("aux_model", names.check_model)))
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Any]:

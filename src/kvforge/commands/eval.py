@@ -67,7 +67,7 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--quants", type=_names, default=["none", "int8", "int4"], help="--store-once: storage "
                    "quantisations (none, int8, int4, int2)")
     p.add_argument("--report-only", action="store_true", help="rebuild summary, plots and report from results.jsonl")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, check=_check)
 
 
 def load_engine(args: argparse.Namespace) -> Any:
@@ -96,11 +96,10 @@ def _check(args: argparse.Namespace) -> None:
 
 def _check_rag(args: argparse.Namespace) -> None:
     """RAG options, before any model loads; options that only apply to presses are refused, not ignored."""
-    from kvforge.rag import STRATEGIES
+    from kvforge.names import check_rag_strategy
 
-    unknown = [s for s in args.rag if s not in STRATEGIES]
-    if unknown:
-        raise UserError(f"unknown RAG strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+    for name in args.rag:
+        check_rag_strategy(name)
     if not args.recompute_ratios or any(not 0.0 <= r <= 1.0 for r in args.recompute_ratios):
         raise UserError(f"--recompute-ratios must lie in [0, 1], got {args.recompute_ratios}")
     if args.query_agnostic:
