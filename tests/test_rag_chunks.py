@@ -71,3 +71,15 @@ def test_store_hit_reuses_and_checks_ids():
     other = ChunkCache(model, "model-b", store)
     other.chunk(p.prefix_ids, p.chunk_ids[0])
     assert other.num_misses == 1
+
+
+def test_loading_chunks_reports_progress_over_their_tokens():
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    rag = ChunkReuse(model, tok)
+    calls: list[tuple[int, int]] = []
+    rag.on_chunk_loaded = lambda done, total: calls.append((done, total))
+    p = rag.build_prompt(DOCS, "Where?")
+    rag.load(p)
+    sizes = [len(c) for c in p.chunk_ids]
+    total = sum(sizes)
+    assert calls == [(sum(sizes[: i + 1]), total) for i in range(len(sizes))]  # one call per chunk, ending at total

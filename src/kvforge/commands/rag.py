@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvforge.commands._common import add_model_args, load, read_text_file
+from kvforge.commands._common import add_model_args, load, prefill_progress, read_text_file
 from kvforge.errors import UserError
 from kvforge.names import RAG_STRATEGY_NAMES
 
@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
         kwargs["aux"] = ChunkReuse(*load(aux_args), store=store)
     method = make_strategy(args.strategy, args.recompute_ratio, **kwargs)
     rag = ChunkReuse(model, tokenizer, store, model_id=engine.model_id, method=method)
+    rag.on_chunk_loaded = prefill_progress()  # a bar over the documents' tokens (computed or loaded) when long
     separator = args.separator.encode().decode("unicode_escape")
     gen = engine.answer_chunks(
         docs, args.question, rag=rag, system=args.system, separator=separator, max_new_tokens=args.max_new_tokens

@@ -12,7 +12,7 @@ server requests all go through ``Engine``:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +84,7 @@ class ChunkReuse:
         self.chunks = ChunkCache(model, self.model_id, store)
         self.method = make_strategy(method, recompute_ratio) if isinstance(method, str) else method
         self._rope: RopeSpec | None = None
+        self.on_chunk_loaded: Callable[[int, int], None] | None = None  # progress: (chunk tokens done, total)
 
     @property
     def name(self) -> str:
@@ -125,10 +126,13 @@ class ChunkReuse:
         """Fetch the prefix and chunk KV (computing misses) and place them at their positions in ``prompt``."""
         with torch.inference_mode():
             prefix = self.chunks.prefix(prompt.prefix_ids)
-            segments = [
-                self.chunks.chunk(prompt.prefix_ids, c, prompt.chunk_texts[i] if prompt.chunk_texts else None)
-                for i, c in enumerate(prompt.chunk_ids)
-            ]
+            segments, done, total = [], 0, sum(len(c) for c in prompt.chunk_ids)
+            for i, c in enumerate(prompt.chunk_ids):  # a stored chunk is loaded, a missing one computed and stored
+                text = prompt.chunk_texts[i] if prompt.chunk_texts else None
+                segments.append(self.chunks.chunk(prompt.prefix_ids, c, text))
+                done += len(c)
+                if self.on_chunk_loaded is not None:
+                    self.on_chunk_loaded(done, total)
             device = next(self.model.parameters()).device
             segments = [s.to(device) for s in segments]
             prefix = prefix.to(device) if prefix is not None else None
