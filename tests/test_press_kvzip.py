@@ -216,7 +216,9 @@ class TextbookReplay:
         self.bounds, self.normalise, self.sinks, self.chunk, self.scores = bounds, normalise, sinks, None, {}
 
     def __call__(self, module, query, key, value, mask, is_causal, scaling, softcap):
-        assert not is_causal  # the context is in the cache: replay forwards always come with a mask
+        if is_causal:  # a plain cache continued: the queries are the last rows (lower-right causal, no mask built)
+            assert mask is None
+            mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool).tril(key.shape[2] - query.shape[2])
         g = query.shape[1] // key.shape[1]
         k, v = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
         logits = (query.double() @ k.double().transpose(-1, -2)) * scaling
