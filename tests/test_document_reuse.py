@@ -175,3 +175,14 @@ def test_stored_document_gives_in_process_logits_on_smollm2(smollm2, tmp_path):
     cache, _ = Engine(model, tokenizer).prefill(ctx_ids, press=press)
     _, expected = Engine(model, tokenizer).prefill(q_ids, cache)
     assert torch.equal(stored, expected)
+
+
+def test_answer_many_with_a_store_goes_through_the_main_path(model, tokenizer, tmp_path):
+    press = build_press("knorm", compression_ratio=0.5)
+    engine = _engine(model, tokenizer, open_store(f"file://{tmp_path}"))
+    many = engine.answer_many(DOC, QUESTIONS, press=press, max_new_tokens=4)
+    plain = _engine(model, tokenizer)
+    alone = [plain.answer(DOC, q, press=press, query_aware=False, max_new_tokens=4) for q in QUESTIONS]
+    assert [g.token_ids for g in many] == [g.token_ids for g in alone]
+    assert many[0].info["reuse"]["kind"] == "miss"  # the first answer stores the compressed document
+    assert many[1].reused_tokens > 0 and many[1].info["reuse"]["compressed"]  # the second loads it

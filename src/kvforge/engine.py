@@ -312,10 +312,17 @@ class Engine:
         query-agnostic) once, then each question is prefilled and decoded on it and undone before the next one.
 
         Each answer equals ``answer(context, q, press=press, query_aware=False)``; the first answer's TTFT includes
-        the context's prefill, later ones only their question's.
+        the context's prefill, later ones only their question's. With a reuse strategy the main path does it: the
+        (compressed) document is stored by the first answer and loaded by every later one, as :meth:`answer` does.
         """
         if not questions:
             return []
+        if self.reuse is not None:
+            return [
+                self.answer(context, q, press=press, query_aware=False, system=system, answer_prefix=answer_prefix,
+                            max_new_tokens=max_new_tokens, sampling=sampling, stop=stop)
+                for q in questions
+            ]  # fmt: skip
         ctx_ids, _ = self.encode_qa(context, questions[0], system=system, answer_prefix=answer_prefix)
         start = time.perf_counter()
         cache, _ = self.prefill(ctx_ids, press=press)
