@@ -15,11 +15,14 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvforge.cache import KVCache
 from kvforge.reuse.base import PromptContext, ReusePlan, digest, encode_ids, miss_plan
 from kvforge.store.quant import GroupScheme, parse_scheme
+
+if TYPE_CHECKING:
+    from kvforge.store.base import KVStore
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ class DocumentReuse:
         device: where loaded entries go (the model's device); None = as stored.
     """
 
-    store: Any
+    store: KVStore
     model_id: str
     device: Any = None
 

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvforge.cache import KVCache
 from kvforge.reuse.base import (
@@ -36,6 +36,9 @@ from kvforge.reuse.base import (
 from kvforge.reuse.document import DocumentReuse
 from kvforge.types import KVSegment
 
+if TYPE_CHECKING:
+    from kvforge.store.base import KVStore
+
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "prefix-v1-"
@@ -52,7 +55,7 @@ class PrefixReuse:
         device: where loaded entries go (the model's device); None = as stored.
     """
 
-    store: Any
+    store: KVStore
     model_id: str
     block_size: int = 256
     device: Any = None

@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -54,6 +54,9 @@ from kvforge.reuse.base import (
 from kvforge.reuse.guards import DEFAULT_GUARDS, check, words
 from kvforge.reuse.index import IndexEntry, SemanticIndex, read_record, record_bytes
 from kvforge.types import KVSegment
+
+if TYPE_CHECKING:
+    from kvforge.store.base import KVStore
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +95,7 @@ class SemanticReuse:
             older than this (it also runs on open, after each write and when a damaged record is met).
     """
 
-    store: Any
+    store: KVStore
     model_id: str
     embedder: Embedder
     mode: Literal["canonical", "context"] = "canonical"
