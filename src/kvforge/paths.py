@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 DATA_ENV = "KVFORGE_DATA_DIR"
 CACHE_ENV = "KVFORGE_CACHE_DIR"
@@ -37,6 +40,27 @@ def haystack_files(data_dir: Path | None = None) -> list[Path]:
         if files:
             return files
     return []
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def task_data_folder(data_dir: Path, folder: str) -> Path:
+    """``data_dir/folder`` (a converted task's data, e.g. ``squad_v2_dev``); when the data folder has none, the small
+    sample of the same layout bundled with the package (a few examples written on the public-domain haystack), with
+    one warning per folder and data folder that this is a smoke-test sample and how to point at the full data."""
+    path = Path(data_dir) / folder
+    if path.is_dir():
+        return path
+    key = (str(Path(data_dir).resolve()), folder)
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(
+            "no %s/ folder under %s: using the small bundled sample (a smoke test, not a benchmark); "
+            "point --data-dir or $%s at the full evaluation data",
+            folder, data_dir, DATA_ENV,
+        )  # fmt: skip
+    return bundled_data_dir() / folder
 
 
 def cache_dir() -> Path:

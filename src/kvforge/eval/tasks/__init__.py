@@ -10,7 +10,6 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from kvforge.errors import UserError
 from kvforge.eval.data import Example
 from kvforge.eval.tasks.base import Measure, TaskConfig
 from kvforge.eval.tasks.longbench import QA_SETS, SUMM_SETS, leval_task, longbench_task
@@ -19,6 +18,7 @@ from kvforge.eval.tasks.needle import multi_needle_task, needle_docs_task, needl
 from kvforge.eval.tasks.ruler import common_words_task, ruler_mix, variable_tracking_task
 from kvforge.eval.tasks.squad import squad_task
 from kvforge.names import check_task
+from kvforge.paths import task_data_folder
 
 TASKS: dict[str, Callable[[TaskConfig], list[Example]]] = {
     "needle": needle_task,
@@ -51,15 +51,13 @@ TASK_DATA: dict[str, str] = {
 
 
 def check_task_data(names: list[str], data_dir: Path) -> None:
-    """Fail before any model loads when a converted task's data folder is missing (one line naming the folder)."""
+    """Check task names before any model loads; a converted task whose data folder is missing says once here (not
+    after the model load) that it runs on the bundled sample (:func:`kvforge.paths.task_data_folder`)."""
     for name in names:
         check_task(name)  # the names live in kvforge.names (checkable without torch)
         folder = TASK_DATA.get(name)
-        if folder is not None and not (Path(data_dir) / folder).is_dir():
-            raise UserError(
-                f"task {name!r} needs the {folder}/ folder of the evaluation data, not found under {data_dir} "
-                "(set --data-dir or $KVFORGE_DATA_DIR)"
-            )
+        if folder is not None:
+            task_data_folder(Path(data_dir), folder)
 
 
 def build_task(name: str, config: TaskConfig) -> list[Example]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvforge.eval.data import Example
 from kvforge.eval.tasks.base import Measure, TaskConfig, interleave, read_jsonl, truncate_middle
+from kvforge.paths import task_data_folder
 
 _MULTIDOC = (
     "Answer the question based on the given passages. Only give me the answer and do not output any other words."
@@ -79,7 +80,7 @@ def longbench_example(row: dict[str, Any], measure: Measure, max_context_size: i
 def longbench_task(cfg: TaskConfig, datasets: tuple[str, ...] = QA_SETS) -> list[Example]:
     """Every shared LongBench row of ``datasets``, interleaved across datasets."""
     measure = Measure(cfg.tokenizer)
-    folder = cfg.data_dir / "longbench"
+    folder = task_data_folder(cfg.data_dir, "longbench")
     rows = [read_jsonl(folder / f"{d}.jsonl") for d in datasets]
     return interleave([[longbench_example(r, measure, cfg.max_context_size) for r in group] for group in rows])
 
@@ -105,7 +106,7 @@ def leval_examples(row: dict[str, Any], measure: Measure, max_context_size: int 
 def leval_task(cfg: TaskConfig) -> list[Example]:
     """Every shared L-Eval question, interleaved across the task files."""
     measure = Measure(cfg.tokenizer)
-    files = sorted((cfg.data_dir / "leval_multiquestion").glob("*.jsonl"))
+    files = sorted(task_data_folder(cfg.data_dir, "leval_multiquestion").glob("*.jsonl"))
     return interleave(
         [[e for r in read_jsonl(f) for e in leval_examples(r, measure, cfg.max_context_size)] for f in files]
     )

@@ -6,6 +6,7 @@ from typing import Any
 
 from kvforge.eval.data import CHUNK_SEPARATOR, Example
 from kvforge.eval.tasks.base import TaskConfig, read_jsonl
+from kvforge.paths import task_data_folder
 
 QUESTION = (
     "Answer the question based on the given passages. Only give me the answer and do not output any other words."
@@ -30,4 +31,4 @@ def musique_example(row: dict[str, Any]) -> Example:
 
 def musique_task(cfg: TaskConfig) -> list[Example]:
     """All shared questions in file order."""
-    return [musique_example(r) for r in read_jsonl(cfg.data_dir / "musique_rag" / "musique_s.jsonl")]
+    return [musique_example(r) for r in read_jsonl(task_data_folder(cfg.data_dir, "musique_rag") / "musique_s.jsonl")]

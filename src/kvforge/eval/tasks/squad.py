@@ -6,6 +6,7 @@ from typing import Any
 
 from kvforge.eval.data import Example
 from kvforge.eval.tasks.base import TaskConfig, read_jsonl
+from kvforge.paths import task_data_folder
 
 
 def squad_examples(row: dict[str, Any], include_impossible: bool = False) -> list[Example]:
@@ -27,6 +28,6 @@ def squad_examples(row: dict[str, Any], include_impossible: bool = False) -> lis
 
 def squad_task(cfg: TaskConfig) -> list[Example]:
     """All answerable shared questions, paragraph by paragraph, shuffled by the seed (paragraphs stay together)."""
-    rows = read_jsonl(cfg.data_dir / "squad_v2_dev" / "dev.jsonl")
+    rows = read_jsonl(task_data_folder(cfg.data_dir, "squad_v2_dev") / "dev.jsonl")
     cfg.rng("squad").shuffle(rows)
     return [e for r in rows for e in squad_examples(r)]
