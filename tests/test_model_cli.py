@@ -91,9 +91,9 @@ def test_help_and_version_do_not_import_torch():
             ["eval", "--model", "smollm2-135m", "--task", "needle", "--methods", "criticalk", "--out", "OUT"],
             "'criticalkv'",
         ),
-        (
-            ["eval", "--model", "smollm2-135m", "--task", "longbench-qa", "--data-dir", "OUT", "--out", "OUT"],
-            "longbench/ folder",
+        (  # a data folder without longbench/ now falls back to the bundled sample (tests/test_eval_samples.py)
+            ["eval", "--model", "smollm2-135m", "--task", "squad", "--compression-ratios", "1.5", "--out", "OUT"],
+            "--compression-ratios must lie in (0, 1)",
         ),
         (["generate", "--model", "smollm2-135", "--prompt", "hi"], "did you mean 'smollm2-135m'"),
     ],
