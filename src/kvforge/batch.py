@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvforge.attention import kvforge_attention, kvforge_attention_scope
+from kvforge.attention import kvforge_attention
 from kvforge.cache import KVCache
 from kvforge.decode import DecodeState
-from kvforge.prefill import _MASKS_FROM_CACHE
+from kvforge.prefill import call_model
 
 __all__ = ["BatchedCache", "Sequence", "decode_step", "forward_batch"]
 
@@ -87,16 +87,7 @@ def forward_batch(model: Any, token_ids: Seq[int], caches: Seq[KVCache]) -> Tens
         cache.begin(positions[i : i + 1])
     view = BatchedCache(caches)
     try:
-        with kvforge_attention_scope(model):
-            out = model(
-                input_ids=ids,
-                position_ids=positions,
-                past_key_values=view,
-                use_cache=True,
-                kv_cache=view,
-                logits_to_keep=1,
-                attention_mask=_MASKS_FROM_CACHE,
-            )
+        out = call_model(model, ids, positions, view, logits_to_keep=1)
     except BaseException:
         for cache in caches:
             cache.abort()

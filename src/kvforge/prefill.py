@@ -46,21 +46,29 @@ def forward(
         position_ids = torch.arange(cache.next_position, cache.next_position + s, device=ids.device)[None].expand(b, -1)
     cache.begin(position_ids)
     try:
-        with kvforge_attention_scope(model):
-            out = model(
-                input_ids=ids,
-                position_ids=position_ids,
-                past_key_values=cache,
-                use_cache=True,
-                kv_cache=cache,
-                logits_to_keep=logits_to_keep,
-                **({"attention_mask": _MASKS_FROM_CACHE} | model_kwargs),
-            )
+        out = call_model(model, ids, position_ids, cache, logits_to_keep, **model_kwargs)
     except BaseException:
         cache.abort()  # roll back the entries this forward appended: the cache stays usable
         raise
     cache.end(ids)
     return out.logits
+
+
+def call_model(
+    model: Any, input_ids: Tensor, position_ids: Tensor, cache: Any, logits_to_keep: int, **model_kwargs: Any
+) -> Any:
+    """The model's forward on a kvforge cache (a :class:`KVCache`, or a batched view of several) with kvforge's
+    attention, which builds its masks from the cache's positions (the model's own mask construction is skipped)."""
+    with kvforge_attention_scope(model):
+        return model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            kv_cache=cache,
+            logits_to_keep=logits_to_keep,
+            **({"attention_mask": _MASKS_FROM_CACHE} | model_kwargs),
+        )
 
 
 def prefill(
