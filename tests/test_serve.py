@@ -432,10 +432,17 @@ def test_health_answers_while_a_big_request_is_processed(server: LiveServer) -> 
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * 2**18}], "max_tokens": 2})
     result: dict[str, Any] = {}
 
-    def send() -> None:  # 1.3 MiB: seconds of tokenising with the tiny tokenizer
+    def slowly() -> Any:  # 1.3 MiB sent in 8 parts over ~0.8 s: the request is surely in flight while /health is asked
+        step = len(body) // 8 + 1
+        for i in range(0, len(body), step):
+            yield body[i : i + step].encode()
+            time.sleep(0.1)
+
+    def send() -> None:
         result["r"] = httpx.post(
-            server.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=120
-        )
+            server.url + "/v1/chat/completions", content=slowly(), headers={"content-type": "application/json"},
+            timeout=120,
+        )  # fmt: skip
 
     sender = threading.Thread(target=send)
     sender.start()
