@@ -135,7 +135,8 @@ class ByteStore(ABC):
         """Decode stored bytes; a corrupt entry is removed and reported once as a warning (None)."""
         try:
             digest = getattr(data, "payload_checksum", None)  # computed while reading (disk)
-            return codec.decode(data, verify=self.verifies_checksum, payload_checksum=digest)
+            parsed = getattr(data, "parsed", None)  # the header, parsed while reading (disk)
+            return codec.decode(data, verify=self.verifies_checksum, payload_checksum=digest, parsed=parsed)
         except CorruptSegmentError as e:
             log.warning("%s store: entry %s is corrupt (%s); treated as a miss and removed", self.scheme, key, e)
             self.num_corrupt += 1

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -220,8 +220,18 @@ def header_size(prefix: bytes | bytearray | memoryview) -> int:
     return int(size + n)
 
 
-def _parse(data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
-    """(kvforge header, tensor index or None for formats 1 and 2, offset of the tensor data or older payload)."""
+class Parsed(NamedTuple):
+    """What the bytes before the tensor data say: the kvforge header, the tensor index (None for formats 1 and 2),
+    where the tensor data (or the older formats' payload) starts, and the header's JSON text as stored."""
+
+    header: dict[str, Any]
+    index: dict[str, Any] | None
+    start: int
+    text: str | bytes
+
+
+def _parse(data: bytes | bytearray | memoryview) -> Parsed:
+    """Parse the header and tensor index of an encoded segment (not the tensors)."""
     end = header_size(data)
     if len(data) < end:
         raise CorruptSegmentError(
@@ -241,17 +251,36 @@ def _parse(data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[s
         raise CorruptSegmentError(f"segment header is not valid JSON: {e}") from e
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise CorruptSegmentError("segment header does not describe a kvforge segment")
-    return header, index, end
+    return Parsed(header, index, end, text)
 
 
-def payload_hasher(prefix: bytes | bytearray | memoryview) -> tuple[int, Any]:
-    """For a reader that hashes while reading: (offset of the tensor data, an incremental hasher already fed what the
-    checksum covers before that offset). Feeding it every byte from the offset on gives the digest ``decode`` checks."""
-    header, index, start = _parse(prefix)
-    h = hasher(header["checksum_algo"])
-    if index is not None:
-        h.update(index_json(index))
-    return start, h
+def payload_hasher(prefix: bytes | bytearray | memoryview) -> tuple[Parsed, Any]:
+    """For a reader that hashes while reading: (the parsed header, an incremental hasher already fed what the
+    checksum covers before ``parsed.start``). Feeding it every byte from ``parsed.start`` on gives the digest
+    ``decode`` checks; the reader hands both to ``decode`` (``parsed=``, ``payload_checksum=``), which then parses
+    nothing again."""
+    parsed = _parse(prefix)
+    h = hasher(parsed.header["checksum_algo"])
+    if parsed.index is not None:
+        h.update(index_json(parsed.index))
+    return parsed, h
+
+
+def _header_checksum_ok(parsed: Parsed) -> bool:
+    """Whether the header's ``header_checksum`` matches the header.
+
+    The checksum covers the header's JSON without its ``header_checksum`` entry (the last one, as ``encode`` writes
+    it). When the stored text ends with that entry, the covered bytes are the stored text without it (no re-encoding
+    of the header, whose token ids make it long); otherwise, or if that does not match (an older writer's spacing),
+    the header is re-encoded as ``encode`` does."""
+    header = parsed.header
+    expected, algo = header.get("header_checksum"), header["checksum_algo"]
+    text = parsed.text
+    if isinstance(text, str) and isinstance(expected, str):
+        tail = f',"header_checksum":"{expected}"}}'
+        if text.endswith(tail) and checksum([(text[: -len(tail)] + "}").encode()], algo) == expected:
+            return True
+    return bool(checksum([_header_json(header)], algo) == expected)
 
 
 def read_header(data: bytes | bytearray | memoryview) -> dict[str, Any]:
@@ -304,6 +333,7 @@ def decode(
     expect_dtype: torch.dtype | None = None,
     verify: bool = True,
     payload_checksum: tuple[int, str] | None = None,
+    parsed: Parsed | None = None,
 ) -> KVSegment:
     """Decode bytes made by :func:`encode` into a CPU segment, bit-exact (quantised ones back in their dtype).
 
@@ -311,12 +341,15 @@ def decode(
     ``payload_checksum``: ``(offset, hex digest)`` of the bytes from ``offset`` to the end under the header's
     algorithm, computed by the caller while it read them (the disk store hashes each chunk as it arrives, while it is
     in cache); used instead of hashing again when ``offset`` is where the payload starts, ignored otherwise.
+    ``parsed``: what :func:`payload_hasher` parsed from the first bytes of this same ``data`` (not parsed again).
 
     Raises:
         ModelMismatchError: another format version, or not the expected model / tokenizer / dtype.
         CorruptSegmentError: truncated or garbled bytes, or a payload whose checksum differs from the header's.
     """
-    header, index, start = _parse(data)
+    if parsed is None:
+        parsed = _parse(data)
+    header, index, start = parsed.header, parsed.index, parsed.start
     check_header(header, expect_model_id, expect_tokenizer_id, expect_dtype)
     buf = memoryview(data).cast("B")
     payload = buf[start:]
@@ -327,18 +360,19 @@ def decode(
             raise CorruptSegmentError(
                 f"segment truncated: payload is {len(payload)} bytes, header says {header['payload_bytes']}"
             )
-        header_sum = header.get("header_checksum")
         algo = header["checksum_algo"]
-        if verify and header["version"] >= 2 and checksum([_header_json(header)], algo) != header_sum:
+        if verify and header["version"] >= 2 and not _header_checksum_ok(parsed):
             raise CorruptSegmentError("segment header checksum mismatch (the stored header was altered)")
         if verify:
             # a digest computed while reading (see payload_hasher) covers exactly ``covered``
             given = payload_checksum is not None and payload_checksum[0] == len(buf) - len(payload)
-            covered = [payload] if index is None else [index_json(index), payload]
-            digest = payload_checksum[1] if given else checksum(covered, algo)  # type: ignore[index]
+            if given:
+                digest = payload_checksum[1]  # type: ignore[index]
+            else:
+                digest = checksum([payload] if index is None else [index_json(index), payload], algo)
             if digest != header["checksum"]:
                 raise CorruptSegmentError("segment checksum mismatch (the stored bytes were altered)")
-        tensors = read_payload(payload if index is None else buf)
+        tensors = read_payload(payload) if index is None else read_payload(buf, (index, start))
         return _segment_from(header, tensors)
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         if isinstance(e, CorruptSegmentError):
@@ -362,9 +396,11 @@ def _segment_from(header: dict[str, Any], tensors: dict[str, Tensor]) -> KVSegme
             v = dequantize(tensors[f"v.{i}"], tensors[f"v.{i}.scale"], v_dtype)
         if list(k.shape) != info["k_shape"] or list(v.shape) != info["v_shape"] or k.dtype != dtype:
             raise CorruptSegmentError(f"layer {i}: stored tensors do not match the header")
-        p = tensors[f"p.{i}"].to(_dtype_from_name(info["p_dtype"]))
-        if info["p_shared"]:
-            p = p.expand(info["k_shape"][0], -1).contiguous()
+        p, p_dtype = tensors[f"p.{i}"], _dtype_from_name(info["p_dtype"])
+        if info["p_shared"]:  # one row for every head: widened and repeated in one pass
+            p = torch.empty((info["k_shape"][0], p.shape[1]), dtype=p_dtype).copy_(p.expand(info["k_shape"][0], -1))
+        else:
+            p = p.to(p_dtype)
         keys.append(k)
         values.append(v)
         positions.append(p)

@@ -43,26 +43,38 @@ SEG_SUFFIX, BLOB_SUFFIX, TMP_SUFFIX = ".kvseg", ".blob", ".tmp"
 STALE_TMP_S = 3600.0  # a tmp file older than this is a crashed write: removed on open
 _READ_ONLY_ERRNOS = (errno.EACCES, errno.EROFS, errno.EPERM)
 READ_CHUNK = 8 << 20  # hashed on a helper thread while the next chunk is read (1 MiB: hand-offs cost more)
+LAST_CHUNK = 1 << 20  # the last chunks shrink down to this: hashing the last one is what the read cannot hide
 
 
 class SegmentBytes(np.ndarray):
-    """The bytes of a segment file (uint8, writable: decoded tensors are views into it) and ``payload_checksum``,
-    ``(offset, digest)`` of the bytes after its header computed while reading (None when the header named none)."""
+    """The bytes of a segment file (uint8, writable: decoded tensors are views into it), with what was learnt while
+    reading them: ``payload_checksum``, ``(offset, digest)`` of the bytes after the header, and ``parsed``, the
+    header as :func:`codec.payload_hasher` parsed it (both None when the header could not be parsed: decode checks)."""
 
     payload_checksum: tuple[int, str] | None = None
+    parsed: codec.Parsed | None = None
 
 
-def _read_hashing(f: Any, buf: memoryview) -> tuple[int, tuple[int, str] | None]:
+def _chunk_size(remaining: int) -> int:
+    """Bytes to read next: ``READ_CHUNK``, halving over the last ``2 * READ_CHUNK`` down to ``LAST_CHUNK``, so the
+    hash of the last chunk (done after the read ends) is short."""
+    if remaining > 2 * READ_CHUNK:
+        return READ_CHUNK
+    return min(remaining, max(LAST_CHUNK, remaining // 2))
+
+
+def _read_hashing(f: Any, buf: memoryview) -> tuple[int, codec.Parsed | None, tuple[int, str] | None]:
     """Fill ``buf`` from ``f`` in chunks, hashing what follows the segment's header as it arrives under the algorithm
-    the header names; (bytes read, (offset, digest) or None). Anything odd in the header: no digest (decode checks).
+    the header names; (bytes read, parsed header, (offset, digest)); both None when anything in the header is odd
+    (decode then parses and checks it again).
 
     Each chunk is hashed on a helper thread while the next one is read (both release the GIL), so the checksum
     hides behind the read instead of adding to it."""
-    n, start, h = 0, 0, None
+    n, start, h, parsed = 0, 0, None, None
     pending: Future[Any] | None = None
     try:
         while n < len(buf):
-            got = f.readinto(buf[n : n + READ_CHUNK])
+            got = f.readinto(buf[n : n + _chunk_size(len(buf) - n)])
             if not got:
                 break
             if h is not None:
@@ -75,14 +87,14 @@ def _read_hashing(f: Any, buf: memoryview) -> tuple[int, tuple[int, str] | None]
                     if not start and n >= 16:
                         start = codec.header_size(buf[:16])
                     if start and n >= start:
-                        start, h = codec.payload_hasher(buf[:start])
+                        parsed, h = codec.payload_hasher(buf[:start])
                         h.update(buf[start:n])
                 except Exception:
-                    start = -1
+                    start, parsed = -1, None
     finally:
         if pending is not None:
             pending.result()
-    return n, None if h is None else (start, str(h.hexdigest()))
+    return n, parsed, None if h is None else (start, str(h.hexdigest()))
 
 
 @functools.cache
@@ -265,13 +277,13 @@ class DiskStore(ByteStore):
                     while n < size and (got := f.readinto(buf.data[n:])):
                         n += got
                     return buf.data[:n]
-                n, digest = _read_hashing(f, buf.data)
+                n, parsed, digest = _read_hashing(f, buf.data)
         except FileNotFoundError:
             if kind == "seg":
                 self._forget(key)
             return None
         data = buf[:n].view(SegmentBytes)
-        data.payload_checksum = digest
+        data.payload_checksum, data.parsed = digest, parsed
         with contextlib.suppress(OSError):  # gone meanwhile, or a read-only folder: the hit still counts
             self._stamp(path)  # the mtime is the last use: the LRU order survives restarts
         with self.lock:

@@ -92,11 +92,12 @@ def parse_index(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], in
     return index, 8 + n
 
 
-def read_payload(buf: memoryview) -> dict[str, Tensor]:
-    """Tensors of a safetensors buffer: views into ``buf`` when it is writable, else into one copy of it."""
+def read_payload(buf: memoryview, parsed: tuple[dict[str, Any], int] | None = None) -> dict[str, Tensor]:
+    """Tensors of a safetensors buffer: views into ``buf`` when it is writable, else into one copy of it.
+    ``parsed``: ``parse_index(buf)`` when the caller has it already."""
     if buf.readonly:  # one allocation and one copy for the whole payload, not one per tensor
         buf = np.frombuffer(buf, dtype=np.uint8).copy().data
-    index, start = parse_index(buf)
+    index, start = parse_index(buf) if parsed is None else parsed
     out = {}
     for name, spec in index.items():
         if name == METADATA:
@@ -112,6 +113,9 @@ def read_payload(buf: memoryview) -> dict[str, Tensor]:
         if count == 0:
             out[name] = torch.empty(shape, dtype=dtype)
             continue
-        t = torch.frombuffer(buf, dtype=torch.uint8, count=end - begin, offset=start + begin)
-        out[name] = t.view(dtype).reshape(shape)
+        if (start + begin) % dtype.itemsize == 0:  # aligned (kvforge's writer always aligns): one view
+            out[name] = torch.frombuffer(buf, dtype=dtype, count=count, offset=start + begin).view(shape)
+        else:  # ``view(dtype)`` refuses a misaligned start (RuntimeError: the caller reports it as corrupt)
+            t = torch.frombuffer(buf, dtype=torch.uint8, count=end - begin, offset=start + begin)
+            out[name] = t.view(dtype).reshape(shape)
     return out
