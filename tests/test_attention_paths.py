@@ -147,3 +147,35 @@ def test_run_start_follows_appends_aborts_and_snapshots():
     assert layer.run_start == 0 and layer.is_plain_causal(torch.arange(3, 5)[None])
     cache.abort()
     assert layer.length == 3 and layer.run_start == 0
+
+
+def test_the_placeholder_mask_follows_the_model_inputs_device():
+    """kvforge hands the model a placeholder ``attention_mask``: it must be on the inputs' device (a CPU tensor
+    passed to a CUDA model breaks any model code that touches it). The meta device stands in for CUDA here: mixing
+    a CPU tensor into meta computations raises, as CUDA would. The forward is stopped before it runs (meta tensors
+    hold no values), after the model has received its arguments."""
+    from kvforge.prefill import call_model, masks_from_cache
+    from kvforge.testing import tiny_model
+
+    model = tiny_model("llama").to("meta")
+    seen: dict[str, torch.Tensor] = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(module, args, kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    handle = model.register_forward_pre_hook(capture, with_kwargs=True)
+    ids = torch.tensor([[1, 2, 3]], device="meta")
+    try:
+        with pytest.raises(Stop):
+            call_model(model, ids, torch.arange(3, device="meta")[None], KVCache(2), logits_to_keep=1)
+    finally:
+        handle.remove()
+    mask = seen["attention_mask"]
+    assert mask.device.type == "meta" and mask.dtype == torch.bool and mask.shape == (1, 1, 1, 1)
+    assert masks_from_cache(torch.device("cpu")).device.type == "cpu"
+    assert masks_from_cache(torch.device("meta")) is mask  # made once per device
+    assert not mask.is_inference()  # usable outside inference mode too

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -12,10 +13,19 @@ from kvforge.attention import kvforge_attention_scope
 from kvforge.cache import KVCache
 
 DEFAULT_CHUNK_SIZE = 512
-# kvforge's forwards build every mask from the cache's positions (kvforge.attention). Handing the model an already
-# "prepared" 4D mask makes transformers skip its own mask construction for them (which would need the cache's sizes
-# and cost a (Q, K) mask per forward); kvforge_attention ignores it whenever a kvforge cache is passed.
-_MASKS_FROM_CACHE = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
+
+@functools.cache
+def masks_from_cache(device: torch.device) -> Tensor:
+    """The ``attention_mask`` kvforge hands the model: a (1, 1, 1, 1) boolean placeholder on ``device``.
+
+    kvforge's forwards build every mask from the cache's positions (kvforge.attention). Handing the model an already
+    "prepared" 4D mask makes transformers skip its own mask construction for them (which would need the cache's sizes
+    and cost a (Q, K) mask per forward); kvforge_attention ignores it whenever a kvforge cache is passed. It lives on
+    the model's input device (one per device, made once), so no model code ever meets a CPU tensor beside CUDA ones;
+    made outside inference mode so that a forward with autograd may use it too."""
+    with torch.inference_mode(False):
+        return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
 
 def _as_batch(input_ids: Tensor | list[int]) -> Tensor:
@@ -67,7 +77,7 @@ def call_model(
             use_cache=True,
             kv_cache=cache,
             logits_to_keep=logits_to_keep,
-            **({"attention_mask": _MASKS_FROM_CACHE} | model_kwargs),
+            **({"attention_mask": masks_from_cache(input_ids.device)} | model_kwargs),
         )
 
 

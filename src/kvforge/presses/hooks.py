@@ -163,7 +163,9 @@ class ReplayAttention:
             mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device)
             mask = mask.tril(key.shape[2] - query.shape[2])[None, None]
         if query.device.type == "cpu" and softcap is None and _FLASH_WITH_LSE is not None:
-            bias = None if mask is None else torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, -math.inf)
+            bias = None
+            if mask is not None:
+                bias = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill_(~mask, -math.inf)
             out, lse = _FLASH_WITH_LSE(query, key, value, 0.0, False, attn_mask=bias, scale=scale)
             if span is not None and self.normalise == "chunk":
                 lse_sub = self._chunk_lse(span, query, key, mask, scale, lse)
