@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvforge.errors import UserError
-from kvforge.store import codec
+from kvforge.store import buffers, codec
 from kvforge.store.base import _KEY_RE, ByteStore, Kind, check_key
 
 log = logging.getLogger(__name__)
@@ -269,20 +269,22 @@ class DiskStore(ByteStore):
         try:
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
-                # uninitialised (np.empty: no zeroing pass, ~3x faster than bytearray) and writable: decoded
-                # tensors are views into it, so the file's bytes are copied once, by the read itself
-                buf = np.empty(size, dtype=np.uint8)
                 if kind == "blob":
+                    blob = np.empty(size, dtype=np.uint8)  # uninitialised (no zeroing pass) and writable
                     n = 0
-                    while n < size and (got := f.readinto(buf.data[n:])):
+                    while n < size and (got := f.readinto(blob.data[n:])):
                         n += got
-                    return buf.data[:n]
+                    return blob.data[:n]
+                # uninitialised and writable: decoded tensors are views into it, so the file's bytes are copied
+                # once, by the read itself; memory of an earlier read when nothing refers to it any more (half the
+                # cost of fresh memory, whose pages must be faulted in and zeroed)
+                buf = buffers.take(size, SegmentBytes)
                 n, parsed, digest = _read_hashing(f, buf.data)
         except FileNotFoundError:
             if kind == "seg":
                 self._forget(key)
             return None
-        data = buf[:n].view(SegmentBytes)
+        data = buf[:n]
         data.payload_checksum, data.parsed = digest, parsed
         with contextlib.suppress(OSError):  # gone meanwhile, or a read-only folder: the hit still counts
             self._stamp(path)  # the mtime is the last use: the LRU order survives restarts
