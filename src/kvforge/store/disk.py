@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import hashlib
 import logging
 import os
 import secrets
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +40,8 @@ DEFAULT_DISK_BYTES = 10 * 1024**3
 SEG_SUFFIX, BLOB_SUFFIX, TMP_SUFFIX = ".kvseg", ".blob", ".tmp"
 STALE_TMP_S = 3600.0  # a tmp file older than this is a crashed write: removed on open
 _READ_ONLY_ERRNOS = (errno.EACCES, errno.EROFS, errno.EPERM)
-READ_CHUNK = 8 << 20  # hashed on a helper thread while the next chunk is read (1 MiB: hand-offs cost more)
-LAST_CHUNK = 1 << 20  # the last chunks shrink down to this: hashing the last one is what the read cannot hide
+READ_CHUNK = 512 << 10  # read and hashed at once, while in the CPU's cache (a helper thread hashing 8 MiB chunks
+# behind the read was slower once reads fill recycled memory, and needs a free core: see docs/store.md)
 
 
 class SegmentBytes(np.ndarray):
@@ -55,52 +53,28 @@ class SegmentBytes(np.ndarray):
     parsed: codec.Parsed | None = None
 
 
-def _chunk_size(remaining: int) -> int:
-    """Bytes to read next: ``READ_CHUNK``, halving over the last ``2 * READ_CHUNK`` down to ``LAST_CHUNK``, so the
-    hash of the last chunk (done after the read ends) is short."""
-    if remaining > 2 * READ_CHUNK:
-        return READ_CHUNK
-    return min(remaining, max(LAST_CHUNK, remaining // 2))
-
-
 def _read_hashing(f: Any, buf: memoryview) -> tuple[int, codec.Parsed | None, tuple[int, str] | None]:
     """Fill ``buf`` from ``f`` in chunks, hashing what follows the segment's header as it arrives under the algorithm
     the header names; (bytes read, parsed header, (offset, digest)); both None when anything in the header is odd
-    (decode then parses and checks it again).
-
-    Each chunk is hashed on a helper thread while the next one is read (both release the GIL), so the checksum
-    hides behind the read instead of adding to it."""
+    (decode then parses and checks it again). Each chunk is hashed right after it is read, while it is in cache."""
     n, start, h, parsed = 0, 0, None, None
-    pending: Future[Any] | None = None
-    try:
-        while n < len(buf):
-            got = f.readinto(buf[n : n + _chunk_size(len(buf) - n)])
-            if not got:
-                break
-            if h is not None:
-                if pending is not None:
-                    pending.result()  # chunks are hashed in order, one at a time
-                pending = _hash_pool().submit(h.update, buf[n : n + got])
-            n += got
-            if h is None and start >= 0:
-                try:
-                    if not start and n >= 16:
-                        start = codec.header_size(buf[:16])
-                    if start and n >= start:
-                        parsed, h = codec.payload_hasher(buf[:start])
-                        h.update(buf[start:n])
-                except Exception:
-                    start, parsed = -1, None
-    finally:
-        if pending is not None:
-            pending.result()
+    while n < len(buf):
+        got = f.readinto(buf[n : n + READ_CHUNK])
+        if not got:
+            break
+        if h is not None:
+            h.update(buf[n : n + got])
+        n += got
+        if h is None and start >= 0:
+            try:
+                if not start and n >= 16:
+                    start = codec.header_size(buf[:16])
+                if start and n >= start:
+                    parsed, h = codec.payload_hasher(buf[:start])
+                    h.update(buf[start:n])
+            except Exception:
+                start, parsed = -1, None
     return n, parsed, None if h is None else (start, str(h.hexdigest()))
-
-
-@functools.cache
-def _hash_pool() -> ThreadPoolExecutor:
-    """One helper thread for read-time hashing (started on first use)."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvforge-disk-hash")
 
 
 def shard(key: str) -> str:
