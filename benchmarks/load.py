@@ -348,10 +348,31 @@ async def store_documents(url: str, args: argparse.Namespace, mix: PromptMix) ->
             raise SystemExit(f"storing the documents failed: HTTP {r.status_code} {r.text[:200]}")
 
 
+async def warm_up(url: str, args: argparse.Namespace, mix: PromptMix, stats: Stats) -> None:
+    """Answer ``--warmup-prompts`` new prompts one at a time before the timed window (not counted), so that repeats
+    can be drawn from the start: the same prompts for every scheduler (same seed), whatever it answers later."""
+    if not args.warmup_prompts:
+        return
+    rng = random.Random(args.seed + 7)
+    async with httpx.AsyncClient(base_url=url, timeout=args.request_timeout) as http:
+        for _ in range(args.warmup_prompts):
+            doc, facts = make_document(rng, args.num_facts)
+            q, room = rng.randrange(len(QUESTIONS)), rng.randrange(args.num_facts)
+            question = QUESTIONS[q][0].format(r=room, c=facts["codes"][room], t=facts["topic"])
+            prompt = f"{doc}\n\n{question}"
+            status, result = await one_request(http, args.served_model_name, prompt, args.max_tokens, args.press, False)
+            if status != "ok":
+                raise SystemExit(f"warm-up request failed: {status} {result}")
+            mix.answered("new", (doc, facts, q, room))
+            stats.answers.setdefault(prompt, set()).add(result["text"])  # repeats must give this answer again
+            stats.asked[prompt] = stats.asked.get(prompt, 0) + 1
+
+
 async def run(args: argparse.Namespace, url: str, server_pid: int | None = None) -> dict[str, Any]:
     mix = PromptMix(args.seed, args.num_facts, args.repeat, args.paraphrase, args.document, args.num_documents)
     stats = Stats()
     await store_documents(url, args, mix)
+    await warm_up(url, args, mix, stats)
     stop, health = asyncio.Event(), []
     prober = asyncio.ensure_future(probe_health(url, stop, health))
     async with httpx.AsyncClient(base_url=url) as http:
@@ -536,6 +557,9 @@ def main() -> int:
     p.add_argument("--paraphrase", type=float, default=0.3, help="fraction of reworded questions on a seen document")
     p.add_argument("--document", type=float, default=0.0, help="fraction of questions on documents stored at start")
     p.add_argument("--num-documents", type=int, default=8, help="documents stored through /v1/kv/documents")
+    p.add_argument(
+        "--warmup-prompts", type=int, default=0, help="new prompts answered before the timed window (repeat pool)"
+    )
     p.add_argument("--stream-fraction", type=float, default=1.0, help="fraction of requests that stream")
     p.add_argument("--schedulers", default="batched", help="comma list of server schedulers to run: serial,batched")
     p.add_argument("--max-running", type=int, default=16, help="server --max-running (batched)")
