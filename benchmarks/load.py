@@ -416,14 +416,15 @@ def cpu_seconds(server_pid: int | None) -> dict[str, float]:
 def profile_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """What the model thread did between two profiles (the load, without the documents stored before it)."""
     seconds = {k: round(v - before["seconds"].get(k, 0.0), 2) for k, v in after["seconds"].items()}
-    counts = {k: v - before.get(k, 0) for k, v in after.items() if k not in ("seconds", "mean_decode_rows")}
-    if counts.get("decode_steps"):
-        counts["mean_decode_rows"] = round(counts.get("decode_rows", 0) / counts["decode_steps"], 2)
+    counts = {k: v - before.get(k, 0) for k, v in after.items() if k != "seconds"}
+    if counts.get("steps"):
+        counts["mean_decode_rows"] = round(counts.get("decode_rows", 0) / counts["steps"], 2)
+        counts["mean_prefill_tokens"] = round(counts.get("prefill_tokens", 0) / counts["steps"], 1)
     return {"seconds": seconds, **counts}
 
 
 def model_thread_profile(metrics: str) -> dict[str, Any]:
-    """The server's model-thread profile from ``/metrics``: seconds per phase (whole server life) and counts."""
+    """The server's model-thread profile from ``/metrics``: seconds per phase and counts (since the server started)."""
     seconds, counts = {}, {}
     for line in metrics.splitlines():
         if line.startswith("kvforge_model_thread_seconds_total{"):
@@ -433,8 +434,6 @@ def model_thread_profile(metrics: str) -> dict[str, Any]:
             counts[line.split()[0].removeprefix("kvforge_model_thread_").removesuffix("_total")] = int(
                 float(line.split()[-1])
             )
-    if counts.get("decode_steps"):
-        counts["mean_decode_rows"] = round(counts.get("decode_rows", 0) / counts["decode_steps"], 2)
     return {"seconds": seconds, **counts}
 
 

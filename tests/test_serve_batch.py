@@ -195,3 +195,26 @@ def test_batch_refuses_what_would_time_out() -> None:
     finally:
         scheduler.close()
         loop.close()
+
+
+def test_a_failed_step_answers_its_requests_with_an_error_and_the_batch_goes_on() -> None:
+    """The step's forward raises once: the requests in that step get a 500, the next requests are answered."""
+    engine = SpyEngine()
+    calls = {"n": 0}
+
+    def fail_once(module: Any, args: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:  # inside a batched step (the first forwards are the prompts' chunks)
+            raise RuntimeError("boom")
+
+    engine.model.register_forward_pre_hook(fail_once)
+    live = LiveServer(create_app(engine, model_name=MODEL))
+    try:
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 0}
+        failed = httpx.post(live.url + "/v1/completions", json=body, timeout=30)
+        assert failed.status_code == 500
+        again = httpx.post(live.url + "/v1/completions", json=body, timeout=30)
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
+        assert live.server.config.app.state.worker.num_running == 0  # type: ignore[union-attr]
+    finally:
+        live.close()

@@ -26,10 +26,10 @@ SHED_FACTOR = 1.5  # a job starts only with this many average job times left bef
 class ThreadProfile:
     """Where the model thread's time goes: seconds per phase, and counts (``/metrics``, the load benchmark).
 
-    Phases: the batching scheduler's ``admit`` (tokenise + reuse plan: store reads), ``prefill``, ``decode``,
-    ``finish`` (answer + reuse record: store writes), ``exclusive`` (work run alone), ``idle``; the one-at-a-time
-    worker's ``generate`` and ``idle``. Counts: ``steps``, ``decode_steps``, ``decode_rows`` (rows summed over the
-    decode steps: their mean is the batch size), ``prefill_tokens``, ``prefill_chunks``.
+    Phases: the batching scheduler's ``admit`` (tokenise + reuse plan: store reads), ``prefill_alone`` (parts with a
+    press), ``forward`` (the steps' packed forwards), ``finish`` (answers + reuse records: store writes), ``exclusive``
+    (work run alone between steps), ``idle``; the one-at-a-time worker's ``generate`` and ``idle``. Counts:
+    ``steps``, ``decode_rows`` (decode tokens summed over the steps), ``prefill_tokens``.
     """
 
     def __init__(self) -> None:
