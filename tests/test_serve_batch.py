@@ -23,18 +23,11 @@ PROMPTS = ["hello there", "abc " * 30, "x", "The quick brown fox jumps over the 
 
 
 class SpyEngine(Engine):
-    """Records the time of each prefill call (and sleeps in it, to make prefill slow on demand)."""
+    """The tiny model with no EOS: every answer runs to max_tokens."""
 
-    def __init__(self, delay_s: float = 0.0, arch: str = "llama") -> None:
+    def __init__(self, arch: str = "llama") -> None:
         super().__init__(tiny_model(arch), tiny_tokenizer())
-        self.eos_token_ids = []  # every answer runs to max_tokens
-        self.delay_s = delay_s
-        self.prefills: list[tuple[float, int]] = []
-
-    def prefill(self, ids: Any, cache: Any = None, press: Any = None) -> Any:
-        self.prefills.append((time.monotonic(), len(ids)))
-        time.sleep(self.delay_s)
-        return super().prefill(ids, cache, press=press)
+        self.eos_token_ids = []
 
 
 def _slow_forward(model: Any, delay_s: float) -> None:

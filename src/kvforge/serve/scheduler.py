@@ -333,8 +333,7 @@ class Scheduler:
             going, logits = mixed_step(self.engine.model, running, chunks)  # type: ignore[arg-type]
         except BaseException as e:  # the forward failed: every request of the step answers with the error
             logger.exception("batched step failed")
-            stepped = {id(s) for s in running}
-            self.decoding = [s for s in self.decoding if id(s) not in stepped]
+            self.decoding = []
             failed = [s.tag for s in running] + [a for a, _ in chosen]
             self.prefilling = [a for a in self.prefilling if all(a is not f for f in failed)]
             for active in failed:
@@ -344,8 +343,8 @@ class Scheduler:
         self.profile.count("steps")
         self.profile.count("decode_rows", len(going))
         self.profile.count("prefill_tokens", sum(n for _, n in chosen))
-        kept, stepped = {id(s) for s in going}, {id(s) for s in running}
-        self.decoding = going + [s for s in self.decoding if id(s) not in stepped]  # (+ press prefills done above)
+        kept = {id(s) for s in going}
+        self.decoding = going  # then the requests whose prompt this step completed join (first token: next step)
         for (active, n), row in zip(chosen, logits, strict=True):
             active.logits = row
             self._part_done(active, n)
