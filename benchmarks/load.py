@@ -46,7 +46,20 @@ QUESTIONS = [
     ("What is the code of room {r}?", "Tell me the code that room {r} has."),
     ("Which room has the code {c}?", "The code {c} belongs to which room?"),
     ("Who keeps the {t}?", "Name the keeper of the {t}."),
+    # a long answer (every fact of the document): drawn with probability --list-questions, never by default
+    (
+        "List every room of the {t} with its code, one per line.",
+        "Give each room of the {t} and its code, one per line.",
+    ),
 ]
+SHORT = len(QUESTIONS) - 1  # the short-answer questions come first
+
+
+def pick_question(rng: random.Random, list_fraction: float) -> int:
+    """Index of a question: the list question with probability ``list_fraction``, else a short one uniformly."""
+    if list_fraction and rng.random() < list_fraction:
+        return SHORT
+    return rng.randrange(SHORT)
 
 
 def make_document(rng: random.Random, num_facts: int) -> tuple[str, dict[str, Any]]:
@@ -64,9 +77,17 @@ class PromptMix:
     rest new)."""
 
     def __init__(
-        self, seed: int, num_facts: int, repeat: float, paraphrase: float, document: float = 0.0, num_documents: int = 0
+        self,
+        seed: int,
+        num_facts: int,
+        repeat: float,
+        paraphrase: float,
+        document: float = 0.0,
+        num_documents: int = 0,
+        list_questions: float = 0.0,
     ) -> None:
         self.rng = random.Random(seed)
+        self.list_questions = list_questions
         self.num_facts, self.repeat, self.paraphrase, self.document = num_facts, repeat, paraphrase, document
         self.sent: list[tuple[str, dict[str, Any], int, int]] = []  # (document, facts, question idx, room)
         self.documents = [make_document(random.Random(seed + 1000 + i), num_facts) for i in range(num_documents)]
@@ -77,7 +98,7 @@ class PromptMix:
             doc, facts = self.rng.choice(self.documents)
             kind, q, room, wording = (
                 "document",
-                self.rng.randrange(len(QUESTIONS)),
+                pick_question(self.rng, self.list_questions),
                 self.rng.randrange(self.num_facts),
                 0,
             )
@@ -89,7 +110,8 @@ class PromptMix:
             wording = 1
         else:
             doc, facts = make_document(self.rng, self.num_facts)
-            kind, q, room, wording = "new", self.rng.randrange(len(QUESTIONS)), self.rng.randrange(self.num_facts), 0
+            q = pick_question(self.rng, self.list_questions)
+            kind, room, wording = "new", self.rng.randrange(self.num_facts), 0
         question = QUESTIONS[q][wording].format(r=room, c=facts["codes"][room], t=facts["topic"])
         return kind, f"{doc}\n\n{question}", (doc, facts, q, room)
 
@@ -357,7 +379,7 @@ async def warm_up(url: str, args: argparse.Namespace, mix: PromptMix, stats: Sta
     async with httpx.AsyncClient(base_url=url, timeout=args.request_timeout) as http:
         for _ in range(args.warmup_prompts):
             doc, facts = make_document(rng, args.num_facts)
-            q, room = rng.randrange(len(QUESTIONS)), rng.randrange(args.num_facts)
+            q, room = pick_question(rng, args.list_questions), rng.randrange(args.num_facts)
             question = QUESTIONS[q][0].format(r=room, c=facts["codes"][room], t=facts["topic"])
             prompt = f"{doc}\n\n{question}"
             status, result = await one_request(http, args.served_model_name, prompt, args.max_tokens, args.press, False)
@@ -369,7 +391,9 @@ async def warm_up(url: str, args: argparse.Namespace, mix: PromptMix, stats: Sta
 
 
 async def run(args: argparse.Namespace, url: str, server_pid: int | None = None) -> dict[str, Any]:
-    mix = PromptMix(args.seed, args.num_facts, args.repeat, args.paraphrase, args.document, args.num_documents)
+    mix = PromptMix(
+        args.seed, args.num_facts, args.repeat, args.paraphrase, args.document, args.num_documents, args.list_questions
+    )
     stats = Stats()
     await store_documents(url, args, mix)
     await warm_up(url, args, mix, stats)
@@ -555,6 +579,12 @@ def main() -> int:
     p.add_argument("--repeat", type=float, default=0.3, help="fraction of exact repeats")
     p.add_argument("--paraphrase", type=float, default=0.3, help="fraction of reworded questions on a seen document")
     p.add_argument("--document", type=float, default=0.0, help="fraction of questions on documents stored at start")
+    p.add_argument(
+        "--list-questions",
+        type=float,
+        default=0.0,
+        help="fraction of questions asking for every room and code (long answers, as chat traffic's; default: none)",
+    )
     p.add_argument("--num-documents", type=int, default=8, help="documents stored through /v1/kv/documents")
     p.add_argument(
         "--warmup-prompts", type=int, default=0, help="new prompts answered before the timed window (repeat pool)"
