@@ -29,6 +29,7 @@ import itertools
 import json
 import os
 import random
+import resource
 import socket
 import subprocess
 import sys
@@ -45,7 +46,20 @@ QUESTIONS = [
     ("What is the code of room {r}?", "Tell me the code that room {r} has."),
     ("Which room has the code {c}?", "The code {c} belongs to which room?"),
     ("Who keeps the {t}?", "Name the keeper of the {t}."),
+    # a long answer (every fact of the document): drawn with probability --list-questions, never by default
+    (
+        "List every room of the {t} with its code, one per line.",
+        "Give each room of the {t} and its code, one per line.",
+    ),
 ]
+SHORT = len(QUESTIONS) - 1  # the short-answer questions come first
+
+
+def pick_question(rng: random.Random, list_fraction: float) -> int:
+    """Index of a question: the list question with probability ``list_fraction``, else a short one uniformly."""
+    if list_fraction and rng.random() < list_fraction:
+        return SHORT
+    return rng.randrange(SHORT)
 
 
 def make_document(rng: random.Random, num_facts: int) -> tuple[str, dict[str, Any]]:
@@ -63,9 +77,17 @@ class PromptMix:
     rest new)."""
 
     def __init__(
-        self, seed: int, num_facts: int, repeat: float, paraphrase: float, document: float = 0.0, num_documents: int = 0
+        self,
+        seed: int,
+        num_facts: int,
+        repeat: float,
+        paraphrase: float,
+        document: float = 0.0,
+        num_documents: int = 0,
+        list_questions: float = 0.0,
     ) -> None:
         self.rng = random.Random(seed)
+        self.list_questions = list_questions
         self.num_facts, self.repeat, self.paraphrase, self.document = num_facts, repeat, paraphrase, document
         self.sent: list[tuple[str, dict[str, Any], int, int]] = []  # (document, facts, question idx, room)
         self.documents = [make_document(random.Random(seed + 1000 + i), num_facts) for i in range(num_documents)]
@@ -76,7 +98,7 @@ class PromptMix:
             doc, facts = self.rng.choice(self.documents)
             kind, q, room, wording = (
                 "document",
-                self.rng.randrange(len(QUESTIONS)),
+                pick_question(self.rng, self.list_questions),
                 self.rng.randrange(self.num_facts),
                 0,
             )
@@ -88,7 +110,8 @@ class PromptMix:
             wording = 1
         else:
             doc, facts = make_document(self.rng, self.num_facts)
-            kind, q, room, wording = "new", self.rng.randrange(len(QUESTIONS)), self.rng.randrange(self.num_facts), 0
+            q = pick_question(self.rng, self.list_questions)
+            kind, room, wording = "new", self.rng.randrange(self.num_facts), 0
         question = QUESTIONS[q][wording].format(r=room, c=facts["codes"][room], t=facts["topic"])
         return kind, f"{doc}\n\n{question}", (doc, facts, q, room)
 
@@ -203,7 +226,7 @@ async def client_loop(
             elif status == "error":
                 stats.errors.append(result)
             else:
-                result["kind"] = kind
+                result["kind"], result["end"] = kind, time.perf_counter()
                 stats.ok.append(result)
                 stats.answers.setdefault(prompt, set()).add(result.pop("text"))
                 stats.asked[prompt] = stats.asked.get(prompt, 0) + 1
@@ -217,7 +240,9 @@ def percentile(values: list[float], q: float) -> float | None:
     return round(values[min(len(values) - 1, int(q * len(values)))], 4)
 
 
-def summarize(stats: Stats, elapsed: float, args: argparse.Namespace) -> dict[str, Any]:
+def summarize(
+    stats: Stats, elapsed: float, args: argparse.Namespace, window_end: float = float("inf")
+) -> dict[str, Any]:
     ok = stats.ok
     hit = [r for r in ok if r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) > 0]
     by_kind = {}
@@ -238,6 +263,7 @@ def summarize(stats: Stats, elapsed: float, args: argparse.Namespace) -> dict[st
         "config": {k: v for k, v in vars(args).items() if k not in ("api_key",)},
         "duration_s": round(elapsed, 1),
         "completed": len(ok),
+        "completed_in_window": sum(r["end"] <= window_end for r in ok),  # answered within --duration
         "rejected_429": stats.rejected,
         "errors": len(stats.errors),
         "error_samples": stats.errors[:3],
@@ -344,18 +370,47 @@ async def store_documents(url: str, args: argparse.Namespace, mix: PromptMix) ->
             raise SystemExit(f"storing the documents failed: HTTP {r.status_code} {r.text[:200]}")
 
 
-async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
-    mix = PromptMix(args.seed, args.num_facts, args.repeat, args.paraphrase, args.document, args.num_documents)
+async def warm_up(url: str, args: argparse.Namespace, mix: PromptMix, stats: Stats) -> None:
+    """Answer ``--warmup-prompts`` new prompts one at a time before the timed window (not counted), so that repeats
+    can be drawn from the start: the same prompts for every scheduler (same seed), whatever it answers later."""
+    if not args.warmup_prompts:
+        return
+    rng = random.Random(args.seed + 7)
+    async with httpx.AsyncClient(base_url=url, timeout=args.request_timeout) as http:
+        for _ in range(args.warmup_prompts):
+            doc, facts = make_document(rng, args.num_facts)
+            q, room = pick_question(rng, args.list_questions), rng.randrange(args.num_facts)
+            question = QUESTIONS[q][0].format(r=room, c=facts["codes"][room], t=facts["topic"])
+            prompt = f"{doc}\n\n{question}"
+            status, result = await one_request(http, args.served_model_name, prompt, args.max_tokens, args.press, False)
+            if status != "ok":
+                raise SystemExit(f"warm-up request failed: {status} {result}")
+            mix.answered("new", (doc, facts, q, room))
+            stats.answers.setdefault(prompt, set()).add(result["text"])  # repeats must give this answer again
+            stats.asked[prompt] = stats.asked.get(prompt, 0) + 1
+
+
+async def run(args: argparse.Namespace, url: str, server_pid: int | None = None) -> dict[str, Any]:
+    mix = PromptMix(
+        args.seed, args.num_facts, args.repeat, args.paraphrase, args.document, args.num_documents, args.list_questions
+    )
     stats = Stats()
     await store_documents(url, args, mix)
+    await warm_up(url, args, mix, stats)
     stop, health = asyncio.Event(), []
     prober = asyncio.ensure_future(probe_health(url, stop, health))
+    async with httpx.AsyncClient(base_url=url) as http:
+        profile_before = model_thread_profile((await http.get("/metrics")).text)
+    load_before, cpu_before = os.getloadavg()[0], cpu_seconds(server_pid)
     start = time.perf_counter()
     await asyncio.gather(*(client_loop(i, args, url, mix, stats, start + args.duration) for i in range(args.clients)))
     elapsed = time.perf_counter() - start
+    load_after, cpu_after = os.getloadavg()[0], cpu_seconds(server_pid)
     stop.set()
     await prober
-    result = summarize(stats, elapsed, args)
+    result = summarize(stats, elapsed, args, start + args.duration)
+    result["loadavg_1m_before_after"] = [round(load_before, 2), round(load_after, 2)]
+    result["cpu_s"] = {k: round(cpu_after[k] - cpu_before[k], 1) for k in cpu_after}  # during the load
     result["health_p50_ms"] = round(1000 * (percentile(health, 0.5) or 0), 1)
     result["health_p99_ms"] = round(1000 * (percentile(health, 0.99) or 0), 1)
     result["health_max_ms"] = round(1000 * max(health), 1) if health else None
@@ -365,7 +420,45 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     result["server_aborted"] = sum(
         float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("kvforge_aborted_total")
     )
+    result["model_thread"] = profile_delta(profile_before, model_thread_profile(metrics))
     return result
+
+
+def cpu_seconds(server_pid: int | None) -> dict[str, float]:
+    """CPU seconds used so far by this (client) process and by the server process (when started here)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out = {"client": usage.ru_utime + usage.ru_stime}
+    if server_pid is not None:
+        try:
+            fields = Path(f"/proc/{server_pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out["server"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def profile_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What the model thread did between two profiles (the load, without the documents stored before it)."""
+    seconds = {k: round(v - before["seconds"].get(k, 0.0), 2) for k, v in after["seconds"].items()}
+    counts = {k: v - before.get(k, 0) for k, v in after.items() if k != "seconds"}
+    if counts.get("steps"):
+        counts["mean_decode_rows"] = round(counts.get("decode_rows", 0) / counts["steps"], 2)
+        counts["mean_prefill_tokens"] = round(counts.get("prefill_tokens", 0) / counts["steps"], 1)
+    return {"seconds": seconds, **counts}
+
+
+def model_thread_profile(metrics: str) -> dict[str, Any]:
+    """The server's model-thread profile from ``/metrics``: seconds per phase and counts (since the server started)."""
+    seconds, counts = {}, {}
+    for line in metrics.splitlines():
+        if line.startswith("kvforge_model_thread_seconds_total{"):
+            phase = line.split('phase="')[1].split('"')[0]
+            seconds[phase] = round(float(line.split()[-1]), 2)
+        elif line.startswith("kvforge_model_thread_") and line.split()[0].endswith("_total"):
+            counts[line.split()[0].removeprefix("kvforge_model_thread_").removesuffix("_total")] = int(
+                float(line.split()[-1])
+            )
+    return {"seconds": seconds, **counts}
 
 
 async def gap_during_long_prefill(args: argparse.Namespace, url: str) -> dict[str, Any]:
@@ -486,7 +579,16 @@ def main() -> int:
     p.add_argument("--repeat", type=float, default=0.3, help="fraction of exact repeats")
     p.add_argument("--paraphrase", type=float, default=0.3, help="fraction of reworded questions on a seen document")
     p.add_argument("--document", type=float, default=0.0, help="fraction of questions on documents stored at start")
+    p.add_argument(
+        "--list-questions",
+        type=float,
+        default=0.0,
+        help="fraction of questions asking for every room and code (long answers, as chat traffic's; default: none)",
+    )
     p.add_argument("--num-documents", type=int, default=8, help="documents stored through /v1/kv/documents")
+    p.add_argument(
+        "--warmup-prompts", type=int, default=0, help="new prompts answered before the timed window (repeat pool)"
+    )
     p.add_argument("--stream-fraction", type=float, default=1.0, help="fraction of requests that stream")
     p.add_argument("--schedulers", default="batched", help="comma list of server schedulers to run: serial,batched")
     p.add_argument("--max-running", type=int, default=16, help="server --max-running (batched)")
@@ -512,8 +614,10 @@ def main() -> int:
         if url is None:
             proc, url = start_server(args, scheduler)
         try:
-            job = health_during_big_request if args.big_request_mib else run
-            result = asyncio.run(job(args, url.rstrip("/")))
+            if args.big_request_mib:
+                result = asyncio.run(health_during_big_request(args, url.rstrip("/")))
+            else:
+                result = asyncio.run(run(args, url.rstrip("/"), proc.pid if proc is not None else None))
             if args.long_prompt_tokens and not args.big_request_mib and scheduler != "serial":
                 # (serial: the long prompt would wait for the watcher's end, there is nothing to interleave)
                 result |= asyncio.run(gap_during_long_prefill(args, url.rstrip("/")))
@@ -536,6 +640,11 @@ def main() -> int:
                     by["batched"]["completion_tokens_per_s"] / max(by["serial"]["completion_tokens_per_s"], 1e-9), 2
                 ),
                 "completed": {k: v["completed"] for k, v in by.items()},
+                "in_window_ratio_batched_over_serial": round(
+                    by["batched"]["completed_in_window"] / max(by["serial"]["completed_in_window"], 1), 2
+                ),
+                "completed_in_window": {k: v["completed_in_window"] for k, v in by.items()},
+                "loadavg_1m": {k: v["loadavg_1m_before_after"] for k, v in by.items()},
             }
         )
     return 0

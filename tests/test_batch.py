@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvforge.batch import Sequence, decode_step, forward_batch
+from kvforge.batch import Sequence, decode_step, forward_batch, forward_packed, mixed_step
 from kvforge.cache import KVCache
 from kvforge.decode import DecodeState, SamplingParams, decode
 from kvforge.prefill import prefill
@@ -122,3 +122,66 @@ def test_failed_forward_rolls_back_every_cache():
     with pytest.raises(IndexError):
         forward_batch(model, [1, 10_000], caches)  # a token outside the vocabulary fails inside the forward
     assert [(c.next_position, c.lengths()) for c in caches] == before
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_forward_equals_each_chunk_alone(arch):
+    """Prompt chunks of different lengths and single decode tokens in one packed forward: each row's logits and cache
+    are those of its own forward (plain, compressed and reused caches)."""
+    model = tiny_model(arch)
+    specs = [("plain", 5, 1), ("snapkv", 33, 9), ("reused", 27, 1), ("plain", 40, 23), ("adakv", 50, 1)]
+    packed, alone, rows, refs = [], [], [], []
+    for i, (how, n, size) in enumerate(specs):
+        packed.append(_caches(model, how, _ids(i, n))[0])
+        cache = _caches(model, how, _ids(i, n))[0]
+        rows.append(_ids(50 + i, size))
+        refs.append(prefill(model, torch.tensor([rows[-1]]), cache, chunk_size=None))
+        alone.append(cache)
+    logits = forward_packed(model, rows, packed)
+    assert logits.shape[0] == len(specs)
+    for i, (cache, ref) in enumerate(zip(packed, refs, strict=True)):
+        torch.testing.assert_close(logits[i : i + 1], ref, rtol=1e-5, atol=1e-5)
+        assert cache.next_position == alone[i].next_position and cache.lengths() == alone[i].lengths()
+        assert cache.token_ids == alone[i].token_ids
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_prompts_prefilled_in_chunks_beside_decoding_sequences_get_their_lone_tokens(arch):
+    """mixed_step: two sequences decode while two prompts are prefilled in chunks of 7 in the same forwards; then all
+    four decode together. Every sequence gets exactly its lone greedy tokens."""
+    model = tiny_model(arch)
+    prompts = [_ids(60 + i, n) for i, n in enumerate([12, 30, 45, 19])]
+    refs = []
+    for ids in prompts:
+        cache = KVCache.for_model(model)
+        refs.append(decode(model, cache, prefill(model, torch.tensor([ids]), cache), NEW_TOKENS).token_ids)
+    running = []
+    for ids in prompts[:2]:
+        cache = KVCache.for_model(model)
+        running.append(Sequence(cache, prefill(model, torch.tensor([ids]), cache), DecodeState(NEW_TOKENS)))
+    seqs = list(running)
+    pending = [(ids, KVCache.for_model(model), 0) for ids in prompts[2:]]
+    order = {id(cache): 2 + i for i, (_, cache, _) in enumerate(pending)} | {id(s.cache): i for i, s in enumerate(seqs)}
+    while pending:
+        chunks = [(ids[done : done + 7], cache) for ids, cache, done in pending]
+        running, logits = mixed_step(model, running, chunks)
+        still = []
+        for (ids, cache, done), row in zip(pending, logits, strict=True):
+            if done + 7 >= len(ids):
+                seqs.append(Sequence(cache, row, DecodeState(NEW_TOKENS)))
+                running.append(seqs[-1])
+            else:
+                still.append((ids, cache, done + 7))
+        pending = still
+    while running:
+        running = decode_step(model, running)
+    assert [s.state.tokens for s in sorted(seqs, key=lambda s: order[id(s.cache)])] == refs
+
+
+def test_packed_forward_checks_its_input():
+    model = tiny_model("llama")
+    caches = [_caches(model, "plain", _ids(70 + i, 6))[0] for i in range(2)]
+    with pytest.raises(ValueError, match="at least one token"):
+        forward_packed(model, [[1, 2], []], caches)
+    with pytest.raises(ValueError, match="twice"):
+        forward_packed(model, [[1], [2]], [caches[0], caches[0]])

@@ -23,22 +23,30 @@ PROMPTS = ["hello there", "abc " * 30, "x", "The quick brown fox jumps over the 
 
 
 class SpyEngine(Engine):
-    """Records the time of each prefill call (and sleeps in it, to make prefill slow on demand)."""
+    """The tiny model with no EOS: every answer runs to max_tokens."""
 
-    def __init__(self, delay_s: float = 0.0, arch: str = "llama") -> None:
+    def __init__(self, arch: str = "llama") -> None:
         super().__init__(tiny_model(arch), tiny_tokenizer())
-        self.eos_token_ids = []  # every answer runs to max_tokens
-        self.delay_s = delay_s
-        self.prefills: list[tuple[float, int]] = []
-
-    def prefill(self, ids: Any, cache: Any = None, press: Any = None) -> Any:
-        self.prefills.append((time.monotonic(), len(ids)))
-        time.sleep(self.delay_s)
-        return super().prefill(ids, cache, press=press)
+        self.eos_token_ids = []
 
 
 def _slow_forward(model: Any, delay_s: float) -> None:
     model.register_forward_pre_hook(lambda module, args: time.sleep(delay_s))
+
+
+def _spy_chunks(live: LiveServer) -> list[tuple[float, int]]:
+    """(time, tokens) of every prompt chunk the scheduler puts into a step from now on."""
+    worker = live.server.config.app.state.worker  # type: ignore[union-attr]
+    seen: list[tuple[float, int]] = []
+    real = worker._chunks
+
+    def spy() -> Any:
+        chosen = real()
+        seen.extend((time.monotonic(), n) for _, n in chosen)
+        return chosen
+
+    worker._chunks = spy
+    return seen
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
@@ -89,10 +97,11 @@ def test_prefix_reuse_through_the_batch_is_a_hit_with_the_same_answer() -> None:
 
 def test_streaming_continues_while_a_long_prompt_is_prefilled() -> None:
     """The long prompt is prefilled in chunks; the streaming request gets tokens between its first and last chunk."""
-    engine = SpyEngine(delay_s=0.05)
-    _slow_forward(engine.model, 0.01)  # the stream lasts > 4 s
+    engine = SpyEngine()
+    _slow_forward(engine.model, 0.02)  # the stream lasts > 8 s
     live = LiveServer(create_app(engine, model_name=MODEL, prefill_budget=8))
     try:
+        prefills = _spy_chunks(live)
         client = live.client()
         token_times: list[float] = []
 
@@ -104,10 +113,10 @@ def test_streaming_continues_while_a_long_prompt_is_prefilled() -> None:
         streamer.start()
         while len(token_times) < 3:
             time.sleep(0.01)
-        num_before = len(engine.prefills)
+        num_before = len(prefills)
         long = client.completions.create(model=MODEL, prompt="a" * 120, max_tokens=2, temperature=0)
         assert long.usage.prompt_tokens >= 120
-        chunks = engine.prefills[num_before:]
+        chunks = prefills[num_before:]
         assert len(chunks) >= 15 and max(n for _, n in chunks) <= 8  # budgeted chunks
         first, last = chunks[0][0], chunks[-1][0]
         assert sum(first < t < last for t in token_times) >= 5  # tokens kept flowing during the long prefill
@@ -117,16 +126,18 @@ def test_streaming_continues_while_a_long_prompt_is_prefilled() -> None:
 
 
 def test_client_that_leaves_stops_its_prefill_at_the_next_chunk() -> None:
-    engine = SpyEngine(delay_s=0.1)
+    engine = SpyEngine()
+    _slow_forward(engine.model, 0.1)
     live = LiveServer(create_app(engine, model_name=MODEL, prefill_budget=4))
     try:
+        prefills = _spy_chunks(live)
         body = {"model": MODEL, "prompt": "b" * 200, "max_tokens": 2}  # 50 chunks of 0.1 s
         with pytest.raises(httpx.TimeoutException):
             httpx.post(live.url + "/v1/completions", json=body, timeout=1.0)
         time.sleep(1.5)
-        num = len(engine.prefills)
+        num = len(prefills)
         time.sleep(0.5)
-        assert len(engine.prefills) == num < 30  # stopped, well before the end
+        assert len(prefills) == num < 30  # stopped, well before the end
         assert live.server.config.app.state.worker.num_running == 0  # type: ignore[union-attr]
     finally:
         live.close()
@@ -177,3 +188,26 @@ def test_batch_refuses_what_would_time_out() -> None:
     finally:
         scheduler.close()
         loop.close()
+
+
+def test_a_failed_step_answers_its_requests_with_an_error_and_the_batch_goes_on() -> None:
+    """The step's forward raises once: the requests in that step get a 500, the next requests are answered."""
+    engine = SpyEngine()
+    calls = {"n": 0}
+
+    def fail_once(module: Any, args: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:  # inside a batched step (the first forwards are the prompts' chunks)
+            raise RuntimeError("boom")
+
+    engine.model.register_forward_pre_hook(fail_once)
+    live = LiveServer(create_app(engine, model_name=MODEL))
+    try:
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": 4, "temperature": 0}
+        failed = httpx.post(live.url + "/v1/completions", json=body, timeout=30)
+        assert failed.status_code == 500
+        again = httpx.post(live.url + "/v1/completions", json=body, timeout=30)
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
+        assert live.server.config.app.state.worker.num_running == 0  # type: ignore[union-attr]
+    finally:
+        live.close()

@@ -160,20 +160,22 @@ def test_documents_validation(client: Any) -> None:
 
 @pytest.mark.parametrize("scheduler", ["batched", "serial"])
 def test_engine_failure_is_500_and_the_server_keeps_serving(engine: Engine, scheduler: str) -> None:
-    class Broken(Engine):
-        fail = True
+    fail = {"now": True}
 
-        def prefill(self, *args: Any, **kwargs: Any) -> Any:
-            if self.fail:
-                raise RuntimeError("boom")
-            return super().prefill(*args, **kwargs)
+    def boom(module: Any, args: Any) -> None:  # the model's forward fails (the batch's packed step or a prefill)
+        if fail["now"]:
+            raise RuntimeError("boom")
 
-    broken = Broken(engine.model, engine.tokenizer)
-    with TestClient(create_app(broken, model_name=MODEL, scheduler=scheduler), raise_server_exceptions=False) as c:
-        body = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
-        assert _err(c.post("/v1/chat/completions", json=body), 500)["type"] == "server_error"
-        broken.fail = False
-        assert c.post("/v1/chat/completions", json=body).status_code == 200
+    broken = Engine(engine.model, engine.tokenizer)
+    hook = engine.model.register_forward_pre_hook(boom)
+    try:
+        with TestClient(create_app(broken, model_name=MODEL, scheduler=scheduler), raise_server_exceptions=False) as c:
+            body = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
+            assert _err(c.post("/v1/chat/completions", json=body), 500)["type"] == "server_error"
+            fail["now"] = False
+            assert c.post("/v1/chat/completions", json=body).status_code == 200
+    finally:
+        hook.remove()
 
 
 def test_create_app_rejects_bad_defaults(engine: Engine) -> None:

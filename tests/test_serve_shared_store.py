@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +80,7 @@ def model_dir(tmp_path: Path) -> Path:
     return folder
 
 
-def _serve(model_dir: Path, store: str, port: int) -> subprocess.Popen:
+def _serve(model_dir: Path, store: str, port: int, reuse: str = "prefix") -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
@@ -93,7 +95,7 @@ def _serve(model_dir: Path, store: str, port: int) -> subprocess.Popen:
         "--store",
         store,
         "--reuse",
-        "prefix",
+        reuse,
     ]
     env = os.environ | {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -112,27 +114,78 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> N
     raise RuntimeError("server did not start")
 
 
+@contextmanager
+def two_servers(model_dir: Path, store: str, reuse: str = "prefix") -> Iterator[tuple[str, str]]:
+    """Two ``kvforge serve`` processes on ``store``; yields their URLs."""
+    ports = [free_port(), free_port()]
+    procs = [_serve(model_dir, store, port, reuse) for port in ports]
+    try:
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        for url, proc in zip(urls, procs, strict=True):
+            _wait_healthy(url, proc)
+        yield urls[0], urls[1]
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 @pytest.fixture()
 def two_servers_on_redis(model_dir: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
     pytest.importorskip("redis")
-    with redis_server(tmp_path) as redis_url:
-        ports = [free_port(), free_port()]
-        procs = [_serve(model_dir, redis_url, port) for port in ports]
-        try:
-            urls = [f"http://127.0.0.1:{port}" for port in ports]
-            for url, proc in zip(urls, procs, strict=True):
-                _wait_healthy(url, proc)
-            yield urls[0], urls[1]
-        finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+    with redis_server(tmp_path) as redis_url, two_servers(model_dir, redis_url) as urls:
+        yield urls
 
 
 @pytest.mark.redis
 def test_two_server_processes_share_one_redis(two_servers_on_redis: tuple[str, str]) -> None:
     _check_sharing(*two_servers_on_redis)
+
+
+# ---------------------------------------------------------------------------------------------- semantic index
+# Distinct numbers in every question: the number guard refuses any donor, so each prompt is a miss that adds one
+# entry to the shared index (and a later identical prompt is a hit on any server).
+def _semantic_prompts(server: str) -> list[str]:
+    return [f"Server {server}, question {i}: what is {i * 37 + 11} plus {i * 53 + 7}?" for i in range(10)]
+
+
+def _check_semantic_index_keeps_every_entry(a: str, b: str, store_url: str) -> None:
+    """Both servers add entries to the semantic index at the same time; afterwards every entry is in the store and
+    each server finds every prompt of the other through the index (a trailing space: not the exact stored tokens, the
+    same embedding), from the other server's records loaded before a search."""
+    prompts = {a: _semantic_prompts("A"), b: _semantic_prompts("B")}
+    jobs = [(url, p) for pair in zip(*[[(url, p) for p in ps] for url, ps in prompts.items()], strict=True)
+            for url, p in pair]  # fmt: skip
+    with ThreadPoolExecutor(8) as pool:  # 4 requests in flight on each server, the two servers interleaved
+        firsts = list(pool.map(lambda job: _chat(*job), jobs))
+    assert all(out["kvforge"]["reuse"] == "miss" for out in firsts), [out["kvforge"] for out in firsts]
+
+    from kvforge.store import open_store
+
+    store = open_store(store_url)
+    records = [k for k in store.blob_keys() if k.startswith("semantic-v1-rec-")]
+    assert len(records) == 20, sorted(records)  # one record per prompt, none lost
+    for url, other in ((a, b), (b, a)):
+        for prompt in prompts[other]:
+            out = _chat(url, prompt + " ")
+            assert out["kvforge"]["reuse"] == "semantic", (url, prompt, out["kvforge"])
+            assert out["kvforge"]["similarity"] > 0.99 and out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_two_server_processes_add_to_one_semantic_index_on_a_file_store(model_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("faiss")
+    url = f"file://{tmp_path / 'kv'}"
+    with two_servers(model_dir, url, reuse="semantic") as (a, b):
+        _check_semantic_index_keeps_every_entry(a, b, url)
+
+
+@pytest.mark.redis
+def test_two_server_processes_add_to_one_semantic_index_on_redis(model_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("faiss")
+    pytest.importorskip("redis")
+    with redis_server(tmp_path) as url, two_servers(model_dir, url, reuse="semantic") as (a, b):
+        _check_semantic_index_keeps_every_entry(a, b, url)

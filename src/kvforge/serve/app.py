@@ -106,6 +106,7 @@ def create_app(
         stats.get,
         model_name=model_name,
         num_running=lambda: getattr(worker, "num_running", int(worker.busy)),
+        profile=worker.profile,
     )
     stats.get()  # first fetch in the background now, so the first scrape has figures
     # Body parsing, templating and tokenising run here, off the event loop, so /health answers while a 7 MiB request is

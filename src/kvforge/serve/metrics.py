@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class Metrics:
         store_stats: Callable[[], dict[str, Any] | None],
         model_name: str = "kvforge",
         num_running: Callable[[], int] | None = None,
+        profile: Any = None,
     ) -> None:
         disable_created_metrics()  # no *_created series: they double the output and no dashboard reads them
         self.registry = CollectorRegistry()
@@ -88,6 +89,8 @@ class Metrics:
         self.vllm = VLLMMetrics(r, model_name, queue_depth, num_running or (lambda: 0))
         self._hits: dict[str, list[int]] = {}  # strategy -> [hits, lookups]
         r.register(_DerivedCollector(self._hits, store_stats))
+        if profile is not None:
+            r.register(_ProfileCollector(profile))
 
     def observe_reuse(self, strategy: str, outcome: str) -> None:
         self.reuse.labels(strategy, outcome).inc()
@@ -194,6 +197,23 @@ class _DerivedCollector(Collector):
                 entries.add_metric([tier], float(s["entries"]))
         yield size
         yield entries
+
+
+class _ProfileCollector(Collector):
+    """The model thread's :class:`~kvforge.serve.worker.ThreadProfile`: seconds per phase and its counts."""
+
+    def __init__(self, profile: Any) -> None:
+        self.profile = profile
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        seconds = CounterMetricFamily(
+            "kvforge_model_thread_seconds", "Model thread time per phase (admit, prefill, decode...)", labels=["phase"]
+        )
+        for phase, value in sorted(dict(self.profile.seconds).items()):
+            seconds.add_metric([phase], value)
+        yield seconds
+        for name, value in sorted(dict(self.profile.counts).items()):
+            yield CounterMetricFamily(f"kvforge_model_thread_{name}", f"Model thread {name.replace('_', ' ')}", value)
 
 
 def store_tiers(stats: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:

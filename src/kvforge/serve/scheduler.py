@@ -3,9 +3,9 @@
 One thread owns the model. Each loop iteration (a *step*):
 
 1. admits waiting requests while fewer than ``max_running`` run (tokenising and the reuse plan happen here);
-2. prefills up to ``prefill_budget`` tokens: chunks of the oldest prefilling requests (a long prompt takes several
-   steps, so streaming users keep getting tokens between its chunks);
-3. runs one batched decode step (:func:`kvforge.batch.decode_step`) for every request that has its first logits.
+2. runs one forward (:func:`kvforge.batch.mixed_step`) for the next token of every decoding request together with up
+   to ``prefill_budget`` prompt tokens: chunks of the prefilling requests, least work left first (a long prompt takes
+   several steps, so streaming users keep getting tokens between its chunks, and reuse hits do not wait behind it).
 
 A request leaves as soon as it ends (EOS, stop string, budget), is cancelled (client gone) or passes its deadline:
 cancellation is seen at the next step, prefill included. Other work (``/v1/kv/documents``) runs as an exclusive job
@@ -22,12 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvforge.batch import Sequence, decode_step
+from kvforge.batch import Sequence, mixed_step
 from kvforge.cache import KVCache
 from kvforge.decode import DecodeState, trim_at_stop
 from kvforge.errors import UserError
 from kvforge.serve.runner import KEEP, DeltaStream, GenerationSpec, run_generation, runs_alone
-from kvforge.serve.worker import SHED_FACTOR, Aborted, Job, QueueFullError, ShuttingDownError
+from kvforge.serve.worker import SHED_FACTOR, Aborted, Job, QueueFullError, ShuttingDownError, ThreadProfile
 from kvforge.types import Generation
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ class Scheduler:
         self._last_finish: float | None = None
         self._avg_gap = 0.0
         self.num_done = 0
+        self.profile = ThreadProfile()
         self._thread = threading.Thread(target=self._loop, name="kvforge-scheduler", daemon=True)
         self._thread.start()
 
@@ -178,10 +179,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------ the loop
     def _loop(self) -> None:
+        profile = self.profile
         while True:
             with self._cond:
+                profile.lap("other")
                 while not self._closed and not self._waiting and not self.prefilling and not self.decoding:
                     self._cond.wait()
+                profile.lap("idle")
                 if self._closed:
                     return
                 admitted = []
@@ -190,10 +194,9 @@ class Scheduler:
             for job in admitted:
                 self._admit(job)
             self._drop_aborted()
-            if self.prefilling:
-                self._prefill()
-            if self.decoding:
-                self._decode()
+            profile.lap("admit")
+            if self.prefilling or self.decoding:
+                self._step()
 
     def _admit(self, job: GenerationJob) -> None:
         reason = job.abort_reason
@@ -224,6 +227,7 @@ class Scheduler:
             job.close()
 
     def _run_exclusive(self, job: Job) -> None:
+        self.profile.lap("admit")
         self.exclusive = job
         result: Any = None
         error: BaseException | None = None
@@ -233,6 +237,7 @@ class Scheduler:
             error = e
         finally:
             self.exclusive = None
+            self.profile.lap("exclusive")
         job._resolve(result=result, error=error)
 
     def _prepare(self, job: GenerationJob, spec: GenerationSpec) -> _Active:
@@ -267,39 +272,87 @@ class Scheduler:
         active.record = lambda cache: strategy.record(ids, cache, text=text, context=reuse_context)
         return active
 
-    def _prefill(self) -> None:
-        """One chunk of the oldest prefilling request (so a long prompt always progresses), then, within another
-        ``prefill_budget`` tokens, the requests with the least left to prefill (reuse hits start decoding at once
-        instead of waiting behind a long new prompt). Chunks stay aligned to the budget within each request."""
-        if not self.prefilling:
+    def _chunks(self) -> list[tuple[_Active, int]]:
+        """This step's prompt chunks, ``(request, tokens)`` within ``prefill_budget`` tokens.
+
+        The requests with the least prompt left go first (reuse hits start decoding at once instead of waiting behind
+        a long new prompt: shortest remaining work first), and the oldest prefilling request always gets at least a
+        quarter of the budget, so a long prompt progresses whatever arrives after it.
+        """
+        plain = [a for a in self.prefilling if a.parts[0][1] is None]
+        if not plain:
+            return []
+
+        def left(a: _Active) -> int:
+            return len(a.parts[0][0]) - a.offset
+
+        take = {id(plain[0]): min(left(plain[0]), max(1, self.prefill_budget // 4))}
+        room = self.prefill_budget - take[id(plain[0])]
+        for active in sorted(plain, key=left):  # stable: equal work keeps arrival order
+            extra = min(left(active) - take.get(id(active), 0), room)
+            if extra > 0:
+                take[id(active)] = take.get(id(active), 0) + extra
+                room -= extra
+        return [(a, take[id(a)]) for a in plain if take.get(id(a))]
+
+    def _prefill_alone(self, active: _Active) -> None:
+        """A part with a press is prefilled in one go (the press scores the whole part), outside the batch."""
+        ids, press = active.parts[0]
+        try:
+            active.cache, active.logits = self.engine.prefill(ids[active.offset :], active.cache, press=press)
+        except BaseException as e:
+            self.prefilling.remove(active)
+            active.job._resolve(error=e)
+            active.close()
             return
-        oldest, others = self.prefilling[0], self.prefilling[1:]
-        order = [oldest, *sorted(others, key=lambda a: sum(len(p) for p, _ in a.parts) - a.offset)]
-        extra = 0
-        for active in order:
-            if active.job.abort_reason is not None:
-                continue
-            ids, press = active.parts[0]
-            size = len(ids) - active.offset if press is not None else min(self.prefill_budget, len(ids) - active.offset)
-            if active is not oldest:
-                if extra + size > self.prefill_budget:
-                    break
-                extra += size
-            try:
-                chunk = ids[active.offset : active.offset + size]
-                active.cache, active.logits = self.engine.prefill(chunk, active.cache, press=press)
-            except BaseException as e:
-                self.prefilling.remove(active)
+        self.profile.count("prefill_tokens", len(ids) - active.offset)
+        self._part_done(active, len(ids) - active.offset)
+
+    def _part_done(self, active: _Active, num_tokens: int) -> None:
+        """``num_tokens`` more of the current part are prefilled; a request with nothing left starts decoding."""
+        active.offset += num_tokens
+        if active.offset == len(active.parts[0][0]):
+            active.parts.pop(0)
+            active.offset = 0
+        if not active.parts:
+            self.prefilling.remove(active)
+            self.decoding.append(self._sequence(active))
+
+    def _step(self) -> None:
+        """One forward: the next token of every decoding request and this step's prompt chunks, packed together."""
+        for active in [a for a in self.prefilling if a.parts[0][1] is not None]:
+            self._prefill_alone(active)
+        self.profile.lap("prefill_alone")
+        chosen = self._chunks()
+        for active, _ in chosen:
+            if active.cache is None:
+                active.cache = self.engine.new_cache()
+        chunks = [(a.parts[0][0][a.offset : a.offset + n], a.cache) for a, n in chosen]
+        running = self.decoding
+        try:
+            going, logits = mixed_step(self.engine.model, running, chunks)  # type: ignore[arg-type]
+        except BaseException as e:  # the forward failed: every request of the step answers with the error
+            logger.exception("batched step failed")
+            self.decoding = []
+            failed = [s.tag for s in running] + [a for a, _ in chosen]
+            self.prefilling = [a for a in self.prefilling if all(a is not f for f in failed)]
+            for active in failed:
                 active.job._resolve(error=e)
                 active.close()
-                continue
-            active.offset += size
-            if active.offset == len(ids):
-                active.parts.pop(0)
-                active.offset = 0
-            if not active.parts:
-                self.prefilling.remove(active)
-                self.decoding.append(self._sequence(active))
+            return
+        self.profile.count("steps")
+        self.profile.count("decode_rows", len(going))
+        self.profile.count("prefill_tokens", sum(n for _, n in chosen))
+        kept = {id(s) for s in going}
+        self.decoding = going  # then the requests whose prompt this step completed join (first token: next step)
+        for (active, n), row in zip(chosen, logits, strict=True):
+            active.logits = row
+            self._part_done(active, n)
+        self.profile.lap("forward")
+        for seq in running:
+            if id(seq) not in kept:
+                self._finish(seq)
+        self.profile.lap("finish")
 
     def _sequence(self, active: _Active) -> Sequence:
         spec, engine = active.spec, self.engine
@@ -321,23 +374,6 @@ class Scheduler:
         )
         assert active.cache is not None
         return Sequence(active.cache, active.logits, state, tag=active)
-
-    def _decode(self) -> None:
-        running = self.decoding
-        try:
-            going = decode_step(self.engine.model, running)
-        except BaseException as e:  # the forward failed: every request of the step answers with the error
-            logger.exception("batched decode step failed")
-            self.decoding = []
-            for seq in running:
-                seq.tag.job._resolve(error=e)
-                seq.tag.close()
-            return
-        kept = {id(s) for s in going}
-        self.decoding = going
-        for seq in running:
-            if id(seq) not in kept:
-                self._finish(seq)
 
     def _finish(self, seq: Sequence) -> None:
         active: _Active = seq.tag

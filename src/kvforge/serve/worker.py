@@ -23,6 +23,30 @@ logger = logging.getLogger(__name__)
 SHED_FACTOR = 1.5  # a job starts only with this many average job times left before its deadline
 
 
+class ThreadProfile:
+    """Where the model thread's time goes: seconds per phase, and counts (``/metrics``, the load benchmark).
+
+    Phases: the batching scheduler's ``admit`` (tokenise + reuse plan: store reads), ``prefill_alone`` (parts with a
+    press), ``forward`` (the steps' packed forwards), ``finish`` (answers + reuse records: store writes), ``exclusive``
+    (work run alone between steps), ``idle``; the one-at-a-time worker's ``generate`` and ``idle``. Counts:
+    ``steps``, ``decode_rows`` (decode tokens summed over the steps), ``prefill_tokens``.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self._since = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        """Charge the time since the last lap to ``phase``."""
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._since
+        self._since = now
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counts[name] = self.counts.get(name, 0) + n
+
+
 class QueueFullError(Exception):
     """The queue holds ``max_queue`` waiting jobs already."""
 
@@ -105,6 +129,7 @@ class Worker:
         self.avg_job_s = 1.0  # moving average, for Retry-After
         self.num_done = 0
         self.draining = False
+        self.profile = ThreadProfile()
         self._thread = threading.Thread(target=self._loop, name="kvforge-worker", daemon=True)
         self._thread.start()
 
@@ -143,7 +168,9 @@ class Worker:
 
     def _loop(self) -> None:
         while True:
+            self.profile.lap("generate")
             job = self._queue.get()
+            self.profile.lap("idle")
             if job is None:
                 return
             reason = job.abort_reason
