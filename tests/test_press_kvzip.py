@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -255,7 +257,32 @@ def replay_scores_and_kept(model, tok, ids, replay_chunk=40, **options):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
-@pytest.mark.parametrize("path", ["cpu-fused", "explicit"])
+class MaskedReplay:
+    """The replay's attention handed an explicit causal mask instead of ``is_causal`` (as for a cache whose layers
+    need masks): exercises the masked CPU path."""
+
+    def __init__(self, *args, **kwargs):
+        import kvforge.presses.hooks as hooks_mod
+
+        self.inner = hooks_mod.ReplayAttention(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        if name == "inner":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
+
+    def __call__(self, module, query, key, value, mask, is_causal, scaling, softcap):
+        if is_causal and mask is None:
+            q, k = query.shape[2], key.shape[2]
+            mask, is_causal = torch.ones(q, k, dtype=torch.bool).tril(k - q)[None, None], False
+        return self.inner(module, query, key, value, mask, is_causal, scaling, softcap)
+
+
+@pytest.mark.parametrize("path", ["cpu-fused", "cpu-small-blocks", "cpu-masked", "explicit"])
 @pytest.mark.parametrize("normalise", ["chunk", "all"])
 @pytest.mark.parametrize("options", [{"replay_chunk": 40}, {"replay_chunk": 300}, {"replay_chunk": 0, "keep_first": 1}])
 def test_fused_replay_scores_equal_the_textbook_attention(tok, arch, path, normalise, options, monkeypatch):
@@ -266,6 +293,10 @@ def test_fused_replay_scores_equal_the_textbook_attention(tok, arch, path, norma
     model, ids = tiny_model(arch), chat_ids(tok, TEXT * 2)
     if path == "explicit":
         monkeypatch.setattr(hooks_mod, "_FLASH_WITH_LSE", None)
+    elif path == "cpu-small-blocks":  # the score matmul in many blocks of keys / queries
+        monkeypatch.setattr(apply_mod, "ReplayAttention", functools.partial(hooks_mod.ReplayAttention, max_elements=64))
+    elif path == "cpu-masked":
+        monkeypatch.setattr(apply_mod, "ReplayAttention", MaskedReplay)
     scores, kept = replay_scores_and_kept(model, tok, ids, normalise=normalise, **options)
     monkeypatch.setattr(apply_mod, "ReplayAttention", TextbookReplay)
     ref_scores, ref_kept = replay_scores_and_kept(model, tok, ids, normalise=normalise, **options)
