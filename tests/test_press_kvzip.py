@@ -61,16 +61,22 @@ def test_global_budget_sum_over_layers_is_exact_and_lengths_differ(ratio):
     assert all(int(c) >= 1 for sel in sels for c in sel.keep.sum(-1).flatten())  # no head left empty
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("name", ["kvzip", "kvzip-plus"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("ratio", [0.5, 0.8])
-def test_global_budget_exact_per_model(tok, arch, ratio):
+def test_global_budget_exact_per_model(tok, name, arch, ratio):
+    """Through compress_prefill on a whole model: the kept entries summed over the compressed layers are exactly the
+    model budget (one top-k over every layer, head and token)."""
     model = tiny_model(arch)
     ids = chat_ids(tok)
     cache = KVCache.for_model(model)
-    compress_prefill(model, ids, cache, build_press("kvzip-global", ratio), chunk_size=64, tokenizer=tok)
+    compress_prefill(model, ids, cache, build_press(name, ratio), chunk_size=64, tokenizer=tok)
     layers = compressible_layers(cache)
     n, h_kv = ids.shape[1], model.config.num_key_value_heads
     assert sum(cache.layers[i].num_entries() for i in layers) == len(layers) * h_kv * num_kept(n, ratio)
+    assert sum(cache.info["press"]["kept_entries_per_layer"][i] for i in layers) == len(layers) * h_kv * num_kept(
+        n, ratio
+    )
     full = KVCache.for_model(model)
     apply_mod.prefill(model, ids, full, chunk_size=64)
     assert cache.nbytes() < full.nbytes()  # memory really freed (head-wise layout)
@@ -85,12 +91,15 @@ def test_header_and_first_tokens_always_kept(budget):
     assert not bool(off.compress_all([ctx(100, seed=1, header=5)])[0].keep[..., :7].all())
 
 
-def test_header_kept_through_compress_prefill(tok):
+@pytest.mark.parametrize("name", ["kvzip", "kvzip-layer", "kvzip-plus", "kvzip-ada", "kvzip-global"])
+def test_header_kept_through_compress_prefill(tok, name):
+    """The template header (3 tokens here) and the first entry survive in every head of every layer at 90% removed,
+    whatever their replay scores (the header is never repeated, so without protection it would score ~0)."""
     model = tiny_model("llama")
     ids = chat_ids(tok)
     assert header_length(tok, ids[0].tolist()) == 3  # "<u>"
     cache = KVCache.for_model(model)
-    compress_prefill(model, ids, cache, build_press("kvzip", 0.9, keep_first=1), chunk_size=64, tokenizer=tok)
+    compress_prefill(model, ids, cache, build_press(name, 0.9, keep_first=1), chunk_size=64, tokenizer=tok)
     for layer in cache.layers:
         _, _, positions, valid = layer.view()
         for head in range(positions.shape[1]):
