@@ -14,7 +14,8 @@ does), so its pruned cache keeps the original positions like kvforge's.
 
 Resumable: case by case, kvpress's side (a subprocess in its venv) then kvforge's, each case's rows appended to
 ``--out`` as soon as they exist; a re-run with the same ``--out`` skips the cases already there (same ``--tokens``,
-``--cases``, ratios). ``kvzip-noheader`` is kvforge's ``kvzip`` with ``keep_header=False`` (kvpress's choice: only
+seed and depth; same ratios assumed). ``--depths 0 1 0.5 ...`` orders the cases so that a run stopped early still
+spans the depths. ``kvzip-noheader`` is kvforge's ``kvzip`` with ``keep_header=False`` (kvpress's choice: only
 the 4 sinks of the header are protected); ``--table-only`` prints the table from ``--out``.
 """
 
@@ -160,7 +161,8 @@ def table(rows: list[dict], ratios: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", type=int, default=6)
+    ap.add_argument("--cases", type=int, default=6, help="cases at depths spread evenly over 0..1")
+    ap.add_argument("--depths", type=float, nargs="+", help="case i (seed i) at depths[i] (instead of --cases)")
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--ratios", type=float, nargs="+", default=RATIOS)
     ap.add_argument("--methods", nargs="+", default=KVFORGE)
@@ -179,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from press_needle import load_smollm2, needle_case
 
-    setting = {"tokens": args.tokens, "cases": args.cases}
+    depths = args.depths or [i / max(1, args.cases - 1) for i in range(args.cases)]
     rows = [json.loads(line) for line in args.out.open()] if args.out.exists() else []
-    rows = [r for r in rows if r.get("tokens") == args.tokens and r.get("cases") == args.cases]
+    rows = [r for r in rows if r.get("tokens") == args.tokens and r.get("depth") == depths[r["case"]]]
     if args.table_only:
         print(table(rows, args.ratios))
         return 0
@@ -189,11 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     if not python.exists():
         raise SystemExit(f"no kvpress venv at {args.venv} (see this script's docstring)")
     model, tok = load_smollm2()
-    depths = [i / max(1, args.cases - 1) for i in range(args.cases)]
     done = {(r["method"].split(":")[0], r["case"]) for r in rows if r["ratio"] == 0.0}
     for i, depth in enumerate(depths):
         case = needle_case(tok, seed=i, num_tokens=args.tokens, depth=depth)
         new: list[dict] = []
+        setting = {"tokens": args.tokens, "depth": depth}  # case i: seed i, needle at this depth
         if ("kvpress", i) not in done:
             with tempfile.TemporaryDirectory() as tmp:
                 cases_path, out_path = Path(tmp) / "cases.json", Path(tmp) / "rows.json"
