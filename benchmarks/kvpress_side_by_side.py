@@ -11,6 +11,12 @@ Per case, each side's compressed run is compared with its own uncompressed run: 
 10 greedy tokens, normalised = 100 x compressed score / full score (over cases the full run answers), KL = KL(full ||
 compressed) of the first answer token's distribution. kvpress decodes with explicit position ids (as its pipeline
 does), so its pruned cache keeps the original positions like kvforge's.
+
+Resumable: case by case, kvpress's side (a subprocess in its venv) then kvforge's, each case's rows appended to
+``--out`` as soon as they exist; a re-run with the same ``--out`` skips the cases already there (same ``--tokens``,
+seed and depth; same ratios assumed). ``--depths 0 1 0.5 ...`` orders the cases so that a run stopped early still
+spans the depths. ``kvzip-noheader`` is kvforge's ``kvzip`` with ``keep_header=False`` (kvpress's choice: only
+the 4 sinks of the header are protected); ``--table-only`` prints the table from ``--out``.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ KVPRESS = {  # label -> kvpress constructor (query-agnostic use: compress the co
     "kvpress:KnormPress": lambda kp, r: kp.KnormPress(compression_ratio=r),
     "kvpress:SnapKVPress": lambda kp, r: kp.SnapKVPress(compression_ratio=r),
 }
-KVFORGE = ["kvzip", "kvzip-global", "kvzip-plus", "expected_attention", "knorm", "snapkv", "surrogatekv-kvzip"]
+KVFORGE = ["kvzip", "kvzip-noheader", "expected_attention", "knorm", "snapkv"]
+VARIANTS = {"kvzip-noheader": ("kvzip", {"keep_header": False})}  # label -> (press name, options)
 MAX_NEW = 10
 
 
@@ -62,7 +69,7 @@ def kvpress_side(cases_path: str, out_path: str, ratios: list[float], labels: li
             return tok
 
     kvzip_mod.AutoTokenizer = _Tok
-    cases = json.loads(Path(cases_path).read_text())
+    cases = json.loads(Path(cases_path).read_text())  # [[index, [ctx, q, answer]], ...]
     rows = []
 
     def run(ctx: list[int], q: list[int], press: Any) -> tuple[str, torch.Tensor]:
@@ -85,7 +92,7 @@ def kvpress_side(cases_path: str, out_path: str, ratios: list[float], labels: li
             pos += 1
         return tok.decode(tokens), first
 
-    for i, (ctx, q, answer) in enumerate(cases):
+    for i, (ctx, q, answer) in cases:
         text, full = run(ctx, q, None)
         rows.append({"method": "kvpress:full", "ratio": 0.0, "case": i, "score": float(answer in text), "kl": 0.0})
         for label, make in KVPRESS.items():
@@ -107,8 +114,11 @@ def kvforge_side(model: Any, tok: Any, cases: list, ratios: list[float], methods
     from kvforge.presses import CompressionSource, Needs, build_press
 
     rows = []
-    for i, (ctx, q, answer) in enumerate(cases):
-        presses = {(m, r): build_press(m, r) for m in methods for r in ratios}
+    for i, (ctx, q, answer) in cases:
+        presses = {}
+        for m in methods:
+            name, options = VARIANTS.get(m, (m, {}))
+            presses |= {(m, r): build_press(name, r, **options) for r in ratios}
         needs = Needs()
         for p in presses.values():
             needs = needs.merge(p.needs())
@@ -151,7 +161,8 @@ def table(rows: list[dict], ratios: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", type=int, default=6)
+    ap.add_argument("--cases", type=int, default=6, help="cases at depths spread evenly over 0..1")
+    ap.add_argument("--depths", type=float, nargs="+", help="case i (seed i) at depths[i] (instead of --cases)")
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--ratios", type=float, nargs="+", default=RATIOS)
     ap.add_argument("--methods", nargs="+", default=KVFORGE)
@@ -159,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--venv", type=Path, default=VENV)
     ap.add_argument("--out", type=Path, default=Path("kvpress_side_by_side.jsonl"))
+    ap.add_argument("--table-only", action="store_true", help="print the table of the rows already in --out")
     ap.add_argument("--kvpress-side", nargs=2, metavar=("CASES_JSON", "OUT_JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.threads:
@@ -169,24 +181,36 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from press_needle import load_smollm2, needle_case
 
-    model, tok = load_smollm2()
-    depths = [i / max(1, args.cases - 1) for i in range(args.cases)]
-    cases = [needle_case(tok, seed=i, num_tokens=args.tokens, depth=d) for i, d in enumerate(depths)]
+    depths = args.depths or [i / max(1, args.cases - 1) for i in range(args.cases)]
+    rows = [json.loads(line) for line in args.out.open()] if args.out.exists() else []
+    rows = [r for r in rows if r.get("tokens") == args.tokens and r.get("depth") == depths[r["case"]]]
+    if args.table_only:
+        print(table(rows, args.ratios))
+        return 0
     python = args.venv / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"no kvpress venv at {args.venv} (see this script's docstring)")
-    with tempfile.TemporaryDirectory() as tmp:
-        cases_path, out_path = Path(tmp) / "cases.json", Path(tmp) / "rows.json"
-        cases_path.write_text(json.dumps(cases))
-        cmd = [str(python), __file__, "--kvpress-side", str(cases_path), str(out_path), "--ratios",
-               *map(str, args.ratios), "--kvpress-methods", *args.kvpress_methods,
-               "--threads", str(args.threads or torch.get_num_threads())]  # fmt: skip
-        subprocess.run(cmd, check=True)
-        rows = json.loads(out_path.read_text())
-    rows += kvforge_side(model, tok, cases, args.ratios, args.methods)
-    with args.out.open("w") as f:
-        for r in rows:
-            f.write(json.dumps(r | {"tokens": args.tokens, "cases": args.cases}) + "\n")
+    model, tok = load_smollm2()
+    done = {(r["method"].split(":")[0], r["case"]) for r in rows if r["ratio"] == 0.0}
+    for i, depth in enumerate(depths):
+        case = needle_case(tok, seed=i, num_tokens=args.tokens, depth=depth)
+        new: list[dict] = []
+        setting = {"tokens": args.tokens, "depth": depth}  # case i: seed i, needle at this depth
+        if ("kvpress", i) not in done:
+            with tempfile.TemporaryDirectory() as tmp:
+                cases_path, out_path = Path(tmp) / "cases.json", Path(tmp) / "rows.json"
+                cases_path.write_text(json.dumps([[i, case]]))
+                cmd = [str(python), __file__, "--kvpress-side", str(cases_path), str(out_path), "--ratios",
+                       *map(str, args.ratios), "--kvpress-methods", *args.kvpress_methods,
+                       "--threads", str(args.threads or torch.get_num_threads())]  # fmt: skip
+                subprocess.run(cmd, check=True)
+                new += json.loads(out_path.read_text())
+        if ("kvforge", i) not in done:
+            new += kvforge_side(model, tok, [[i, case]], args.ratios, args.methods)
+        with args.out.open("a") as f:
+            for r in new:
+                f.write(json.dumps(r | setting) + "\n")
+        rows += [r | setting for r in new]
     print(table(rows, args.ratios))
     return 0
 

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 VENV = Path("/work/kvpress-venv")
 VARIANTS = {  # label -> KVzipPress options
     "default (chunk softmax, turn continued)": {},
+    "default, keep_header=False (kvpress's protection: 4 sinks)": {"keep_header": False},
     "softmax over all keys": {"normalise": "all"},
     "new user turn, all keys (before)": {"normalise": "all", "replay_turn": "new"},
 }

@@ -58,7 +58,8 @@ def needle_case(tokenizer: Any, seed: int, num_tokens: int, depth: float) -> tup
     needle = f" The secret code for the {key} is {code}. "
     ids = tokenizer.encode(words, add_special_tokens=False)[:num_tokens]
     hay = tokenizer.decode(ids)
-    cut = hay.find(". ", int(len(hay) * depth)) + 2
+    at = hay.find(". ", int(len(hay) * depth))
+    cut = at + 2 if at >= 0 else len(hay)  # depth 1: after the last sentence (find fails there; was put at 1)
     context = hay[:cut] + needle + hay[cut:]
     question = f"What is the secret code for the {key}?"
     messages = [{"role": "user", "content": f"{context}\n\n{question}"}]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -59,16 +61,22 @@ def test_global_budget_sum_over_layers_is_exact_and_lengths_differ(ratio):
     assert all(int(c) >= 1 for sel in sels for c in sel.keep.sum(-1).flatten())  # no head left empty
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("name", ["kvzip", "kvzip-plus"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("ratio", [0.5, 0.8])
-def test_global_budget_exact_per_model(tok, arch, ratio):
+def test_global_budget_exact_per_model(tok, name, arch, ratio):
+    """Through compress_prefill on a whole model: the kept entries summed over the compressed layers are exactly the
+    model budget (one top-k over every layer, head and token)."""
     model = tiny_model(arch)
     ids = chat_ids(tok)
     cache = KVCache.for_model(model)
-    compress_prefill(model, ids, cache, build_press("kvzip-global", ratio), chunk_size=64, tokenizer=tok)
+    compress_prefill(model, ids, cache, build_press(name, ratio), chunk_size=64, tokenizer=tok)
     layers = compressible_layers(cache)
     n, h_kv = ids.shape[1], model.config.num_key_value_heads
     assert sum(cache.layers[i].num_entries() for i in layers) == len(layers) * h_kv * num_kept(n, ratio)
+    assert sum(cache.info["press"]["kept_entries_per_layer"][i] for i in layers) == len(layers) * h_kv * num_kept(
+        n, ratio
+    )
     full = KVCache.for_model(model)
     apply_mod.prefill(model, ids, full, chunk_size=64)
     assert cache.nbytes() < full.nbytes()  # memory really freed (head-wise layout)
@@ -83,12 +91,15 @@ def test_header_and_first_tokens_always_kept(budget):
     assert not bool(off.compress_all([ctx(100, seed=1, header=5)])[0].keep[..., :7].all())
 
 
-def test_header_kept_through_compress_prefill(tok):
+@pytest.mark.parametrize("name", ["kvzip", "kvzip-layer", "kvzip-plus", "kvzip-ada", "kvzip-global"])
+def test_header_kept_through_compress_prefill(tok, name):
+    """The template header (3 tokens here) and the first entry survive in every head of every layer at 90% removed,
+    whatever their replay scores (the header is never repeated, so without protection it would score ~0)."""
     model = tiny_model("llama")
     ids = chat_ids(tok)
     assert header_length(tok, ids[0].tolist()) == 3  # "<u>"
     cache = KVCache.for_model(model)
-    compress_prefill(model, ids, cache, build_press("kvzip", 0.9, keep_first=1), chunk_size=64, tokenizer=tok)
+    compress_prefill(model, ids, cache, build_press(name, 0.9, keep_first=1), chunk_size=64, tokenizer=tok)
     for layer in cache.layers:
         _, _, positions, valid = layer.view()
         for head in range(positions.shape[1]):
@@ -255,7 +266,32 @@ def replay_scores_and_kept(model, tok, ids, replay_chunk=40, **options):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
-@pytest.mark.parametrize("path", ["cpu-fused", "explicit"])
+class MaskedReplay:
+    """The replay's attention handed an explicit causal mask instead of ``is_causal`` (as for a cache whose layers
+    need masks): exercises the masked CPU path."""
+
+    def __init__(self, *args, **kwargs):
+        import kvforge.presses.hooks as hooks_mod
+
+        self.inner = hooks_mod.ReplayAttention(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        if name == "inner":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
+
+    def __call__(self, module, query, key, value, mask, is_causal, scaling, softcap):
+        if is_causal and mask is None:
+            q, k = query.shape[2], key.shape[2]
+            mask, is_causal = torch.ones(q, k, dtype=torch.bool).tril(k - q)[None, None], False
+        return self.inner(module, query, key, value, mask, is_causal, scaling, softcap)
+
+
+@pytest.mark.parametrize("path", ["cpu-fused", "cpu-small-blocks", "cpu-masked", "explicit"])
 @pytest.mark.parametrize("normalise", ["chunk", "all"])
 @pytest.mark.parametrize("options", [{"replay_chunk": 40}, {"replay_chunk": 300}, {"replay_chunk": 0, "keep_first": 1}])
 def test_fused_replay_scores_equal_the_textbook_attention(tok, arch, path, normalise, options, monkeypatch):
@@ -266,6 +302,10 @@ def test_fused_replay_scores_equal_the_textbook_attention(tok, arch, path, norma
     model, ids = tiny_model(arch), chat_ids(tok, TEXT * 2)
     if path == "explicit":
         monkeypatch.setattr(hooks_mod, "_FLASH_WITH_LSE", None)
+    elif path == "cpu-small-blocks":  # the score matmul in many blocks of keys / queries
+        monkeypatch.setattr(apply_mod, "ReplayAttention", functools.partial(hooks_mod.ReplayAttention, max_elements=64))
+    elif path == "cpu-masked":
+        monkeypatch.setattr(apply_mod, "ReplayAttention", MaskedReplay)
     scores, kept = replay_scores_and_kept(model, tok, ids, normalise=normalise, **options)
     monkeypatch.setattr(apply_mod, "ReplayAttention", TextbookReplay)
     ref_scores, ref_kept = replay_scores_and_kept(model, tok, ids, normalise=normalise, **options)

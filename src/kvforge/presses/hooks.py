@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kvforge.attention import rotate_half
+from kvforge.attention import rotate_half, sdpa
 from kvforge.cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -140,6 +140,11 @@ class ReplayAttention:
     (queries grouped per KV head: no keys repeated), followed by a max over the queries; elsewhere (CUDA, soft-capping)
     the attention is computed explicitly and its probabilities are read. Temporaries are bounded by ``max_elements``.
     Layers outside ``bounds`` (sliding-window layers) get plain attention.
+
+    The usual replay (a plain cache continued: nothing masked but causality) runs the kernel on contiguous key ranges
+    (:meth:`_segmented`): KVzip's chunk-restricted log-sum-exp is the merge of the ranges inside its softmax, so no
+    mask is built and no key is read a second time. A cache that needs masks (head-wise layers, windows) takes the
+    masked kernel, and the chunk's log-sum-exp is the kernel's minus the left-out keys (:meth:`_chunk_lse`).
     """
 
     def __init__(
@@ -159,6 +164,11 @@ class ReplayAttention:
         idx = int(module.layer_idx)
         span = self.bounds.get(idx)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if query.device.type == "cpu" and softcap is None and _FLASH_WITH_LSE is not None and mask is None:
+            # the usual replay: a plain cache continued, the queries are the last rows (nothing masked but causality)
+            if span is None:
+                return sdpa(query, key, value, None, is_causal, scale)
+            return self._segmented(idx, span, query, key, value, scale, query.shape[2] if is_causal else 0)
         if mask is None and is_causal:
             mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device)
             mask = mask.tril(key.shape[2] - query.shape[2])[None, None]
@@ -181,6 +191,39 @@ class ReplayAttention:
             self._chunk_scores(idx, span, query, key, mask, scale, softcap)
             span = None
         return self._explicit(idx, span, query, key, value, mask, scale, softcap)
+
+    def _segmented(
+        self, idx: int, span: tuple[int, int], query: Tensor, key: Tensor, value: Tensor, scale: float, new: int
+    ) -> Tensor:
+        """Attention of queries that see every key (the last ``new`` causally), run by the CPU kernel on contiguous
+        key ranges: the ranges inside KVzip's softmax (sinks, the chunk being repeated, the replay's own keys) and
+        those left out (header, other chunks), merged with their log-sum-exps. The output is the full attention (exact
+        up to rounding, as :func:`kvforge.attention.sdpa`'s lower-right split) and the log-sum-exp over the inside
+        ranges comes for free: no mask is built and no key is read twice except by the score matmul itself."""
+        past = key.shape[2] - new
+        if self.normalise == "chunk":
+            lo, hi = self._chunk_slots(span)
+            sink = min(self.sinks, lo)
+            inside, outside = [(0, sink), (lo, hi), (span[1], past)], [(sink, lo), (hi, span[1])]
+        else:
+            lo, hi = span
+            inside, outside = [(0, past)], []
+        parts_in = [_FLASH_WITH_LSE(query, key[:, :, a:b], value[:, :, a:b], 0.0, False, scale=scale)
+                    for a, b in inside if b > a]  # fmt: skip
+        if new:
+            parts_in.append(_FLASH_WITH_LSE(query, key[:, :, past:], value[:, :, past:], 0.0, True, scale=scale))
+        parts_out = [_FLASH_WITH_LSE(query, key[:, :, a:b], value[:, :, a:b], 0.0, False, scale=scale)
+                     for a, b in outside if b > a]  # fmt: skip
+        lse_in = _logsumexp([lse for _, lse in parts_in])
+        lse_all = lse_in if not parts_out else torch.logaddexp(lse_in, _logsumexp([lse for _, lse in parts_out]))
+        out: Tensor | None = None
+        for part, lse in parts_in + parts_out:
+            weighted = part * (lse - lse_all).exp_().unsqueeze(-1).to(part.dtype)
+            out = weighted if out is None else out.add_(weighted)
+        assert out is not None
+        chunk = (lo, hi) if self.normalise == "chunk" else None
+        self._log_prob_max(idx, span, query * scale, -lse_in.to(query.dtype), key, None, chunk)
+        return out.transpose(1, 2).contiguous()
 
     def _keep(self, idx: int, got: Tensor) -> None:
         best = self.scores.get(idx)
@@ -215,33 +258,48 @@ class ReplayAttention:
         cols: tuple[int, int] | None = None,
     ) -> None:  # fmt: skip
         """Max over queries of ``exp(scale q.k - lse)`` for the context keys (or the slots ``cols`` of them): one
-        (D+1)-wide matmul per query slice."""
+        (D+1)-wide matmul. Unmasked (the usual case) it runs per block of keys, the keys as rows and every query of the
+        GQA group as columns, so each block's ``(keys, queries)`` product stays in cache and the max is a reduction
+        over contiguous memory (2-3x faster on CPU than one ``(queries, keys)`` product reduced over its rows)."""
         b, h, q, d = query.shape
         h_kv, g = key.shape[1], h // key.shape[1]
         lo, hi = cols if cols is not None else span
         ctx = key[:, :, lo:hi]
-        ones = ctx.new_ones(*ctx.shape[:3], 1)
-        keys_t = torch.cat([ctx, ones], dim=-1).transpose(-1, -2)  # (B, H_kv, D+1, S)
+        keys = torch.cat([ctx, ctx.new_ones(*ctx.shape[:3], 1)], dim=-1)  # (B, H_kv, S, D+1)
         grouped = torch.cat([query, neg_lse[..., None]], dim=-1).view(b, h_kv, g, q, d + 1)
         hidden = None if mask is None else ~mask[..., lo:hi]
         if hidden is not None and not bool(hidden.any()):
             hidden = None  # the context is visible to every replay query (the usual case)
         if cols is not None and idx not in self.scores:
             self.scores[idx] = query.new_zeros(b, h, span[1] - span[0], dtype=torch.float32)
+        if hidden is None:
+            columns = grouped.permute(0, 1, 4, 2, 3).reshape(
+                b, h_kv, d + 1, g * q
+            )  # column j: head j // q, query j % q
+            best = keys.new_empty(b, h_kv, hi - lo, g)
+            step = max(8, min(self.max_elements, 1 << 18) // max(1, g * q))
+            for i in range(0, hi - lo, step):
+                block = keys[:, :, i : i + step] @ columns  # (B, H_kv, n, g * q)
+                torch.amax(block.view(b, h_kv, -1, g, q), dim=-1, out=best[:, :, i : i + step])
+            self._merge(idx, span, cols, best.permute(0, 1, 3, 2).reshape(b, h, -1).float().exp_())
+            return
+        keys_t = keys.transpose(-1, -2)  # (B, H_kv, D+1, S)
         step = max(1, self.max_elements // max(1, h * ctx.shape[2]))
         for i in range(0, q, step):
             n = min(step, q - i)
             log_p = (grouped[:, :, :, i : i + n].reshape(b, h_kv, g * n, d + 1) @ keys_t).float()
             log_p = log_p.view(b, h_kv, g, n, -1)
-            if hidden is not None:
-                sub = hidden[..., i : i + n, :]
-                log_p.masked_fill_(sub.view(b, h_kv, g, n, -1) if sub.shape[1] == h else sub[:, :, None], -math.inf)
-            got = log_p.amax(dim=3).reshape(b, h, -1).exp_()
-            if cols is None:
-                self._keep(idx, got)
-            else:
-                part = self.scores[idx][:, :, lo - span[0] : hi - span[0]]
-                torch.maximum(part, got, out=part)
+            sub = hidden[..., i : i + n, :]
+            log_p.masked_fill_(sub.view(b, h_kv, g, n, -1) if sub.shape[1] == h else sub[:, :, None], -math.inf)
+            self._merge(idx, span, cols, log_p.amax(dim=3).reshape(b, h, -1).exp_())
+
+    def _merge(self, idx: int, span: tuple[int, int], cols: tuple[int, int] | None, got: Tensor) -> None:
+        """Running max of the scores: over the whole context (``cols`` None) or the slots ``cols`` of it."""
+        if cols is None:
+            self._keep(idx, got)
+        else:
+            part = self.scores[idx][:, :, cols[0] - span[0] : cols[1] - span[0]]
+            torch.maximum(part, got, out=part)
 
     def _chunk_scores(
         self, idx: int, span: tuple[int, int], query: Tensor, key: Tensor, mask: Tensor | None, scale: float,
@@ -303,6 +361,10 @@ class ReplayAttention:
             probs = probs.to(value.dtype).view(b, h_kv, g * n, k_len)
             out[:, :, :, i : i + n] = (probs @ value).view(b, h_kv, g, n, -1)
         return out.view(b, h, q, -1).transpose(1, 2).contiguous()
+
+
+def _logsumexp(lses: list[Tensor]) -> Tensor:
+    return lses[0] if len(lses) == 1 else torch.stack(lses).logsumexp(dim=0)
 
 
 # the CPU fused attention kernel that also returns each query's log-sum-exp (what sdpa runs on CPU)

@@ -9,8 +9,8 @@ replay queries, per (layer, KV head, token): max over the queries and over the q
 softmax taken over the sinks, the chunk being repeated and the replay's own keys (``normalise="chunk"``, as KVzip).
 The scores are taken inside the replay's own attention (:class:`~kvforge.presses.hooks.ReplayAttention`); the replay
 entries are removed afterwards (cost: one extra forward of the context on top of it, paid once per document: the
-right trade for a query-agnostic cache that is stored and reused). Scores equal kvpress 0.5.5's to 3e-6
-(``benchmarks/kvzip_crosscheck.py``).
+right trade for a query-agnostic cache that is stored and reused). Scores equal kvpress 0.5.5's to float32
+rounding (<= 7e-6 of the layer's largest score, ``benchmarks/kvzip_crosscheck.py``).
 
 As in the paper (and each switchable so its effect is measured):
 - ``chat_template`` (True): the replay is a chat turn; False = the bare prompt + context (kvforge before issue 13).
