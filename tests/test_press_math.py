@@ -217,6 +217,23 @@ def test_surrogate_victims_are_lowest_chunks():
     assert len(victims[0][1]) == 32 and len(victims[1][1]) == 6  # last victim merges only what is needed
 
 
+def test_surrogatekv_kvzip_scores_protect_header_and_sinks():
+    # KVzip's replay never repeats the template header, so it scores it 0 beyond the sinks: SurrogateKV on those
+    # scores merged the system prompt first (the needle was lost at 50% kept); the header and sinks are protected
+    ctx = make_ctx(400)
+    ctx.reconstruction_scores = 0.5 + torch.rand(1, H, 400, generator=torch.Generator().manual_seed(1))
+    ctx.reconstruction_scores[..., 2:40] = 0.0  # header of 36 + 4 sinks, as the replay leaves it (sinks scored)
+    ctx.header_length = 36
+    for ratio in (0.5, 0.75):
+        press = SurrogateKVPress(compression_ratio=ratio, scores="kvzip")
+        sel = press.compress(ctx)
+        assert sel.keep[0, :, :40].all()  # header + first 4 kept
+        assert torch.equal(sel.keys[0, :, :40], ctx.keys[0, :, :40])  # and not overwritten by a surrogate
+        assert sel.keep.sum(-1).tolist() == [[num_kept(400, ratio)] * H_KV]  # still exact
+    sel = SurrogateKVPress(compression_ratio=0.98, scores="kvzip").compress(ctx)  # 8 kept: less than the header
+    assert sel.keep.sum(-1).tolist() == [[num_kept(400, 0.98)] * H_KV]
+
+
 def test_surrogatekv_extreme_ratio_still_exact():
     keep = SurrogateKVPress(compression_ratio=0.98).compress(make_ctx(100)).keep
     assert keep.sum(-1).tolist() == [[num_kept(100, 0.98)] * H_KV]

@@ -28,7 +28,7 @@ PRESS_DESCRIPTIONS: dict[str, str] = {
     "adakv": "SnapKV scores, head-adaptive budgets (one top-k per layer), memory really freed",
     "adakv-lookahead": "AdaKV with lookahead draft queries",
     "criticalkv": "SnapKV + CriticalKV two-stage selection (attention x ||V W_O||_1)",
-    "criticalkv-lookahead": "CriticalKV with lookahead draft queries",
+    "criticalkv-lookahead": "CriticalKV with lookahead draft queries (the query-aware default: docs/presses.md)",
     "criticaladakv": "AdaKV budgets + CriticalKV two-stage selection",
     "surrogatekv-null": "victim chunks of 32 -> one zero surrogate each",
     "surrogatekv-local": "victim chunks of 32 -> one chunk-mean surrogate each",

@@ -16,6 +16,9 @@ Extensions (kvforge): ``value_aware`` multiplies attention by CriticalKV's proje
 (AdaKV-style, ``surrogatekv-ada``); ``lookahead`` adds draft-token queries to the recent suffix's;
 ``token_scores="kvzip"`` takes s_t from KVzip's context replay instead of the recent suffix (max attention received
 while the model repeats the context, max over each GQA group): a query-agnostic SurrogateKV (``surrogatekv-kvzip``).
+The replay never repeats the chat template header, so it scores the header 0 beyond the sinks; as KVzip does, the
+header and the first ``keep_first`` entries are then protected (their chunks are never merged), else the system prompt
+and role tokens are the first victims (measured on a 1k needle at 50% kept: the answer became unrelated text).
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class SurrogateKVPress(Press):
     headwise: bool = False
     epsilon: float = 1e-4
     scores: str = "attention"
+    keep_first: int = 4  # scores="kvzip": the first entries (and the template header) are never merged
 
     def __post_init__(self) -> None:
         check_ratio(self.compression_ratio)
@@ -85,8 +89,8 @@ class SurrogateKVPress(Press):
             raise ValueError(f"scores must be 'attention' or 'kvzip', got {self.scores!r}")
         if self.surrogate not in SURROGATES:
             raise ValueError(f"surrogate must be one of {SURROGATES}, got {self.surrogate!r}")
-        if self.chunk_size < 2 or self.recent_size < 1 or self.kernel_size < 1 or self.lookahead < 0:
-            raise ValueError("chunk_size must be >= 2, recent_size and kernel_size >= 1, lookahead >= 0")
+        if min(self.chunk_size - 1, self.recent_size, self.kernel_size) < 1 or min(self.lookahead, self.keep_first) < 0:
+            raise ValueError("chunk_size must be >= 2, recent_size and kernel_size >= 1, lookahead and keep_first >= 0")
 
     @property
     def name(self) -> str:
@@ -108,8 +112,12 @@ class SurrogateKVPress(Press):
             attn = (ctx.group_reduce(attn, "mean") + self.epsilon) * projected_value_norms(ctx)  # (B, H_kv, S)
         pooled = pool_tokens(attn, self.kernel_size)
         if self.headwise:
-            return pooled if self.value_aware else ctx.group_reduce(pooled, "mean")
-        return pooled.mean(dim=1, keepdim=True)
+            out = pooled if self.value_aware else ctx.group_reduce(pooled, "mean")
+        else:
+            out = pooled.mean(dim=1, keepdim=True)
+        if self.scores == "kvzip":  # the header is never replayed (scored 0): protect it and the sinks, as KVzip
+            out[..., : ctx.header_length + self.keep_first] = float("inf")
+        return out
 
     def compress(self, ctx: LayerContext) -> Selection:
         b, h_kv, s, _ = ctx.keys.shape
@@ -168,8 +176,11 @@ class SurrogateKVPress(Press):
         h_kv = keep.shape[1]
         kept = keep[bi] if rows > 1 else keep[bi, :1]  # (rows, S); shared mode: all heads equal
         order = scores.float().clone()
+        finite = order.isfinite()
+        top = float(order[finite].max()) if bool(finite.any()) else 0.0
+        order = order.masked_fill(~finite, top + 2.0 + s)  # protected entries (inf) go after the suffix, finite
         suffix = torch.arange(s, device=scores.device) >= max(0, s - self.recent_size)
-        order[:, suffix] = float(order.max()) + 1.0 + torch.arange(int(suffix.sum()), device=scores.device).float()
+        order[:, suffix] = top + 1.0 + torch.arange(int(suffix.sum()), device=scores.device).float()
         order = order.masked_fill(~kept, float("inf")).flatten()
         drop = order.topk(missing, largest=False).indices
         flat = kept.clone().flatten()
