@@ -121,6 +121,12 @@ class LayerContext:
     def group_size(self) -> int:
         return self.heads // self.keys.shape[1]
 
+    def protected(self, keep_first: int, keep_header: bool = True) -> Tensor:
+        """``(B, S)`` True for the entries a replay-scored press always keeps: the first ``keep_first`` entries (sinks)
+        after the chat template header (system prompt, role tokens), which KVzip's replay never repeats."""
+        n = keep_first + (self.header_length if keep_header else 0)
+        return torch.arange(self.size, device=self.keys.device)[None].expand(self.keys.shape[0], -1) < n
+
     def attention(self, queries: Tensor, query_positions: Tensor | None) -> Tensor:
         """Softmax attention ``(B, H, Q, S)`` of ``queries`` ``(B, H, Q, D)`` to the new entries.
 

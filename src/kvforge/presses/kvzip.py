@@ -84,8 +84,7 @@ class KVzipPress(ScorerPress):
 
     def protected(self, ctx: LayerContext) -> Tensor:
         """``(B, S)`` True for entries always kept: the first ``keep_first`` and the template header."""
-        n = self.keep_first + (ctx.header_length if self.keep_header else 0)
-        return torch.arange(ctx.size, device=ctx.keys.device)[None].expand(ctx.keys.shape[0], -1) < n
+        return ctx.protected(self.keep_first, self.keep_header)
 
     def score(self, ctx: LayerContext) -> Tensor:
         if ctx.reconstruction_scores is None:

@@ -116,7 +116,7 @@ class SurrogateKVPress(Press):
         else:
             out = pooled.mean(dim=1, keepdim=True)
         if self.scores == "kvzip":  # the header is never replayed (scored 0): protect it and the sinks, as KVzip
-            out[..., : ctx.header_length + self.keep_first] = float("inf")
+            out = out.masked_fill(ctx.protected(self.keep_first)[:, None, :], float("inf"))
         return out
 
     def compress(self, ctx: LayerContext) -> Selection:
