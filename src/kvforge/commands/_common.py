@@ -79,12 +79,10 @@ def check_names(args: argparse.Namespace) -> None:
 
 def load(args: argparse.Namespace) -> tuple[Any, Any]:
     """Load the model named by ``--model``, quietly (no transformers progress bars)."""
-    from transformers.utils import logging as hf_logging
-
+    from kvforge.compat import quiet_transformers
     from kvforge.model import load_model
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    quiet_transformers()
     return load_model(args.model, device=args.device, dtype=args.dtype)
 
 
