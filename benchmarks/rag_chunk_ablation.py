@@ -20,9 +20,8 @@ from kvforge.engine import Engine
 from kvforge.eval.data import read_examples
 from kvforge.model import load_model
 from kvforge.prefill import forward
-from kvforge.rag import make_strategy
-from kvforge.rag.strategies import FixedSelection
-from kvforge.reuse.rag import ChunkReuse
+from kvforge.reuse.rag import ChunkReuse, make_strategy
+from kvforge.reuse.rag.methods import FixedSelection
 
 
 def main() -> int:

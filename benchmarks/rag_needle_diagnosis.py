@@ -32,10 +32,10 @@ from kvforge.engine import Engine
 from kvforge.eval.data import read_examples
 from kvforge.model import load_model
 from kvforge.prefill import forward, prefill
-from kvforge.rag.attend import AttentionCapture
-from kvforge.rag.aux import AuxScorer, select_top
-from kvforge.rag.strategies import FixedSelection
 from kvforge.reuse.rag import ChunkReuse
+from kvforge.reuse.rag.attend import AttentionCapture
+from kvforge.reuse.rag.aux import AuxScorer, select_top
+from kvforge.reuse.rag.methods import FixedSelection
 
 
 def main() -> int:

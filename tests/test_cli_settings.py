@@ -100,17 +100,17 @@ def test_prefill_progress_bar_on_long_prompts_or_terminals(tokenizer):
     from kvforge.commands._common import prefill_progress
     from kvforge.engine import Engine
     from kvforge.presses import build_press
+    from kvforge.request import Request
     from kvforge.testing import tiny_model
 
     engine = Engine(tiny_model("llama"), tokenizer, chunk_size=8)
+    ids = list(range(3, 40))
     quiet, tty = _Stream(False), _Stream(True)
-    engine.on_prefill_chunk = prefill_progress(stream=quiet)
-    engine.prefill(list(range(3, 40)))
+    engine.run(Request(ids, 0, on_prefill=prefill_progress(stream=quiet)))
     assert quiet.text == ""  # short prompt, not a terminal
-    engine.on_prefill_chunk = prefill_progress(stream=tty)
-    engine.prefill(list(range(3, 40)))
+    engine.run(Request(ids, 0, on_prefill=prefill_progress(stream=tty)))
     assert "prefill" in tty.text and "/37 " in tty.text
     long = _Stream(False)
-    engine.on_prefill_chunk = prefill_progress(min_tokens=30, stream=long)
-    engine.prefill(list(range(3, 40)), press=build_press("snapkv", 0.5, window_size=4))
+    press = build_press("snapkv", 0.5, window_size=4)
+    engine.run(Request(ids, 0, press=press, on_prefill=prefill_progress(min_tokens=30, stream=long)))
     assert "prefill" in long.text and "/37 " in long.text  # through a press's prefill too

@@ -1,11 +1,15 @@
-"""Engine + reuse: generate/answer plan -> prefill the rest -> decode -> record; the CLI flags; bench reuse."""
+"""Engine + reuse: plan -> prefill the rest -> decode -> record; the CLI flags; the reuse TTFT benchmark runs."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from test_reuse_prefix import DictStore
+from test_reuse_prefix import SRC, DictStore
 
 from kvforge.engine import Engine
 from kvforge.reuse import FakeEmbedder, PrefixReuse, SemanticReuse
@@ -60,8 +64,6 @@ def test_reuse_rejects_sliding_window_engine():
         engine.generate(PROMPT, max_new_tokens=2)
 
 
-
-
 def test_cli_generate_reuse_across_processes(tiny_llama_dir, tmp_path, capsys):
     pytest.importorskip("kvforge.store")
     from kvforge.cli import main
@@ -91,13 +93,13 @@ def test_cli_generate_reuse_across_processes(tiny_llama_dir, tmp_path, capsys):
     assert "query-agnostic on a document" in capsys.readouterr().err  # the engine's and the server's message
 
 
-def test_cli_bench_reuse(tiny_llama_dir, tmp_path, capsys):
-    pytest.importorskip("kvforge.store")
-    from kvforge.cli import main
-
+def test_reuse_ttft_benchmark_runs_through_the_engine(tiny_llama_dir, tmp_path):
+    """benchmarks/reuse_ttft.py on a tiny model: a warm run reuses all but the last token, with the cold logits."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "reuse_ttft.py"
+    out = tmp_path / "rows.jsonl"
     argv = [
-        "bench",
-        "reuse",
+        sys.executable,
+        str(script),
         "--model",
         str(tiny_llama_dir),
         "--lengths",
@@ -110,9 +112,12 @@ def test_cli_bench_reuse(tiny_llama_dir, tmp_path, capsys):
         "memory://",
         "--store",
         f"file://{tmp_path}/kv",
+        "--out",
+        str(out),
     ]
-    assert main(argv) == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    env = {**os.environ, "PYTHONPATH": SRC}
+    subprocess.run(argv, check=True, env=env, capture_output=True, timeout=600)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["prompt_tokens"], r["store"].split(":")[0]) for r in rows] == [
         (40, "memory"),
         (40, "file"),
@@ -122,7 +127,6 @@ def test_cli_bench_reuse(tiny_llama_dir, tmp_path, capsys):
     for r in rows:
         assert r["reused_tokens"] == r["prompt_tokens"] - 1 and r["max_abs_logit_diff"] < 1e-4
         assert r["cold_ttft_s"] > 0 and r["warm_ttft_s"] > 0 and r["ttft_reduction"] < 1
-    assert main([*argv[:4], "--lengths", "1"]) == 2
 
 
 def test_stored_kv_of_another_shape_is_a_miss_not_a_wrong_answer(engine, caplog):

@@ -165,7 +165,9 @@ class KVLayer:
             )
         else:
             self.replace_masked(
-                self.keys[:, :, : self.length], self.values[:, :, : self.length], self.positions[:, :, : self.length],
+                self.keys[:, :, : self.length],
+                self.values[:, :, : self.length],
+                self.positions[:, :, : self.length],
                 keep,
             )
 
@@ -265,8 +267,10 @@ class KVLayer:
         """Bytes of the used key/value slots (padding of head-wise layers included: it is really held)."""
         if self.keys is None or self.values is None:
             return 0
-        per_slot = self.keys.shape[0] * self.keys.shape[1] * (
-            self.keys.shape[3] * self.keys.element_size() + self.values.shape[3] * self.values.element_size()
+        per_slot = (
+            self.keys.shape[0]
+            * self.keys.shape[1]
+            * (self.keys.shape[3] * self.keys.element_size() + self.values.shape[3] * self.values.element_size())
         )
         return per_slot * self.length
 
@@ -325,8 +329,15 @@ class AttentionHook(Protocol):
     """
 
     def __call__(
-        self, module: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool,
-        scaling: float | None, softcap: float | None,
+        self,
+        module: Any,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        mask: Tensor | None,
+        is_causal: bool,
+        scaling: float | None,
+        softcap: float | None,
     ) -> Tensor: ...
 
 
@@ -531,39 +542,96 @@ class KVCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
     # ------------------------------------------------------------------------ segments
-    def to_segment(self, model_id: str = "", token_ids: list[int] | None = None, batch: int = 0) -> KVSegment:
-        """Copy this cache (one batch row) out as a :class:`KVSegment`."""
+    def to_segment(
+        self,
+        model_id: str = "",
+        token_ids: list[int] | None = None,
+        batch: int = 0,
+        *,
+        start: int | None = None,
+        end: int | None = None,
+    ) -> KVSegment:
+        """Copy this cache (one batch row) out as a :class:`KVSegment`: the one cache -> segment conversion.
+
+        ``start``/``end``: only the entries at positions ``[start, end)`` (a prefix block, a RAG chunk after its shared
+        prefix); the segment's ``next_position`` is then ``end``. Slicing needs every head of a layer to hold the same
+        positions: a head-wise compressed cache raises ValueError.
+        """
+        sliced = start is not None or end is not None
+        lo, hi = start or 0, self.next_position if end is None else end
         keys, values, positions, valid = [], [], [], []
         for layer in self.layers:
             k, v, p, m = layer.view()
-            keys.append(k[batch].clone())
-            values.append(v[batch].clone())
-            positions.append(p[batch].clone())
-            valid.append(None if m is None else m[batch].clone())
+            k, v, p, m = k[batch], v[batch], p[batch], None if m is None else m[batch]
+            if sliced:
+                if m is not None or layer.is_headwise:
+                    raise ValueError("head-wise compressed caches cannot be cut into position ranges")
+                sel = (p[0] >= lo) & (p[0] < hi)  # (S,) heads share positions
+                k, v, p = k[:, sel], v[:, sel], p[:, sel]
+            keys.append(k.clone())
+            values.append(v.clone())
+            positions.append(p.clone())
+            valid.append(None if m is None else m.clone())
         return KVSegment(
             token_ids=list(self.token_ids if token_ids is None else token_ids),
             keys=keys,
             values=values,
             positions=positions,
             valid=valid,
-            next_position=self.next_position,
+            next_position=hi if sliced else self.next_position,
             model_id=model_id,
-            meta=dict(self.info),
+            meta={} if sliced else dict(self.info),
         )
 
     @classmethod
     def from_segment(cls, segment: KVSegment, model: Any = None, **kwargs: Any) -> KVCache:
         """A cache holding ``segment``'s entries (batch 1), ready to prefill more tokens on top."""
-        cache = cls.for_model(model, **kwargs) if model is not None else cls(segment.num_layers, **kwargs)
-        if cache.num_layers != segment.num_layers:
-            raise ValueError(f"segment has {segment.num_layers} layers, model has {cache.num_layers}")
-        for layer, k, v, p, m in zip(
-            cache.layers, segment.keys, segment.values, segment.positions, segment.valid, strict=True
-        ):
-            layer.replace(k[None], v[None], p[None], None if m is None else m[None])
-        cache.next_position = segment.next_position
-        cache.token_ids = list(segment.token_ids)
+        cache = cls.from_segments([segment], model, **kwargs)
         cache.info = dict(segment.meta)
+        return cache
+
+    @classmethod
+    def from_segments(
+        cls,
+        segments: Sequence[KVSegment],
+        model: Any = None,
+        *,
+        end: int | None = None,
+        device: torch.device | str | None = None,
+        **kwargs: Any,
+    ) -> KVCache:
+        """A cache holding the entries of ``segments`` (in position order) at positions ``< end`` (default: all):
+        the one segment -> cache conversion. Tokens and ``next_position`` follow the segments, cut at ``end``."""
+        first = segments[0]
+        cache = cls.for_model(model, **kwargs) if model is not None else cls(first.num_layers, **kwargs)
+        if cache.num_layers != first.num_layers:
+            raise ValueError(f"segment has {first.num_layers} layers, model has {cache.num_layers}")
+        token_ids = [t for s in segments for t in s.token_ids]
+        if end is not None:  # a cut: the segments cover the prompt from position 0
+            token_ids = token_ids[:end]
+        end = segments[-1].next_position if end is None else end
+        for i, layer in enumerate(cache.layers):
+            k = torch.cat([s.keys[i] for s in segments], dim=1)  # (H_kv, S, D)
+            v = torch.cat([s.values[i] for s in segments], dim=1)
+            p = torch.cat([s.positions[i] for s in segments], dim=1)  # (H_kv, S)
+            masks = [s.valid[i] for s in segments]
+            m = masks[0] if len(segments) == 1 else None
+            if len(segments) > 1 and any(x is not None for x in masks):
+                raise ValueError("head-wise compressed segments cannot be joined")
+            keep = p[0] < end  # (S,)
+            count = int(keep.sum())
+            if count < keep.numel():
+                if m is not None:
+                    raise ValueError("a head-wise compressed segment cannot be cut")
+                if bool(keep[:count].all()):  # positions ascending: a slice, no gather copy
+                    k, v, p = k[:, :count], v[:, :count], p[:, :count]
+                else:
+                    k, v, p = k[:, keep], v[:, keep], p[:, keep]
+            layer.replace(
+                k[None].to(device), v[None].to(device), p[None].to(device), None if m is None else m[None].to(device)
+            )
+        cache.next_position = end
+        cache.token_ids = token_ids
         return cache
 
     # ------------------------------------------------------------------------ transformers' DynamicCache

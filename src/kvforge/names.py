@@ -1,6 +1,6 @@
 """Every name a user types (press, task, model, RAG strategy, reuse strategy, dtype), checkable without torch.
 
-The registries (``kvforge.presses._SPECS``, ``kvforge.eval.tasks.TASKS``, ``kvforge.rag.STRATEGIES``,
+The registries (``kvforge.presses._SPECS``, ``kvforge.eval.tasks.TASKS``, ``kvforge.reuse.rag.STRATEGIES``,
 ``kvforge.reuse.REUSE``, ``kvforge.model.BUILTIN_MODELS``) import torch and transformers, which takes seconds (over
 10 s on a busy machine). The CLI checks names against the lists here before anything heavy is imported, so a typo
 fails at once with a "did you mean"; ``tests/test_names.py`` keeps each list equal to its registry.
@@ -60,7 +60,7 @@ HUB_TASK_NAMES: tuple[str, ...] = ("squad_v2", "musique", *(f"longbench/{s}" for
 
 MODEL_NAMES: tuple[str, ...] = ("smollm2-135m", "gemma3-270m")  # built-in models (kvforge.model.BUILTIN_MODELS)
 RAG_STRATEGY_NAMES: tuple[str, ...] = ("full", "naive", "ape", "cacheblend", "cacheclip")
-REUSE_NAMES: tuple[str, ...] = ("prefix", "semantic")
+REUSE_NAMES: tuple[str, ...] = ("prefix", "semantic", "document", "rag")
 DTYPE_NAMES: tuple[str, ...] = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
 
 

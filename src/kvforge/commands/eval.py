@@ -6,9 +6,12 @@ import argparse
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvforge.errors import UserError
+
+if TYPE_CHECKING:
+    from kvforge.engine import Engine
 
 
 def _floats(text: str) -> list[float]:
@@ -55,17 +58,33 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--dtype", help="float32, bfloat16, float16")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk size (tokens)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--rag", type=_names, help="RAG strategies instead of presses: naive,ape,cacheblend,cacheclip "
-                   "(examples' chunks are reused; see docs/rag.md)")
+    p.add_argument(
+        "--rag",
+        type=_names,
+        help="RAG strategies instead of presses: naive,ape,cacheblend,cacheclip "
+        "(examples' chunks are reused; see docs/rag.md)",
+    )
     p.add_argument("--recompute-ratios", type=_floats, default=[0.2], help="RAG: share of context tokens recomputed")
     p.add_argument("--aux-model", help="RAG: an extra CacheClip auxiliary model (the model itself always runs)")
-    p.add_argument("--separate-prefill", action="store_true", help="prefill every method separately (default: "
-                   "one prefill per example, compressed by each method; same rows, TTFT from per-stage clocks)")
-    p.add_argument("--store-once", action="store_true", help="store once, ask many: each document compressed "
-                   "(query-agnostic) and stored once per method x ratio x --quants, every question answered from the "
-                   "store by a fresh engine (rows stored-<method>+<quant>)")
-    p.add_argument("--quants", type=_names, default=["none", "int8", "int4"], help="--store-once: storage "
-                   "quantisations (none, int8, int4, int2)")
+    p.add_argument(
+        "--separate-prefill",
+        action="store_true",
+        help="prefill every method separately (default: "
+        "one prefill per example, compressed by each method; same rows, TTFT from per-stage clocks)",
+    )
+    p.add_argument(
+        "--store-once",
+        action="store_true",
+        help="store once, ask many: each document compressed "
+        "(query-agnostic) and stored once per method x ratio x --quants, every question answered from the "
+        "store by a fresh engine (rows stored-<method>+<quant>)",
+    )
+    p.add_argument(
+        "--quants",
+        type=_names,
+        default=["none", "int8", "int4"],
+        help="--store-once: storage quantisations (none, int8, int4, int2)",
+    )
     p.add_argument("--report-only", action="store_true", help="rebuild summary, plots and report from results.jsonl")
     p.set_defaults(func=run, check=_check)
 
@@ -176,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     return _report(args, mode)
 
 
-def run_settings(args: argparse.Namespace, engine: Any, mode: str) -> dict[str, Any]:
+def run_settings(args: argparse.Namespace, engine: Engine, mode: str) -> dict[str, Any]:
     """Every setting that changes the rows of a run (``run.json``'s ``settings``: a resume must match them). Methods,
     ratios and ``--limit`` are not among them: rows are keyed by example, method and ratio, so a resume may add some.
     ``--fidelity``, ``--max-new-tokens`` and ``--separate-prefill`` are added by the runner."""
@@ -214,7 +233,7 @@ def _command() -> str:
     return "kvforge " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if is_cli else ""
 
 
-def _rag_trials(args: argparse.Namespace, engine: Any) -> list[Any]:
+def _rag_trials(args: argparse.Namespace, engine: Engine) -> list[Any]:
     """RAG strategies as trials (ratio column = recompute ratio), CacheClip also with ``--aux-model``."""
     from kvforge.eval.runner import chunk_trials
     from kvforge.reuse.rag import ChunkReuse

@@ -2,10 +2,10 @@
 from the store by a fresh engine.
 
 A stored trial is a press at a ratio with a storage quantisation. The first time it meets a document (the context
-part of an example's prompt) it compresses it under the press and stores it through :class:`kvforge.reuse.PrefixReuse`
-(the compressed-document path, keyed by press, parameters and quantisation); every question on that document, the
-first one included, is then answered by a new :class:`kvforge.engine.Engine` whose plan loads the document from the
-store and prefills only the question. TTFT is this warm path (store read, dequantisation, question prefill, first
+part of an example's prompt) it compresses it under the press and stores it through
+:class:`kvforge.reuse.DocumentReuse` (keyed by press, parameters and quantisation); every question on that document,
+the first one included, is then answered by a new :class:`kvforge.engine.Engine` whose plan loads the document from
+the store and prefills only the question. TTFT is this warm path (store read, dequantisation, question prefill, first
 token); the one-off cost of compressing and storing is the ``store_s`` column, the encoded size ``stored_bytes``.
 Rows carry the same columns as press rows, so both sit in one ``summary.json``.
 """
@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
+from kvforge.engine import Engine
 from kvforge.eval.data import Example
-from kvforge.eval.runner import FULL, Prefilled, Trial
+from kvforge.eval.runner import FULL, Prefilled, Trial, document_of, prefill_request
+from kvforge.request import Encoded, Request
+from kvforge.reuse.base import PromptContext
+from kvforge.reuse.document import DocumentReuse
 
 QUANTS = ("none", "int8", "int4")
 
@@ -39,35 +42,32 @@ def stored_trial(method: str, compression_ratio: float, quant: str, store_url: s
     store = open_store(store_url)
     stored: dict[str, tuple[int, float]] = {}  # document key -> (stored bytes, seconds to compress and store)
 
-    def prefill(engine: Any, example: Example) -> Prefilled:
-        from kvforge.engine import Engine
-        from kvforge.reuse import PrefixReuse
-        from kvforge.reuse.base import PromptContext
-
-        ctx_ids, q_ids = engine.encode_qa(
-            example.context, example.question, system=example.system, answer_prefix=example.answer_prefix
-        )
-        engine.check_length(len(ctx_ids) + len(q_ids), example.max_new_tokens)
-        context = PromptContext(example.context, len(ctx_ids), press=press, quant=quant)
-        writer = PrefixReuse(store, engine.model_id, device=engine.model.device)
-        key = writer.documents.key(ctx_ids, context)
+    def prefill(engine: Engine, example: Example) -> Prefilled:
+        request = Request(document_of(example), 0, press=press, query_aware=False, quant=quant)
+        encoded = engine.encode(request)
+        context = encoded.context
+        assert isinstance(context, PromptContext), "a stored trial needs a question after the document"
+        writer = DocumentReuse(store, engine.model_id, device=engine.model.device)
+        key = writer.key(encoded.ids[: context.num_tokens], context)
         if key not in stored:  # store once: compress the document alone (query-agnostic) and record it
             start = time.perf_counter()
-            cache, _ = engine.prefill(ctx_ids, press=press)
-            writer.record(ctx_ids, cache, context=context)
+            doc = Encoded(encoded.ids[: context.num_tokens], encoded.text, context, context.num_tokens)
+            engine.run(Request(document_of(example), 0, press=press, query_aware=False, quant=quant, reuse=writer,
+                               encoded=doc))  # fmt: skip
             stored[key] = (int(store.stored_size(key) or 0), time.perf_counter() - start)
         reader = Engine(engine.model, engine.tokenizer, chunk_size=engine.chunk_size)  # ask many: a fresh engine
-        reader.reuse = PrefixReuse(store, reader.model_id, device=engine.model.device)
-        start = time.perf_counter()
-        plan = reader.plan(ctx_ids + q_ids, press, context=context)
-        if not plan.is_hit:
+        request.reuse = DocumentReuse(store, reader.model_id, device=engine.model.device)
+        pre, seq = prefill_request(reader, request, example.max_new_tokens)
+        if not seq.plan.is_hit:
             raise RuntimeError(f"stored document {key} was not found again")  # the store evicted it: too small
-        cache, logits = reader.prefill(plan.prefill_ids, plan.cache)
-        logits.argmax(-1).tolist()  # the first token
-        ttft = time.perf_counter() - start
         stored_bytes, store_s = stored[key]
-        columns = {"quant": quant, "stored_bytes": stored_bytes, "store_s": store_s, "load_s": plan.info["load_s"]}
-        return Prefilled(cache, logits, ttft, ctx_ids + q_ids, columns=columns)
+        pre.columns = {
+            "quant": quant,
+            "stored_bytes": stored_bytes,
+            "store_s": store_s,
+            "load_s": seq.plan.info["load_s"],
+        }
+        return pre
 
     return Trial(stored_method(method, quant), ratio, prefill)
 

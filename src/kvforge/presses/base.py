@@ -9,6 +9,7 @@ window queries, lookahead draft queries, reconstruction scores) and installs the
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
 from typing import Any
@@ -17,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvforge.cache import KVCache
+from kvforge.hf import attach
 from kvforge.prefill import DEFAULT_CHUNK_SIZE
 
 
@@ -244,9 +247,27 @@ class Press:
 
         See :func:`kvforge.hf.attach` (``tokenizer``: for KVzip's replay request; ``chunk_size``: the prefill's).
         """
-        from kvforge.hf import attach
-
         return attach(model, self, tokenizer=tokenizer, chunk_size=chunk_size)
+
+    def compress_prefill(
+        self,
+        model: Any,
+        input_ids: Tensor | list[int],
+        cache: KVCache,
+        *,
+        chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+        tokenizer: Any = None,
+        on_chunk: Callable[[int, int], None] | None = None,
+    ) -> Tensor:
+        """Prefill ``input_ids`` on ``cache`` and compress the new entries with this press (see
+        :func:`kvforge.presses.apply.compress_prefill`); the last token's logits."""
+        from kvforge.presses.apply import compress_prefill  # apply builds on this module
+
+        return compress_prefill(model, input_ids, cache, self, chunk_size, tokenizer, on_chunk)
+
+    def needs_tokenizer(self) -> bool:
+        """Whether compressing needs the tokenizer (KVzip encodes its "repeat the context" request with it)."""
+        return self.needs().reconstruction and getattr(self, "prompt_ids", None) is None
 
     def ratio(self) -> float:
         """The fraction of new entries removed per layer."""
@@ -302,6 +323,9 @@ class WrapperPress(Press):
 
     def needs(self) -> Needs:
         return self.press.needs()
+
+    def needs_tokenizer(self) -> bool:
+        return self.press.needs_tokenizer()
 
 
 def topk_mask_varying(scores: Tensor, k: Tensor) -> Tensor:

@@ -126,6 +126,9 @@ class KVzipHeadPress(Press):
     def config(self) -> dict[str, object]:
         return {k: v for k, v in super().config().items() if k != "head_scores"}
 
+    def needs_tokenizer(self) -> bool:
+        return self.head_scores is None and not self.calibration  # calibrating replays the context once
+
     def prepare(self, source: Any) -> None:
         """Load the head scores of ``source``'s model (calibrating on its prompt and saving them the first time)."""
         if self.head_scores is not None:

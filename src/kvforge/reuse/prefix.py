@@ -24,16 +24,13 @@ from kvforge.cache import KVCache
 from kvforge.reuse.base import (
     PromptContext,
     ReusePlan,
-    cache_from_segments,
     covers,
     digest,
     encode_ids,
     full_layers_complete,
     holds_exactly,
     miss_plan,
-    segment_slice,
 )
-from kvforge.reuse.document import DocumentReuse
 from kvforge.types import KVSegment
 
 if TYPE_CHECKING:
@@ -60,15 +57,12 @@ class PrefixReuse:
     block_size: int = 256
     device: Any = None
 
-    stores_compressed = True  # a context with a press: the compressed document, stored whole (reuse/document.py)
-
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not self.model_id:
             raise ValueError("model_id must name the model and tokenizer (keys would collide across models)")
         self.namespace = digest("kvforge-prefix-v1", self.model_id, str(self.block_size))
-        self.documents = DocumentReuse(self.store, self.model_id, device=self.device)
 
     # ------------------------------------------------------------------------------------------------ keys
     def block_bounds(self, num_tokens: int) -> list[tuple[int, int]]:
@@ -91,8 +85,6 @@ class PrefixReuse:
         ids = list(token_ids)
         if not ids:
             raise ValueError("empty prompt: nothing to prefill")
-        if context is not None and context.press is not None:
-            return self.documents.plan(ids, context)
         t0 = time.perf_counter()
         bounds, keys = self.block_bounds(len(ids)), self.block_keys(ids)
         num_hit = 0
@@ -104,7 +96,7 @@ class PrefixReuse:
             return miss_plan(ids, store_keys_probed=len(keys))
         segments = segments[: next(i for i, (_, e) in enumerate(bounds) if e >= end) + 1]
         windows = segments[0].meta.get("layer_windows")
-        cache = cache_from_segments(segments, ids, end, windows, self.device)
+        cache = KVCache.from_segments(segments, end=end, layer_windows=windows, device=self.device)
         cache.info["reuse"] = {"kind": "prefix", "reused_tokens": end, "approximate": False}
         load_s = time.perf_counter() - t0
         logger.debug("prefix hit: %d/%d tokens from %d blocks in %.3fs", end, len(ids), len(segments), load_s)
@@ -152,9 +144,6 @@ class PrefixReuse:
     ) -> None:
         """Store the blocks of ``token_ids`` not stored yet (the cache must hold exactly these tokens' full KV)."""
         ids = list(token_ids)
-        if context is not None and context.press is not None:
-            self.documents.record(ids, cache, context)
-            return
         if not ids or not holds_exactly(cache, ids):
             return
         bounds, keys = self.block_bounds(len(ids)), self.block_keys(ids)
@@ -166,7 +155,7 @@ class PrefixReuse:
                 present.append(key)
                 continue
             try:
-                seg = segment_slice(cache, start, end, self.model_id, ids[start:end])
+                seg = cache.to_segment(self.model_id, ids[start:end], start=start, end=end)
             except ValueError as e:
                 logger.debug("not recording prefix blocks: %s", e)
                 break

@@ -42,14 +42,12 @@ from kvforge.reuse.base import (
     Embedder,
     PromptContext,
     ReusePlan,
-    cache_from_segments,
     covers,
     digest,
     encode_ids,
     full_layers_complete,
     holds_exactly,
     miss_plan,
-    segment_slice,
 )
 from kvforge.reuse.guards import DEFAULT_GUARDS, check, words
 from kvforge.reuse.index import IndexEntry, SemanticIndex, read_record, record_bytes
@@ -171,7 +169,9 @@ class SemanticReuse:
         prefill_ids = tail if tail else reused_ids[-1:]
         if end == 0 or not covers([segment], end):
             return miss_plan(ids, reason="stored KV does not cover the reused part")
-        cache = cache_from_segments([segment], reused_ids, end, segment.meta.get("layer_windows"), self.device)
+        cache = KVCache.from_segments(
+            [segment], end=end, layer_windows=segment.meta.get("layer_windows"), device=self.device
+        )
         cache.info["reuse"] = {"kind": kind, "reused_tokens": end, "approximate": False}
         return ReusePlan(
             cache=cache,
@@ -244,7 +244,7 @@ class SemanticReuse:
         query = context.text if self.mode == "context" and context is not None else text
         if not self.store.contains(key):
             try:
-                segment = segment_slice(cache, 0, len(stored_ids), self.model_id, stored_ids)
+                segment = cache.to_segment(self.model_id, stored_ids, start=0, end=len(stored_ids))
             except ValueError as e:
                 logger.debug("not recording: %s", e)
                 return

@@ -32,8 +32,15 @@ class APEAttention:
         self.temperature, self.scale = temperature, scale
 
     def __call__(
-        self, module: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool,
-        scaling: float | None, softcap: float | None,
+        self,
+        module: Any,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        mask: Tensor | None,
+        is_causal: bool,
+        scaling: float | None,
+        softcap: float | None,
     ) -> Tensor:
         scores = attention_scores(query, key, mask, is_causal, scaling, softcap)  # (B, H, Q, K)
         _, _, pos, _ = self.cache.layers[module.layer_idx].view()  # (B, H_kv, K)
@@ -67,8 +74,15 @@ class AttentionCapture:
         self._count = 0
 
     def __call__(
-        self, module: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool,
-        scaling: float | None, softcap: float | None,
+        self,
+        module: Any,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        mask: Tensor | None,
+        is_causal: bool,
+        scaling: float | None,
+        softcap: float | None,
     ) -> Tensor:
         probs = torch.softmax(attention_scores(query, key, mask, is_causal, scaling, softcap), dim=-1)
         if module.layer_idx in self.layers:
