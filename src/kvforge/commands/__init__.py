@@ -12,4 +12,5 @@ COMMAND_MODULES = [
     "kvforge.commands.presses",
     "kvforge.commands.eval",
     "kvforge.commands.rag",
+    "kvforge.commands.models",
 ]
