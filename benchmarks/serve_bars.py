@@ -195,7 +195,7 @@ def bench_document(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                     for i, q in enumerate(questions):
                         out[i] = ask(q)
                 else:
-                    threads = [threading.Thread(target=lambda i=i, q=q: out.__setitem__(i, ask(q)))
+                    threads = [threading.Thread(target=lambda i=i, q=q, out=out: out.__setitem__(i, ask(q)))
                                for i, q in enumerate(questions)]  # fmt: skip
                     for t in threads:
                         t.start()

@@ -8,7 +8,7 @@ import torch
 
 from kvforge.batch import forward_batch, forward_packed
 from kvforge.cache import KVCache
-from kvforge.decode import SamplingParams, decode
+from kvforge.decode import DecodeState, SamplingParams, decode
 from kvforge.engine import Engine
 from kvforge.prefill import prefill
 from kvforge.presses import build_press, compress_prefill
@@ -113,7 +113,7 @@ def test_sampling_seed_and_stop_stay_per_sequence(tokenizer):
     refs, requests = [], []
     for i, p in enumerate(params):
         cache, logits = _caches(model, "plain", _ids(30 + i, 16))
-        refs.append(decode(model, cache, logits, 10, sampling=p, stop=["a"], tokenizer=tokenizer).token_ids)
+        refs.append(decode(model, cache, logits, DecodeState(10, p, stop=["a"], tokenizer=tokenizer)).token_ids)
         requests.append(_given(model, "plain", _ids(30 + i, 16), 10, sampling=p, stop=["a"]))
     engine = Engine(model, tokenizer)
     engine.eos_token_ids = []

@@ -329,16 +329,9 @@ class AttentionHook(Protocol):
     """
 
     def __call__(
-        self,
-        module: Any,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        mask: Tensor | None,
-        is_causal: bool,
-        scaling: float | None,
-        softcap: float | None,
-    ) -> Tensor: ...
+        self, module: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool,
+        scaling: float | None, softcap: float | None,
+    ) -> Tensor: ...  # fmt: skip
 
 
 class KVCache(Cache):

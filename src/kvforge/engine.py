@@ -418,10 +418,9 @@ class Engine:
     ) -> Generation:
         """Decode one prefilled cache from its last ``logits`` (the step's per-sequence rule, for callers that
         prefill by hand); ``ttft_s`` = time to pick the first token."""
-        result = decode(
-            self.model, cache, logits, max_new_tokens, sampling=sampling, eos_token_ids=self.eos_token_ids,
-            stop=list(stop or ()), tokenizer=self.tokenizer, on_token=on_token,
-        )  # fmt: skip
+        state = DecodeState(max_new_tokens, sampling, eos_token_ids=self.eos_token_ids, stop=list(stop or ()),
+                            tokenizer=self.tokenizer, on_token=on_token)  # fmt: skip
+        result = decode(self.model, cache, logits, state)
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return Generation(
             text=trim_at_stop(text, stop) if stop else text,

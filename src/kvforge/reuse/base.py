@@ -121,12 +121,7 @@ class ReuseStrategy(Protocol):
     ) -> ReusePlan: ...
 
     def record(
-        self,
-        token_ids: Sequence[int],
-        cache: KVCache,
-        *,
-        text: str | None = None,
-        context: PromptContext | None = None,
+        self, token_ids: Sequence[int], cache: KVCache, *, text: str | None = None, context: PromptContext | None = None
     ) -> None: ...
 
 

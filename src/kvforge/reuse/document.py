@@ -128,12 +128,7 @@ class DocumentReuse:
         )
 
     def record(
-        self,
-        token_ids: Sequence[int],
-        cache: KVCache,
-        *,
-        text: str | None = None,
-        context: PromptContext | None = None,
+        self, token_ids: Sequence[int], cache: KVCache, *, text: str | None = None, context: PromptContext | None = None
     ) -> None:
         """Store the document held by ``cache`` (exactly the document's tokens, nothing after them)."""
         if context is None:

@@ -21,19 +21,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvforge.cache import KVCache
-from kvforge.reuse.base import (
-    PromptContext,
-    ReusePlan,
-    covers,
-    digest,
-    encode_ids,
-    full_layers_complete,
-    holds_exactly,
-    miss_plan,
-)
+from kvforge.reuse.base import ReusePlan, covers, digest, encode_ids, full_layers_complete, holds_exactly, miss_plan
 from kvforge.types import KVSegment
 
 if TYPE_CHECKING:
+    from kvforge.reuse.base import PromptContext
     from kvforge.store.base import KVStore
 
 logger = logging.getLogger(__name__)
@@ -82,9 +74,7 @@ class PrefixReuse:
         self, token_ids: Sequence[int], *, text: str | None = None, context: PromptContext | None = None
     ) -> ReusePlan:
         """Load the longest stored prefix of ``token_ids``; the rest (at least the last token) is to prefill."""
-        ids = list(token_ids)
-        if not ids:
-            raise ValueError("empty prompt: nothing to prefill")
+        ids = list(token_ids)  # an empty prompt is refused by miss_plan
         t0 = time.perf_counter()
         bounds, keys = self.block_bounds(len(ids)), self.block_keys(ids)
         num_hit = 0
@@ -135,12 +125,7 @@ class PrefixReuse:
 
     # ------------------------------------------------------------------------------------------------ record
     def record(
-        self,
-        token_ids: Sequence[int],
-        cache: KVCache,
-        *,
-        text: str | None = None,
-        context: PromptContext | None = None,
+        self, token_ids: Sequence[int], cache: KVCache, *, text: str | None = None, context: PromptContext | None = None
     ) -> None:
         """Store the blocks of ``token_ids`` not stored yet (the cache must hold exactly these tokens' full KV)."""
         ids = list(token_ids)

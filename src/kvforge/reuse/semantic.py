@@ -38,22 +38,13 @@ import numpy as np
 
 from kvforge.cache import KVCache
 from kvforge.errors import StoreUnavailableError
-from kvforge.reuse.base import (
-    Embedder,
-    PromptContext,
-    ReusePlan,
-    covers,
-    digest,
-    encode_ids,
-    full_layers_complete,
-    holds_exactly,
-    miss_plan,
-)
+from kvforge.reuse.base import ReusePlan, covers, digest, encode_ids, full_layers_complete, holds_exactly, miss_plan
 from kvforge.reuse.guards import DEFAULT_GUARDS, check, words
 from kvforge.reuse.index import IndexEntry, SemanticIndex, read_record, record_bytes
 from kvforge.types import KVSegment
 
 if TYPE_CHECKING:
+    from kvforge.reuse.base import Embedder, PromptContext
     from kvforge.store.base import KVStore
 
 logger = logging.getLogger(__name__)
@@ -140,9 +131,7 @@ class SemanticReuse:
     def plan(
         self, token_ids: Sequence[int], *, text: str | None = None, context: PromptContext | None = None
     ) -> ReusePlan:
-        ids = list(token_ids)
-        if not ids:
-            raise ValueError("empty prompt: nothing to prefill")
+        ids = list(token_ids)  # an empty prompt is refused by miss_plan
         t0 = time.perf_counter()
         reused_ids, namespace = self._split(ids, context)
         tail = ids[len(reused_ids) :]  # context mode: the question, always prefilled; canonical: nothing
@@ -226,12 +215,7 @@ class SemanticReuse:
 
     # ------------------------------------------------------------------------------------------------ record
     def record(
-        self,
-        token_ids: Sequence[int],
-        cache: KVCache,
-        *,
-        text: str | None = None,
-        context: PromptContext | None = None,
+        self, token_ids: Sequence[int], cache: KVCache, *, text: str | None = None, context: PromptContext | None = None
     ) -> None:
         """Store the KV of the prompt (canonical) or of its context (context mode) and index its text."""
         ids = list(token_ids)

@@ -10,7 +10,7 @@ token attends exactly to the entries at positions <= its own (an exact position-
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -29,21 +29,13 @@ class ChunkSource(Protocol):
     """What RAG methods and the auxiliary scorer use of a chunk reuse strategy (:class:`ChunkReuse` is one)."""
 
     model: Any
+    tokenizer: Any
     chunks: ChunkCache
 
     @property
     def num_layers(self) -> int: ...
 
     def load(self, prompt: RagPrompt, ape: bool = False) -> Assembly: ...
-
-    def build_prompt(
-        self,
-        docs: Sequence[str],
-        question: str,
-        system: str | None = None,
-        separator: str = "\n\n",
-        answer_prefix: str = "",
-    ) -> RagPrompt: ...
 
 
 @dataclass

@@ -32,16 +32,9 @@ class APEAttention:
         self.temperature, self.scale = temperature, scale
 
     def __call__(
-        self,
-        module: Any,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        mask: Tensor | None,
-        is_causal: bool,
-        scaling: float | None,
-        softcap: float | None,
-    ) -> Tensor:
+        self, module: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool,
+        scaling: float | None, softcap: float | None,
+    ) -> Tensor:  # fmt: skip
         scores = attention_scores(query, key, mask, is_causal, scaling, softcap)  # (B, H, Q, K)
         _, _, pos, _ = self.cache.layers[module.layer_idx].view()  # (B, H_kv, K)
         pos = pos.repeat_interleave(query.shape[1] // pos.shape[1], 1)[:, :, None, :]  # (B, H, 1, K)
@@ -74,16 +67,9 @@ class AttentionCapture:
         self._count = 0
 
     def __call__(
-        self,
-        module: Any,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        mask: Tensor | None,
-        is_causal: bool,
-        scaling: float | None,
-        softcap: float | None,
-    ) -> Tensor:
+        self, module: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool,
+        scaling: float | None, softcap: float | None,
+    ) -> Tensor:  # fmt: skip
         probs = torch.softmax(attention_scores(query, key, mask, is_causal, scaling, softcap), dim=-1)
         if module.layer_idx in self.layers:
             q_pos = self.cache.query_positions

@@ -14,7 +14,7 @@ from torch import Tensor
 from kvforge.prefill import prefill_at
 from kvforge.reuse.rag.assemble import ChunkSource, build_cache
 from kvforge.reuse.rag.attend import AttentionCapture
-from kvforge.reuse.rag.prompt import RagPrompt
+from kvforge.reuse.rag.prompt import RagPrompt, build_prompt
 
 
 def map_scores(
@@ -66,7 +66,7 @@ class AuxScorer:
         self.aux = aux
 
     def aux_prompt(self, prompt: RagPrompt) -> RagPrompt:
-        return self.aux.build_prompt(prompt.chunk_texts, prompt.question, prompt.system, prompt.separator)
+        return build_prompt(self.aux.tokenizer, prompt.chunk_texts, prompt.question, prompt.system, prompt.separator)
 
     def warm(self, prompt: RagPrompt) -> None:
         self.aux.chunks.warm(self.aux_prompt(prompt))

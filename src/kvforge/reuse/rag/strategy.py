@@ -57,6 +57,7 @@ class ChunkPlan(ReusePlan):
         return super().summary() | {"recomputed_tokens": self.recomputed_tokens, "fresh_tokens": self.fresh_tokens}
 
 
+@dataclass(eq=False)
 class ChunkReuse:
     """Reuse of per-chunk KV (RAG): each document chunk is prefilled once, after the shared prefix, and stored.
 
@@ -64,27 +65,25 @@ class ChunkReuse:
         model, tokenizer: the model the chunks are computed with (CacheBlend runs it, CacheClip scores with it).
         store: where chunk KV lives (a :class:`kvforge.store.KVStore`; default: an in-memory store).
         model_id: fingerprint used in chunk keys (default: :func:`kvforge.model.model_fingerprint`).
-        method: a :data:`kvforge.rag.STRATEGIES` option or its name (``naive``, ``ape``, ``cacheblend``,
+        method: a :data:`kvforge.reuse.rag.STRATEGIES` option or its name (``naive``, ``ape``, ``cacheblend``,
             ``cacheclip``; ``full`` reuses nothing).
         recompute_ratio: with a method name, the share of chunk tokens that CacheBlend/CacheClip recompute.
     """
 
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        store: KVStore | None = None,
-        model_id: str | None = None,
-        method: ChunkMethod | FullStrategy | str = "naive",
-        recompute_ratio: float | None = None,
-    ) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.model_id = model_id or model_fingerprint(model, tokenizer)
-        self.chunks = ChunkCache(model, self.model_id, store)
-        self.method = make_strategy(method, recompute_ratio) if isinstance(method, str) else method
+    model: Any
+    tokenizer: Any
+    store: KVStore | None = None
+    model_id: str = ""
+    method: ChunkMethod | FullStrategy | str = "naive"
+    recompute_ratio: float | None = None
+    on_chunk_loaded: Callable[[int, int], None] | None = None  # progress: (chunk tokens done, total)
+
+    def __post_init__(self) -> None:
+        self.model_id = self.model_id or model_fingerprint(self.model, self.tokenizer)
+        self.chunks = ChunkCache(self.model, self.model_id, self.store)
+        if isinstance(self.method, str):
+            self.method = make_strategy(self.method, self.recompute_ratio)
         self._rope: RopeSpec | None = None
-        self.on_chunk_loaded: Callable[[int, int], None] | None = None  # progress: (chunk tokens done, total)
 
     @property
     def name(self) -> str:
@@ -103,15 +102,9 @@ class ChunkReuse:
             self._rope = rope_spec(self.model)
         return self._rope
 
-    def build_prompt(
-        self,
-        docs: Sequence[str],
-        question: str,
-        system: str | None = None,
-        separator: str = "\n\n",
-        answer_prefix: str = "",
-    ) -> RagPrompt:
-        return build_prompt(self.tokenizer, list(docs), question, system, separator, answer_prefix)
+    def build_prompt(self, docs: Sequence[str], question: str, **options: Any) -> RagPrompt:
+        """The prompt's pieces with this strategy's tokenizer (``options``: see :func:`build_prompt`)."""
+        return build_prompt(self.tokenizer, list(docs), question, **options)
 
     def warm(self, prompt: RagPrompt) -> None:
         """Precompute and store the prefix and chunks of ``prompt`` (and the auxiliary model's, for CacheClip)."""
