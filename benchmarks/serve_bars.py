@@ -101,8 +101,8 @@ def chat(url: str, model: str, content: str, max_tokens: int) -> dict[str, Any]:
 def haystack_ids(tokenizer: Any, num_tokens: int, offset: int) -> list[int]:
     text = (ROOT / "src/kvforge/data/haystack_gutenberg/moby_dick_excerpt.txt").read_text()
     ids = list(tokenizer(text, add_special_tokens=False).input_ids)
-    ids = (ids * (num_tokens * 2 // len(ids) + 2))[offset * 97 :]
-    return ids[:num_tokens]
+    start = offset * 97 % len(ids)  # another start per offset: a cold prompt each time
+    return (ids * (num_tokens // len(ids) + 2))[start : start + num_tokens]
 
 
 # ---------------------------------------------------------------------------------------------------- bars
