@@ -150,7 +150,7 @@ def bench_sequential(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             chat(url, "m", "Hello!", 4)  # warm up
         for round_ in range(args.rounds):
             totals: dict[str, float] = {}
-            for name in (("kvforge", "vllm") if round_ % 2 == 0 else ("vllm", "kvforge")):
+            for name in ("kvforge", "vllm") if round_ % 2 == 0 else ("vllm", "kvforge"):
                 start = time.perf_counter()
                 answers = [chat(sides[name], "m", q, args.max_tokens) for q in QUESTIONS[: args.requests]]
                 totals[name] = time.perf_counter() - start
@@ -188,7 +188,7 @@ def bench_document(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         for round_ in range(args.rounds):
             timings: dict[str, float] = {}
             answers: dict[str, list[str]] = {}
-            for mode in (("serial", "concurrent") if round_ % 2 == 0 else ("concurrent", "serial")):
+            for mode in ("serial", "concurrent") if round_ % 2 == 0 else ("concurrent", "serial"):
                 out: list[Any] = [None] * len(questions)
                 start = time.perf_counter()
                 if mode == "serial":
