@@ -28,10 +28,10 @@ def _down_redis(password: str = SECRET) -> str:
 @pytest.mark.parametrize(
     ("url", "shown"),
     [
-        ("redis://:pw@h:6379/0", "redis://:***@h:6379/0"),
-        ("redis://user:pw@h/1,file:///x", "redis://user:***@h/1,file:///x"),
+        ("redis://:pw@h:6379/0", "redis://***@h:6379/0"),
+        ("redis://user:pw@h/1,file:///x", "redis://***@h/1,file:///x"),
         ("rediss://pw@h/0", "rediss://***@h/0"),
-        ("redis://h/0?password=pw&prefix=a", "redis://h/0?password=***&prefix=a"),
+        ("redis://h/0?password=pw&prefix=a", "redis://h/0?password=***&***"),  # what follows may be the password
         ("memory://?max_bytes=1GB", "memory://?max_bytes=1GB"),
         ("file:///tmp/kv", "file:///tmp/kv"),
     ],
@@ -44,7 +44,7 @@ def test_redact_url(url: str, shown: str) -> None:
 def test_cache_commands_never_print_the_password(command: str, capsys: pytest.CaptureFixture) -> None:
     assert main(["cache", command, "--store", _down_redis()]) == 2
     out, err = capsys.readouterr()
-    assert SECRET not in out + err and ":***@127.0.0.1" in err
+    assert SECRET not in out + err and "***@127.0.0.1" in err
     assert "Traceback" not in err and err.count("\n") == 1
 
 
@@ -136,7 +136,7 @@ def test_server_answers_without_reuse_when_its_store_is_down(caplog: pytest.LogC
     from kvforge.testing import tiny_model, tiny_tokenizer
 
     engine = Engine(tiny_model("llama"), tiny_tokenizer())
-    with pytest.raises(StoreUnavailableError, match=r":\*\*\*@") as exc:  # a default reuse needs its store at start
+    with pytest.raises(StoreUnavailableError, match=r"\*\*\*@") as exc:  # a default reuse needs its store at start
         create_app(engine, model_name="tiny", store_url=_down_redis(), reuse="prefix")
     assert SECRET not in str(exc.value)
     app = create_app(engine, model_name="tiny", store_url=_down_redis())

@@ -14,6 +14,7 @@ from kvforge import __version__
 from kvforge.commands import COMMAND_MODULES
 from kvforge.commands._common import check_names
 from kvforge.errors import UserError
+from kvforge.redact import RedactFilter, redact_text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,7 +103,14 @@ def _setting(action: argparse.Action, value: Any, source: str) -> Any:
 
 
 def _setting_one(action: argparse.Action, value: Any, source: str) -> Any:
-    if action.type is not None and isinstance(value, str | int | float) and not isinstance(value, bool):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, str | int | float)
+        or (action.type is None and not isinstance(value, str))
+    ):
+        wanted = "text (in quotes)" if action.type is None else "a single value"
+        raise UserError(f"{source}: expected {wanted}, got {type(value).__name__} {redact_text(repr(value))}")
+    if action.type is not None:
         try:
             value = action.type(str(value)) if isinstance(value, str) or action.type is not str else value
         except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
@@ -154,15 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         apply_settings(parser, argv)
     except UserError as e:
-        print(f"kvforge: error: {e}", file=sys.stderr)
+        print(f"kvforge: error: {redact_text(str(e))}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactFilter())  # no secret in any log line, whoever logs it
     try:
         check_names(args)  # typos in press/task/model/... names fail here, before torch is imported
         return int(args.func(args) or 0)
     except UserError as e:
-        print(f"kvforge: error: {e}", file=sys.stderr)
+        print(f"kvforge: error: {redact_text(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kvforge: interrupted", file=sys.stderr)

@@ -2,17 +2,19 @@
 provenance only through :func:`redact_url` (one URL) or :func:`redact_text` (any text, e.g. a client library's error).
 
 A URL is read the way its client reads it (``urllib.parse.urlsplit``, as redis-py's ``from_url`` does), and what is
-shown is rebuilt from the parts known not to be secret: the user name stays, the password and every secret-named query
-value (``password``, ``PASSWORD``, ``token``...) become ``***``. A password holding a character the URL syntax cuts at
-(an unencoded ``#``, ``?`` or ``/``) spills part of itself past the host; such a URL is shown as ``redis://***`` (or
-``redis://***@host/0`` when the host is unambiguous), never with the spilled part. Every secret met is remembered, so
-:func:`redact_text` also hides it where it appears without its URL (at least 3 characters long).
+shown is rebuilt from the parts known not to be secret: the user info (user name and password: a password may hold a
+``:``), every secret-named query value (``password``, ``PASSWORD``, ``token``...) and what follows it (a password may
+hold an ``&``) become ``***``. A password holding a character the URL syntax cuts at (an unencoded ``#``, ``?`` or
+``/``) spills part of itself past the host; such a URL is shown as ``redis://***`` (or ``redis://***@host/0`` when the
+host is unambiguous), never with the spilled part. Every secret met is remembered, so :func:`redact_text` also hides
+it where it appears without its URL (at least 3 characters long).
 
 Imports nothing heavy (the CLI uses it while building ``--help``).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import shlex
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -21,7 +23,7 @@ STARS = "***"
 _SECRET_WORDS = ("password", "passwd", "pwd", "secret", "token", "apikey", "api_key", "auth", "credential")
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _HOST_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]*(/[0-9]*)?$")  # host[:port][/db]: nothing a password could hide in
-_URL_IN_TEXT_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*")
+_URL_IN_TEXT_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S*")  # to the next space: a URL's end is unknowable
 _SECRET_FLAGS = ("--api-key", "--store", "--password")  # command-line options whose value is secret or holds one
 _seen: set[str] = set()  # secrets met so far: hidden by redact_text wherever they appear
 
@@ -72,7 +74,7 @@ def _redact_one(url: str) -> str:
     if spilled_userinfo(url):
         head, _, host = url.rpartition("@")
         _remember(head[len(scheme) + 3 :])
-        if "@" in url and "?" not in head and "#" not in head and _HOST_RE.match(host):
+        if "@" in url and "?" not in head and _HOST_RE.match(host):
             return f"{scheme}://{STARS}@{host}"
         return f"{scheme}://{STARS}"
     try:
@@ -80,19 +82,36 @@ def _redact_one(url: str) -> str:
     except ValueError:  # e.g. an odd IPv6 host: nothing of it is shown
         return f"{scheme}://{STARS}"
     netloc = parts.netloc
-    if "@" in netloc:
+    if "@" in netloc:  # the whole userinfo goes: a user name may be a password cut at a ':' it holds
         userinfo, _, host = netloc.rpartition("@")
-        user, has_password, password = userinfo.partition(":")
-        _remember(password if has_password else user)
-        netloc = f"{user}:{STARS}@{host}" if has_password else f"{STARS}@{host}"  # a lone userinfo may be a password
+        _remember(userinfo)
+        _remember(userinfo.partition(":")[2])
+        netloc = f"{STARS}@{host}"
     pairs = parse_qsl(parts.query, keep_blank_values=True)
-    for key, value in pairs:
-        if is_secret_key(key):
-            _remember(value)
     if not any(is_secret_key(k) for k, _ in pairs) and netloc == parts.netloc:
         return url  # nothing to hide: unchanged (rebuilding would drop the "//" of "memory://")
-    query = "&".join(f"{k}={STARS if is_secret_key(k) else v}" for k, v in pairs)
-    return f"{scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+    shown, after_secret = [], False
+    for key, value in pairs:
+        if after_secret and not is_secret_key(key):  # may be the rest of a password holding an unencoded '&'
+            _remember(key)
+            shown.append(STARS)
+            continue
+        if is_secret_key(key):
+            _remember(value)
+            after_secret = True
+        shown.append(f"{key}={STARS if is_secret_key(key) else value}")
+    return f"{scheme}://{netloc}{parts.path}" + (f"?{'&'.join(shown)}" if shown else "")
+
+
+def names_after_secret(url: str) -> set[str]:
+    """Query names that follow a secret one: they may be the rest of a password holding an unencoded ``&``, so a
+    message never names them."""
+    try:
+        pairs = parse_qsl(urlsplit(url).query, keep_blank_values=True)
+    except ValueError:
+        return set()
+    first = next((i for i, (k, _) in enumerate(pairs) if is_secret_key(k)), len(pairs))
+    return {k for k, _ in pairs[first + 1 :] if not is_secret_key(k)}
 
 
 def redact_url(url: str) -> str:
@@ -111,17 +130,28 @@ def redact_text(text: str) -> str:
 
 
 def redact_argv(argv: list[str]) -> str:
-    """A command line as one shell-quoted string, without secrets (the values of ``--api-key``, ``--store``...;
-    any URL-looking argument redacted): what provenance records."""
+    """A command line as one shell-quoted string, without secrets: the value of ``--api-key`` hidden, store URLs
+    (``--store``, or any argument holding ``://``) redacted. What provenance records."""
     out: list[str] = []
-    hide_next = False
-    for arg in argv:
+    for i, arg in enumerate(argv):
         flag, eq, value = arg.partition("=")
-        if hide_next:
-            out.append(redact_url(arg) if "://" in arg and "api" not in out[-1] else STARS)
+        if (i and argv[i - 1] == "--api-key") or (eq and flag == "--api-key"):
+            out.append(f"{flag}={STARS}" if eq else STARS)
         elif eq and flag in _SECRET_FLAGS:
-            out.append(f"{flag}={redact_url(value) if '://' in value and flag != '--api-key' else STARS}")
+            out.append(f"{flag}={redact_url(value)}")
+        elif i and argv[i - 1] in _SECRET_FLAGS:
+            out.append(redact_url(arg))
         else:
             out.append(redact_text(arg))
-        hide_next = arg in _SECRET_FLAGS
     return " ".join(shlex.quote(a) for a in out)
+
+
+class RedactFilter(logging.Filter):
+    """A logging filter that passes every record through :func:`redact_text` (installed on the CLI's handlers)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact_text(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        return True

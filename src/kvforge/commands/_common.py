@@ -102,14 +102,19 @@ def check_store_url(url: str | None) -> None:
         return
     from urllib.parse import urlsplit
 
-    for part in (p.strip() for p in url.split(",")):
+    from kvforge.redact import redact_url, split_urls
+
+    if not isinstance(url, str):
+        raise UserError(f"a store URL must be text, got {type(url).__name__}")
+    for part in split_urls(url):
+        shown = redact_url(part)  # a URL appears in a message only redacted
         scheme = part.split("://", 1)[0] + "://" if "://" in part else ""
         if scheme not in ("memory://", "file://", "redis://", "rediss://"):
-            raise UserError(f"unknown store URL {part!r}: use memory://, file:///abs/dir, redis://host:port/db")
+            raise UserError(f"unknown store URL {shown!r}: use memory://, file:///abs/dir, redis://host:port/db")
         if scheme == "file://":
             parts = urlsplit(part)
             if parts.netloc or not parts.path.startswith("/"):
-                raise UserError(f"store URL {part!r} is not an absolute path: write file:///abs/dir (three slashes)")
+                raise UserError(f"store URL {shown!r} is not an absolute path: write file:///abs/dir (three slashes)")
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -13,7 +13,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvforge.errors import UserError
 from kvforge.paths import cache_dir, default_store_url
-from kvforge.redact import redact_url, spilled_userinfo, split_urls
+from kvforge.redact import names_after_secret, redact_url, spilled_userinfo, split_urls
 from kvforge.store.base import ByteStore, ClearResult, KVStore, WriteLog, check_key, parse_size, track_writes
 from kvforge.store.codec import check_segment, decode, encode, quant_roundtrip
 from kvforge.store.disk import DiskStore
@@ -69,6 +69,11 @@ def _open_one(url: str) -> ByteStore:
         )
     params = dict(parse_qsl(parts.query, keep_blank_values=True))
     unknown = set(params) - _PARAMS[scheme]
+    if unknown & names_after_secret(url):  # never name them: they may be part of the password
+        raise UserError(
+            f"bad store URL {shown!r}: an unknown option follows the password; if the password holds '&', write it "
+            "as %26"
+        )
     if unknown and scheme != "redis":
         raise UserError(
             f"unknown option(s) {sorted(unknown)} in store URL {shown!r}; {scheme} takes {sorted(_PARAMS[scheme])}"

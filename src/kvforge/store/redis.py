@@ -120,7 +120,21 @@ def client_options(url: str) -> dict[str, Any]:
         if name not in takes:
             needs = "rediss:// (TLS)" if name.startswith("ssl") else "another redis client version"
             raise UserError(f"option {name!r} in store URL {shown} needs {needs}")
+    _check_files(options, shown)
     return options
+
+
+def _check_files(options: dict[str, Any], shown: str) -> None:
+    """TLS files named in the URL exist (the client would raise a TypeError or OSError at its first command)."""
+    from pathlib import Path
+
+    for name, kind in (("ssl_keyfile", "file"), ("ssl_certfile", "file"), ("ssl_ca_certs", "file"),
+                       ("ssl_ca_path", "folder")):  # fmt: skip
+        value = options.get(name)
+        if value is not None and not (Path(value).is_file() if kind == "file" else Path(value).is_dir()):
+            raise UserError(f"{name} in store URL {shown}: no such {kind} {redact_text(str(value))!r}")
+    if options.get("ssl_keyfile") and not options.get("ssl_certfile"):
+        raise UserError(f"ssl_keyfile in store URL {shown} needs ssl_certfile (the certificate of that key)")
 
 
 def client_from_url(url: str, connect_timeout_s: float, timeout_s: float) -> Any:
@@ -151,7 +165,7 @@ class RedisStore(ByteStore):
 
     Once opened, a Redis that stops answering is a miss for reads and a skipped write, with ONE warning per outage
     (and one when it answers again; the rule of :class:`~kvforge.store.base.ByteStore`): a request never fails because
-    its cache tier went away. The URL appears in messages only redacted (``redis://:***@host``).
+    its cache tier went away. The URL appears in messages only redacted (``redis://***@host``).
     """
 
     scheme = "redis"
@@ -211,6 +225,9 @@ class RedisStore(ByteStore):
             self._call(self.client.ping)
         except self._redis_error as e:  # e.g. "DB index is out of range", a wrong password
             message = f"Redis store {self.display_url} refused the connection: {redact_text(str(e))}"
+            raise StoreUnavailableError(message) from None
+        except (TypeError, ValueError, OSError) as e:  # the client could not even connect (e.g. a TLS setting)
+            message = f"Redis store {self.display_url} cannot connect: {type(e).__name__}: {redact_text(str(e))}"
             raise StoreUnavailableError(message) from None
 
     def close(self) -> None:
