@@ -91,10 +91,10 @@ def test_tls_against_a_plain_server_is_unavailable_in_one_line(protected: str) -
 @pytest.mark.parametrize(
     ("toml", "message"),
     [
-        ("store = 5", "config store: expected text (in quotes), got int 5"),
-        ("store = true", "config store: expected text"),
-        ('[cache.ls]\nstore = ["memory://"]', "config store: expected text"),
-        ("[generate]\nmax-new-tokens = [3]", "config max-new-tokens: expected a single value"),
+        ("store = 5", "config store: expected a string, got 5 (an integer): quote it"),
+        ("store = true", "config store: expected a string"),
+        ('[cache.ls]\nstore = ["redis://:Qz#?/,@Xk9J@h/0"]', "config store: expected a string, got ['redis://***"),
+        ("[generate]\nmax-new-tokens = [3]", "config max-new-tokens: expected an integer >= 1"),
         ('[generate]\nmax-new-tokens = "many"', "config max-new-tokens"),
     ],
 )

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kvforge.errors import StoreUnavailableError, UserError
+from kvforge.errors import StoreUnavailableError, UserError, redis_unavailable
 from kvforge.redact import redact_text, redact_url
 from kvforge.store import codec
 from kvforge.store.base import ByteStore, Kind
@@ -211,10 +211,7 @@ class RedisStore(ByteStore):
         try:
             yield
         except self._errors as e:
-            raise StoreUnavailableError(
-                f"Redis store {self.display_url} is unavailable ({redact_text(str(e))}); start redis-server or use "
-                "another --store"
-            ) from e
+            raise redis_unavailable(self.display_url, redact_text(str(e))) from e
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         with self._guard():
