@@ -26,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 from kvforge.decode import PresenceFrequencyPenalty, SamplingParams
 from kvforge.errors import PRESS_WITH_REUSE, UserError
 from kvforge.serve import schemas as S
-from kvforge.serve.errors import APIError, install_handlers, timeout_error, user_error
+from kvforge.serve.errors import APIError, install_handlers, stored_or_503, timeout_error, user_error
 from kvforge.serve.features import Features
 from kvforge.serve.metrics import Metrics
 from kvforge.serve.middleware import GuardMiddleware
@@ -546,9 +546,9 @@ def create_app(
                                        else req.compression_ratio)  # fmt: skip
             if req.quant is not None:
                 check_quant_name(req.quant, "quant")
-        job = submit(
-            lambda j: features.precompute_documents(
-                req.documents, req.mode, req.system, strategy, press=press_obj, quant=req.quant
+        job = submit(  # 503 unless every entry was stored
+            lambda j: stored_or_503(
+                features.precompute_documents, req.documents, req.mode, req.system, strategy, press_obj, req.quant
             )
         )
         job.endpoint = "/v1/kv/documents"
