@@ -44,23 +44,34 @@ def namespaces_or_skip() -> None:
         pytest.skip(reason)
 
 
-def read_only(folder: Path, argv: list[str]) -> list[str]:
-    """``argv`` run with ``folder`` (and all below it) mounted read-only (EROFS on every write)."""
+def read_only(folder: Path, argv: list[str], trigger: Path | None = None) -> list[str]:
+    """``argv`` run with ``folder`` (and all below it) mounted read-only (EROFS on every write); with ``trigger``, the
+    folder stays writable until that file appears (then ``<trigger>.done`` is made once the mount is read-only)."""
     f = shlex.quote(str(folder))
-    script = f'mount --bind {f} {f} && mount -o remount,ro,bind {f} && exec "$@"'
-    return [*(_unshare() or []), "sh", "-c", script, "sh", *argv]
+    return _faulted(f"mount --bind {f} {f}", f"mount -o remount,ro,bind {f}", argv, trigger)
 
 
-def full_disk(folder: Path, argv: list[str], size: str = "2m") -> list[str]:
-    """``argv`` run with ``folder`` on a tmpfs of ``size`` that holds a copy of ``folder``'s files and is then filled
-    to the last byte (ENOSPC on every write that needs a block)."""
+def full_disk(folder: Path, argv: list[str], size: str = "2m", trigger: Path | None = None) -> list[str]:
+    """``argv`` run with ``folder`` on a tmpfs of ``size`` that holds a copy of ``folder``'s files and is filled to
+    the last byte (ENOSPC on every write that needs a block); with ``trigger``, filled when that file appears."""
     f = shlex.quote(str(folder))
     stage = shlex.quote(str(folder) + ".stage")
-    script = (
-        f"rm -rf {stage} && cp -a {f} {stage} && mount -t tmpfs -o size={size} tmpfs {f} && cp -a {stage}/. {f}/ && "
-        f"(dd if=/dev/zero of={f}/.filler bs=4k 2>/dev/null; dd if=/dev/zero of={f}/.filler2 bs=1 2>/dev/null; "
-        f'true) && exec "$@"'
-    )
+    setup = f"rm -rf {stage} && cp -a {f} {stage} && mount -t tmpfs -o size={size} tmpfs {f} && cp -a {stage}/. {f}/"
+    fill = f"{{ dd if=/dev/zero of={f}/.filler bs=4k 2>/dev/null; dd if=/dev/zero of={f}/.filler2 bs=1 2>/dev/null; }}"
+    return _faulted(setup, fill, argv, trigger)
+
+
+def _faulted(setup: str, fault: str, argv: list[str], trigger: Path | None) -> list[str]:
+    if trigger is None:
+        script = f"{setup} && {{ {fault}; true; }} && exec \"$@\""
+    else:  # run the command now, fault its folder later; SIGTERM/SIGINT reach the command
+        t = shlex.quote(str(trigger))
+        script = (
+            f"{setup} || exit 97; \"$@\" & pid=$!; trap 'kill -TERM $pid' TERM; trap 'kill -INT $pid' INT; "
+            f"while [ ! -e {t} ] && kill -0 $pid 2>/dev/null; do sleep 0.05; done; "
+            f"if [ -e {t} ]; then {fault}; touch {t}.done; fi; wait $pid; rc=$?; "
+            f"while kill -0 $pid 2>/dev/null; do wait $pid; rc=$?; done; exit $rc"
+        )
     return [*(_unshare() or []), "sh", "-c", script, "sh", *argv]
 
 

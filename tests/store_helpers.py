@@ -103,6 +103,7 @@ def redis_server(workdir: Path, password: str | None = None) -> Iterator[str]:
 
         pytest.skip("redis-server is not on PATH (apt-get install redis-server); Redis tests skipped")
     port = free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)]
         + (["--requirepass", password] if password else []),
