@@ -51,14 +51,17 @@ def read_only(folder: Path, argv: list[str], trigger: Path | None = None) -> lis
     return _faulted(f"mount --bind {f} {f}", f"mount -o remount,ro,bind {f}", argv, trigger)
 
 
-def full_disk(folder: Path, argv: list[str], size: str = "2m", trigger: Path | None = None) -> list[str]:
+def full_disk(
+    folder: Path, argv: list[str], size: str = "2m", trigger: Path | None = None, fill: bool = True
+) -> list[str]:
     """``argv`` run with ``folder`` on a tmpfs of ``size`` that holds a copy of ``folder``'s files and is filled to
-    the last byte (ENOSPC on every write that needs a block); with ``trigger``, filled when that file appears."""
+    the last byte (ENOSPC on every write that needs a block); with ``trigger``, filled when that file appears; with
+    ``fill=False``, never filled: the disk is just ``size`` bytes."""
     f = shlex.quote(str(folder))
     stage = shlex.quote(str(folder) + ".stage")
     setup = f"rm -rf {stage} && cp -a {f} {stage} && mount -t tmpfs -o size={size} tmpfs {f} && cp -a {stage}/. {f}/"
-    fill = f"{{ dd if=/dev/zero of={f}/.filler bs=4k 2>/dev/null; dd if=/dev/zero of={f}/.filler2 bs=1 2>/dev/null; }}"
-    return _faulted(setup, fill, argv, trigger)
+    filler = f"{{ dd if=/dev/zero of={f}/.fill bs=4k 2>/dev/null; dd if=/dev/zero of={f}/.fill2 bs=1 2>/dev/null; }}"
+    return _faulted(setup, filler if fill else "true", argv, trigger)
 
 
 def _faulted(setup: str, fault: str, argv: list[str], trigger: Path | None) -> list[str]:

@@ -126,7 +126,10 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: one raw prompt (text, or token ids), no chat template."""
 
-    prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]]
+    # tried left to right: a 7 MiB list of token ids is validated once as ids (0.45 s), not against every member
+    prompt: Annotated[
+        StrictStr | list[TokenId] | list[StrictStr] | list[list[TokenId]], Field(union_mode="left_to_right")
+    ]
     echo: StrictBool = False
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
 
