@@ -30,7 +30,7 @@ from typing import Any
 from kvforge.errors import StoreUnavailableError, UserError, redis_unavailable
 from kvforge.redact import redact_text, redact_url
 from kvforge.store import codec
-from kvforge.store.base import ByteStore, Kind
+from kvforge.store.base import ByteStore, Kind, describe_error
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +311,10 @@ class RedisStore(ByteStore):
             self._call(lambda: self.client.delete(*chunk_keys) if chunk_keys else 0)
             return False
         if kind == "seg":
-            self._evict(keep=key)
+            try:
+                self._evict(keep=key)
+            except self.io_errors as e:  # the entry is stored; the eviction is tried again by the next write
+                log.debug("redis store: eviction after %s failed: %s", key, describe_error(e))
         return True
 
     def _evict(self, keep: str) -> None:
