@@ -140,7 +140,7 @@ def test_server_whose_password_protected_redis_stops(tmp_path: Path, tiny_llama_
 def test_sigterm_answers_new_connections_503_then_exits_0(tmp_path: Path, tiny_llama_dir: Path) -> None:
     with served(tiny_llama_dir, "memory://", None, "--grace-period", "3", "--max-running", "1") as (url, proc):
         running: list[httpx.Response] = []
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 400}
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1900}  # past 3 s
         thread = threading.Thread(target=lambda: running.append(httpx.post(url + "/v1/chat/completions", json=body,
                                                                           timeout=60)))  # fmt: skip
         thread.start()

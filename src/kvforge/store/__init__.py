@@ -125,7 +125,7 @@ def open_store(url: str) -> KVStore:
         StoreUnavailableError: a single Redis store that cannot be reached (in a tiered store it is skipped instead).
     """
     if not isinstance(url, str):
-        raise UserError(f"a store URL must be text, got {type(url).__name__} {url!r}")
+        raise UserError(f"a store URL must be text, got {type(url).__name__}")
     urls = split_urls(url)
     if not urls:
         raise UserError("empty store URL")
