@@ -153,7 +153,7 @@ def test_number_out_of_range_is_one_line(capsys, no_load):
         (["rag", "--docs", "/no/such/doc.txt", "--question", "q"], "file not found: /no/such/doc.txt"),
         (["eval", "--model", "smollm2-135m", "--data", "/no/such.jsonl", "--out", "/tmp/x"], "file not found"),
         (["generate", "--prompt", "hi", "--reuse", "prefix", "--store", "redis://:s3cret@127.0.0.1:1/0"],
-         "Redis store redis://:***@127.0.0.1:1/0 is unavailable"),
+         "Redis store redis://***@127.0.0.1:1/0 is unavailable"),
     ],
 )
 def test_missing_files_and_unreachable_stores_fail_before_torch(argv, message):

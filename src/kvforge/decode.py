@@ -15,9 +15,15 @@ from kvforge.errors import UserError
 from kvforge.prefill import forward
 
 
+# Temperatures below this are greedy, as in vLLM (its _SAMPLING_EPS): logits divided by a temperature near 0 overflow
+# (1e-38 gives inf, then NaN probabilities), and such a temperature asks for the most likely token anyway.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
-    """How the next token is chosen. ``temperature == 0`` is greedy; a ``seed`` makes sampling reproducible."""
+    """How the next token is chosen. A ``temperature`` below :data:`MIN_TEMPERATURE` (0 included) is greedy; a
+    ``seed`` makes sampling reproducible."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -34,7 +40,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 class PresenceFrequencyPenalty:

@@ -381,11 +381,16 @@ class Engine:
         if seq.document is not None:
             seq.document.restore()
         enc = seq.encoded
-        try:
-            seq.strategy.record(enc.ids, seq.cache, text=enc.text, context=enc.context)  # type: ignore[union-attr]
-        except Exception as e:  # the answer is computed: a store that cannot take it costs only later reuse
-            logger.warning("reuse record failed: %s: %s", type(e).__name__, e)
-        return {"record_s": round(time.perf_counter() - start, 6)}
+        from kvforge.store import track_writes
+
+        with track_writes() as writes:  # what the store kept and skipped (a full or read-only disk, Redis down)
+            try:
+                seq.strategy.record(enc.ids, seq.cache, text=enc.text, context=enc.context)  # type: ignore[union-attr]
+            except Exception as e:  # the answer is computed: a store that cannot take it costs only later reuse
+                logger.warning("reuse record failed: %s: %s", type(e).__name__, e)
+                writes.skipped.setdefault("<record>", f"{type(e).__name__}: {e}")
+        return {"record_s": round(time.perf_counter() - start, 6), "stored_writes": len(writes.stored),
+                "lost_writes": len(writes.lost)}
 
     # ------------------------------------------------------------------------------------------ stages
     def new_cache(self) -> KVCache:

@@ -119,3 +119,9 @@ def check_model(name: str) -> str:
     if "/" in name:
         return "hub"
     raise unknown_name("model", name, [*MODEL_NAMES, "<model folder>", "<file.gguf>"])
+
+
+# A store key (and so a chunk id a client may send): letters, digits, ``._-``, starting with a letter or digit, at most
+# 200 characters; no path separator, dot-dot start, NUL or wildcard can pass. kvforge.store checks every key with it and
+# the server's schemas validate ids with it, so one rule decides what a key is.
+STORE_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"

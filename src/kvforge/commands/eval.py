@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -230,8 +229,10 @@ def _provenance() -> dict[str, Any]:
 
 
 def _command() -> str:
+    from kvforge.redact import redact_argv
+
     is_cli = bool(sys.argv) and Path(sys.argv[0]).name in ("kvforge", "__main__.py", "cli.py")
-    return "kvforge " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if is_cli else ""
+    return "kvforge " + redact_argv(sys.argv[1:]) if is_cli else ""  # no secret in saved results
 
 
 def _rag_trials(args: argparse.Namespace, engine: Engine) -> list[Any]:

@@ -21,7 +21,7 @@ from kvforge.reuse.base import PromptContext, digest, encode_ids
 from kvforge.reuse.document import DocumentReuse, press_spec
 from kvforge.reuse.rag import ChunkReuse, RagPrompt, build_prompt, chunk_key
 from kvforge.serve import schemas as S
-from kvforge.serve.errors import APIError
+from kvforge.serve.errors import APIError, store_unavailable, stored_or_503
 from kvforge.serve.state import Server, get_server
 from kvforge.serve.translate import check_quant_name
 from kvforge.types import Generation
@@ -64,6 +64,12 @@ async def _store_documents(server: Server, request: HTTPRequest, req: S.Document
     gens = [await server.wait(request, job) for job in jobs]
     if any(g is None for g in gens):
         return None
+    lost = sum(g.info.get("reuse", {}).get("lost_writes", 0) for g in gens if g is not None)
+    if lost:  # 503 unless every entry was kept: never a 200 that names what was not stored
+        raise store_unavailable(
+            f"the KV store did not keep {lost} of the entries to write (unavailable, full or read-only): nothing is "
+            "guaranteed stored; retry later"
+        )
     return [_entry(server, r, g, strategy) for r, g in zip(requests, gens, strict=True)]
 
 
@@ -101,7 +107,7 @@ async def _store_chunks(server: Server, request: HTTPRequest, req: S.DocumentsRe
         return prompt
 
     prompt: RagPrompt = await server.off_loop(prepare)
-    job = server.submit(None, fn=lambda j: strategy.warm(prompt))
+    job = server.submit(None, fn=lambda j: stored_or_503(strategy.warm, prompt))  # 503 unless every chunk was kept
     job.endpoint = "/v1/kv/documents"
     if await server.wait(request, job) is None and not job.future.done():
         return None
