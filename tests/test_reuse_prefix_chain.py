@@ -4,6 +4,7 @@ format are clean misses."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -235,3 +236,53 @@ def test_a_store_that_skips_a_write_stops_the_chain(llama, caplog):
     keys = reuse.block_keys(ids)
     assert sorted(store.keys()) == sorted(keys[:2])
     assert reuse.plan(ids).reused_tokens == 2 * B
+
+
+FILL_A_DISK = textwrap.dedent(
+    """
+    import json, sys
+    from kvforge.cache import KVCache
+    from kvforge.prefill import prefill
+    from kvforge.reuse import PrefixReuse
+    from kvforge.store import open_store
+    from kvforge.testing import tiny_model
+
+    url, ids = sys.argv[1], json.loads(sys.argv[2])
+    model = tiny_model("llama")
+    cache = KVCache.for_model(model)
+    prefill(model, ids, cache)
+    store = open_store(url)
+    PrefixReuse(store, "tiny", block_size=16).record(ids, cache)
+    plan = PrefixReuse(open_store(url), "tiny", block_size=16).plan(ids)
+    print(json.dumps({"keys": sorted(store.keys()), "reused": plan.reused_tokens}))
+    """
+)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux) for a private tmpfs")
+def test_full_disk_keeps_the_reachable_head(llama, tmp_path):
+    """A real filesystem that fills mid-chain (a small tmpfs in a private mount namespace, ENOSPC from the kernel):
+    the blocks that fit are the head of the chain, nothing after the first refused block is kept, and the same
+    prompt hits the stored head."""
+    ids = ids_of(6 * B + 3, seed=37)
+    sizing = MemoryStore()
+    reuse = PrefixReuse(sizing, "tiny", block_size=B)
+    cache, _ = full_prefill(llama, ids)
+    reuse.record(ids, cache)
+    pages = [-(-sizing.stored_size(k) // 4096) for k in reuse.block_keys(ids)]
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    size = 4096 * (pages[0] + pages[1] + 1)  # two blocks fit, the third does not
+    script = f"mount -t tmpfs -o size={size} tmpfs {mount} && exec {sys.executable} -c \"$0\" \"$1\" \"$2\""
+    out = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, FILL_A_DISK, f"file://{mount}/kv",
+         str(ids)],
+        env=dict(os.environ, PYTHONPATH=SRC), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if out.returncode != 0 and ("unshare" in out.stderr or "mount" in out.stderr) and "Traceback" not in out.stderr:
+        pytest.skip(f"no private tmpfs here: {out.stderr.strip().splitlines()[-1]}")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["keys"] == sorted(reuse.block_keys(ids)[:2])
+    assert result["reused"] == 2 * B
+    assert "no space left" in out.stderr.lower(), out.stderr
