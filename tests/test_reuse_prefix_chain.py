@@ -286,3 +286,21 @@ def test_full_disk_keeps_the_reachable_head(llama, tmp_path):
     assert result["keys"] == sorted(reuse.block_keys(ids)[:2])
     assert result["reused"] == 2 * B
     assert "no space left" in out.stderr.lower(), out.stderr
+
+
+def test_tiered_store_sees_children_listed_by_another_process(llama, tmp_path):
+    """Two processes on memory+disk tiers: what one lists on disk after the other cached the list in its memory tier
+    is still found (the tiers' lists are merged)."""
+    url = f"memory://,file://{tmp_path}/kv"
+    a, b = (PrefixReuse(open_store(url), "tiny", block_size=B) for _ in range(2))
+    doc = ids_of(2 * B + 5, seed=70)
+    q1, q3 = [4, *ids_of(9, seed=71)], [5, 6, 7, 8, *ids_of(6, seed=72)]
+    for reuse, ids in ((a, doc), (a, doc + q1), (b, doc + q3)):
+        reuse.plan(ids)  # a reads (and caches) the list before b adds to it
+        cache, _ = full_prefill(llama, ids)
+        reuse.record(ids, cache)
+    query = doc + q3[:3] + [9, 9, 9]
+    plan, _, logits = reuse_prefill(llama, a, query)  # a's memory tier lists only q1's block
+    assert plan.reused_tokens == len(doc) + 3
+    _, ref = full_prefill(llama, query)
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)

@@ -230,11 +230,18 @@ class PrefixReuse:
         return None
 
     def _children(self, parent: str, is_root: bool) -> list[tuple[str, list[int]]]:
-        try:
-            raw = self.store.get_blob(ch.list_key(parent, is_root))
-        except (OSError, StoreUnavailableError):
-            return []
-        return ch.decode_list(parent, raw)
+        """The listed children of ``parent``; on a tiered store the union of every tier's list (a process's memory
+        tier keeps its own copy: the shared tiers hold what other processes listed since)."""
+        key = ch.list_key(parent, is_root)
+        merged: dict[str, list[int]] = {}
+        for source in getattr(self.store, "tiers", None) or [self.store]:
+            try:
+                raw = source.get_blob(key)
+            except (OSError, StoreUnavailableError):
+                continue
+            for chain, tokens in ch.decode_list(parent, raw):
+                merged.setdefault(chain, tokens)
+        return list(merged.items())
 
     def _usable_end(
         self, blocks: list[KVSegment], branch: Branch | None, bounds: list[tuple[int, int]], num_tokens: int
