@@ -273,7 +273,7 @@ def test_full_disk_keeps_the_reachable_head(llama, tmp_path):
     mount = tmp_path / "disk"
     mount.mkdir()
     size = 4096 * (pages[0] + pages[1] + 1)  # two blocks fit, the third does not
-    script = f"mount -t tmpfs -o size={size} tmpfs {mount} && exec {sys.executable} -c \"$0\" \"$1\" \"$2\""
+    script = f'mount -t tmpfs -o size={size} tmpfs {mount} && exec {sys.executable} -c "$0" "$1" "$2"'
     out = subprocess.run(
         ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, FILL_A_DISK, f"file://{mount}/kv",
          str(ids)],
