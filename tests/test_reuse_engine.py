@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_reuse_prefix import SRC, DictStore
+from test_reuse_prefix import SRC, DictStore, common_prefix
 
 from kvforge.engine import Engine
 from kvforge.reuse import FakeEmbedder, PrefixReuse, SemanticReuse
@@ -39,8 +39,35 @@ def test_generate_reuses_prefix_and_gives_the_same_answer(engine):
     assert first.token_ids == second.token_ids == baseline.token_ids
     a, b = engine.encode_chat(PROMPT), engine.encode_chat(PROMPT + "And then?")
     common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)  # template end differs
-    assert longer.reused_tokens == (common // 16) * 16
+    assert longer.reused_tokens == common  # to the last shared token, not a block end
     assert second.ttft_s > 0 and "plan_s" in second.info["reuse"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
+def test_second_question_on_a_stored_document_prefills_only_the_question(arch):
+    """Prompts through the chat template: the reused prefix ends where the two prompts diverge, which is the end of
+    the document part (``encode_qa``'s context), and the answer is the one computed without reuse."""
+    engine = Engine(tiny_model(arch), tiny_tokenizer(), chunk_size=64)
+    doc = "".join(f"Fact {i}: room {i} holds {chr(97 + i % 26) * 3}. " for i in range(14))  # ~350 tokens
+    questions = ["Which room holds ddd?", "What does room 7 hold?", "List every room."]
+    plain = [engine.answer(doc, q, max_new_tokens=4) for q in questions]
+    store = DictStore()
+    engine.reuse = PrefixReuse(store, engine.model_id, block_size=64)
+    try:
+        answers = [engine.answer(doc, q, max_new_tokens=4) for q in questions]
+    finally:
+        engine.reuse = None
+    for q, answer, expected in zip(questions, answers, plain, strict=True):
+        assert answer.token_ids == expected.token_ids
+        ctx_ids, q_ids = engine.encode_qa(doc, q)
+        assert answer.prompt_tokens == len(ctx_ids) + len(q_ids)
+    prompts = [[*ctx, *q_ids] for ctx, q_ids in (engine.encode_qa(doc, q) for q in questions)]
+    shared = [max((common_prefix(p, q) for q in prompts[:i]), default=0) for i, p in enumerate(prompts)]
+    assert [a.reused_tokens for a in answers] == shared  # to the last token shared with a stored prompt
+    ctx_ids, q_ids = engine.encode_qa(doc, questions[2])  # "List..." shares no question token with the others
+    assert answers[2].reused_tokens == len(ctx_ids)
+    assert answers[2].prompt_tokens - answers[2].reused_tokens == len(q_ids)
+    assert shared[1] == len(ctx_ids) + 2  # "What..." after "Which...": "Wh" is reused too
 
 
 def test_answer_context_mode_prefills_the_question(engine):
