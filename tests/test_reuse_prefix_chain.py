@@ -20,7 +20,7 @@ from store_helpers import redis_server
 from test_reuse_prefix import SRC, full_prefill, ids_of, reuse_prefill
 
 from kvforge.reuse import PrefixReuse
-from kvforge.reuse.base import digest, encode_ids, segment_slice
+from kvforge.reuse.base import digest, encode_ids
 from kvforge.store import MemoryStore, open_store
 from kvforge.testing import tiny_model
 
@@ -131,7 +131,7 @@ def test_entries_of_the_previous_format_are_a_clean_miss(llama, tmp_path, caplog
     old = v1_keys(X, "tiny", B)
     for i, key in enumerate(old):  # what the previous writer stored
         start, end = i * B, min((i + 1) * B, len(X))
-        seg = segment_slice(cache, start, end, "tiny", X[start:end])
+        seg = cache.to_segment("tiny", X[start:end], start=start, end=end)
         seg.meta = {"layer_windows": [None, None], "block_start": start, "format": "prefix-v1-"}
         store.put(key, seg)
     reuse = PrefixReuse(open_store(f"file://{tmp_path}/kv"), "tiny", block_size=B)
