@@ -20,10 +20,12 @@ from kvforge.decode import SamplingParams, decode, eos_ids, trim_at_stop
 from kvforge.errors import PRESS_WITH_REUSE, UserError
 from kvforge.model import context_length, model_fingerprint
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, prefill, prefill_at
+from kvforge.presses.decoding import attach as attach_policy
 from kvforge.types import Generation
 
 if TYPE_CHECKING:
     from kvforge.presses.base import Press
+    from kvforge.presses.decoding import DecodingPress
     from kvforge.reuse.base import PromptContext, ReusePlan, ReuseStrategy
     from kvforge.reuse.rag import ChunkReuse
 
@@ -46,6 +48,9 @@ class Engine:
             -> prefill the rest -> decode -> record (store the new KV, after the answer so TTFT is not delayed).
             With a press, reuse stores and loads compressed documents (``answer(..., query_aware=False)``); any
             other press + reuse combination is a :class:`UserError` (:data:`kvforge.errors.PRESS_WITH_REUSE`).
+        decoding_press: a :class:`kvforge.presses.DecodingPress`: every cache keeps at most its budget (+ interval)
+            entries per layer and KV head while it decodes, and while a prompt is prefilled without a press (a prompt
+            press sees the whole prompt first: give it the same budget, ``build_press(name, kv_budget=N)``).
     """
 
     def __init__(
@@ -57,6 +62,7 @@ class Engine:
         window: int | None = None,
         num_sink: int = 4,
         reuse: ReuseStrategy | None = None,
+        decoding_press: DecodingPress | None = None,
     ) -> None:
         if chunk_size is not None and chunk_size < 1:
             raise UserError(f"chunk size must be >= 1, got {chunk_size}")
@@ -68,6 +74,7 @@ class Engine:
         self.window = window
         self.num_sink = num_sink if window is not None else 0
         self.reuse = reuse
+        self.decoding_press = decoding_press  # a token budget the cache keeps while generating (and prefilling)
         self.on_prefill_chunk: Callable[[int, int], None] | None = None  # progress: (tokens done, total)
         self.max_positions = context_length(model)
         self.eos_token_ids = eos_ids(model, tokenizer)
@@ -154,6 +161,7 @@ class Engine:
         cache = cache if cache is not None else self.new_cache()
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.model.device)
         if press is None:
+            attach_policy(self.decoding_press, cache)
             logits = prefill(self.model, input_ids, cache, chunk_size=self.chunk_size, on_chunk=self.on_prefill_chunk)
         else:
             from kvforge.presses import compress_prefill
@@ -186,6 +194,7 @@ class Engine:
         on_token: Callable[[int], None] | None = None,
     ) -> Generation:
         """Decode from prefill ``logits``; returns a :class:`Generation` (ttft_s = time to pick the first token)."""
+        attach_policy(self.decoding_press, cache)
         result = decode(
             self.model,
             cache,
@@ -426,6 +435,8 @@ class Engine:
             return plan
         if self.window is not None:
             raise UserError("KV reuse does not support a sliding-window cache (--window)")
+        if self.decoding_press is not None:
+            raise UserError("KV reuse does not combine with a decoding budget yet (its cache is cut while it decodes)")
         if press is not None and (context is None or context.press is None):
             raise UserError(PRESS_WITH_REUSE)
         if press is not None and not getattr(reuse, "stores_compressed", False):

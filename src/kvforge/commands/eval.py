@@ -33,7 +33,7 @@ def register(sub: Any, bench_sub: Any) -> None:
     p = sub.add_parser("eval", help="evaluate KV-cache methods x budgets on a JSONL file or a built-in task")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", type=Path, help="JSONL examples (see docs/eval.md for the format)")
-    src.add_argument("--task", help="built-in task(s), comma-separated and interleaved: needle, needle-docs (RAG), "
+    src.add_argument("--task", help="built-in task(s), comma-separated and interleaved: needle, needle-narrative, needle-docs (RAG), "
                      "ruler, ruler-mk|mv|mq|vt|cwe, longbench-qa, longbench-summ, longbench, leval, squad, musique, "
                      "hub:<name>")  # fmt: skip
     p.add_argument("--model", required=True, help="smollm2-135m | gemma3-270m | a model folder | a .gguf file")

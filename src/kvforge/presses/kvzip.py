@@ -102,27 +102,29 @@ class KVzipPress(ScorerPress):
 
     def compress_all(self, contexts: list[LayerContext]) -> list[Selection]:
         """One top-k over every KV head of each layer (``"layer"``) or of all ``contexts`` at once (``"global"``)."""
-        if all(num_kept(c.size, self.compression_ratio) >= c.size for c in contexts):
-            return [
-                Selection(keep=torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device)) for c in contexts
-            ]
         if self.budget != "global":
-            return [self._top([self.score(c)], [c])[0] for c in contexts]
-        return self._top([self.score(c) for c in contexts], contexts)
+            return [top_entries([self.score(c)], [c], self.compression_ratio)[0] for c in contexts]
+        return top_entries([self.score(c) for c in contexts], contexts, self.compression_ratio)
 
-    def _top(self, scores: list[Tensor], contexts: list[LayerContext]) -> list[Selection]:
-        b = scores[0].shape[0]
-        total = sum(c.keys.shape[1] * num_kept(c.size, self.compression_ratio) for c in contexts)
-        # every head keeps its best entry (a head with nothing left would attend to nothing); counts in the budget
-        forced = [s.float().nan_to_num(float("-inf")).masked_fill(topk_mask(s, 1), float("inf")) for s in scores]
-        flat = torch.cat([s.reshape(b, -1) for s in forced], dim=1)
-        keep = topk_mask(flat, total)
-        out, at = [], 0
-        for s in scores:
-            n = s[0].numel()
-            out.append(Selection(keep=keep[:, at : at + n].reshape(s.shape)))
-            at += n
-        return out
+
+def top_entries(scores: list[Tensor], contexts: list[LayerContext], compression_ratio: float) -> list[Selection]:
+    """One top-k over every (layer, KV head, token) of ``scores`` ``[(B, H_kv, S)]``: the layers' budgets
+    ``H_kv * num_kept(S, ratio)`` summed, spent where the scores are highest (per-layer and per-head lengths differ;
+    every head keeps at least its best entry, counted in the budget)."""
+    if all(num_kept(c.size, compression_ratio) >= c.size for c in contexts):
+        return [Selection(keep=torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device)) for c in contexts]
+    b = scores[0].shape[0]
+    total = sum(c.keys.shape[1] * num_kept(c.size, compression_ratio) for c in contexts)
+    # every head keeps its best entry (a head with nothing left would attend to nothing); counts in the budget
+    forced = [s.float().nan_to_num(float("-inf")).masked_fill(topk_mask(s, 1), float("inf")) for s in scores]
+    flat = torch.cat([s.reshape(b, -1) for s in forced], dim=1)
+    keep = topk_mask(flat, total)
+    out, at = [], 0
+    for s in scores:
+        n = s[0].numel()
+        out.append(Selection(keep=keep[:, at : at + n].reshape(s.shape)))
+        at += n
+    return out
 
 
 def header_length(tokenizer: Any, ids: list[int]) -> int:

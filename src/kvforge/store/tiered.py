@@ -20,6 +20,7 @@ from typing import Any
 from kvforge.errors import StoreUnavailableError
 from kvforge.store import codec
 from kvforge.store.base import ByteStore, Kind, check_key, summarize_entries, wrap_blob
+from kvforge.store.transform import basis_for_put
 from kvforge.store.memory import MemoryStore
 from kvforge.types import KVSegment
 
@@ -123,7 +124,8 @@ class TieredStore:
         for i, tier in enumerate(self.tiers):
             tier_quant = tier.quant if quant is None else quant
             if tier_quant not in encoded:
-                encoded[tier_quant] = codec.encode_parts(segment, tier_quant)
+                basis = basis_for_put(self, segment, tier_quant)  # kvtc: its basis kept as a blob of every tier
+                encoded[tier_quant] = codec.encode_parts(segment, tier_quant, basis=basis)
             self._run(i, partial(tier.write_parts, key, encoded[tier_quant]), None)
 
     def contains(self, key: str) -> bool:
