@@ -21,6 +21,7 @@ from kvforge.errors import PRESS_WITH_REUSE, UserError
 from kvforge.model import context_length, model_fingerprint
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, prefill, prefill_at
 from kvforge.presses.decoding import attach as attach_policy
+from kvforge.store import transform
 from kvforge.types import Generation
 
 if TYPE_CHECKING:
@@ -82,7 +83,10 @@ class Engine:
     @property
     def model_id(self) -> str:
         """Fingerprint of model + tokenizer (keys stored caches)."""
-        return model_fingerprint(self.model, self.tokenizer)
+        fingerprint = model_fingerprint(self.model, self.tokenizer)
+        # a store coding this model's KV with kvtc calibrates its basis on the model itself (keys before RoPE)
+        transform.BOOK.remember_model(fingerprint, self.model, self.tokenizer)
+        return fingerprint
 
     # ------------------------------------------------------------------------------------------ tokens
     @cached_property

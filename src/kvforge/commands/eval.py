@@ -65,7 +65,9 @@ def register(sub: Any, bench_sub: Any) -> None:
                    "(query-agnostic) and stored once per method x ratio x --quants, every question answered from the "
                    "store by a fresh engine (rows stored-<method>+<quant>)")
     p.add_argument("--quants", type=_names, default=["none", "int8", "int4"], help="--store-once: storage "
-                   "quantisations (none, int8, int4, int2)")
+                   "codecs (none, int8, int4, int2, kvtc, kvtc-b<bits>)")
+    p.add_argument("--store", default=None, help="--store-once: where documents are stored (default memory://; with "
+                   "file:///dir a later run, another process, loads what an earlier one stored)")
     p.add_argument("--report-only", action="store_true", help="rebuild summary, plots and report from results.jsonl")
     p.set_defaults(func=run, check=_check)
 
@@ -88,6 +90,12 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError("--methods is empty")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be >= 1")
+    if args.store is not None:
+        if not args.store_once:
+            raise UserError("--store applies to --store-once")
+        from kvforge.commands._common import check_store_url
+
+        check_store_url(args.store)
     if args.rag:
         _check_rag(args)
     elif args.aux_model:
@@ -159,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             trials = [press_trial(FULL, 0.0, query_aware=False)]
-            trials += stored_trials(args.methods, args.compression_ratios, args.quants)
+            trials += stored_trials(args.methods, args.compression_ratios, args.quants, args.store or "memory://")
         except ValueError as e:
             raise UserError(str(e)) from e
     engine = load_engine(args)  # names, options and data were checked above: a mistake costs no model load

@@ -277,6 +277,8 @@ class Press:
         for f in fields(self):
             value = getattr(self, f.name)
             out[f.name] = value.config() if isinstance(value, Press) else value
+        if getattr(self, "kv_budget", None) is not None:  # a fixed budget instead of the ratio (build_press)
+            out["kv_budget"] = self.kv_budget  # type: ignore[attr-defined]
         return out
 
 

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from kvforge.errors import UserError
 from kvforge.paths import cache_dir
-from kvforge.presses.base import LayerContext, Needs, ScorerPress, Selection
+from kvforge.presses.base import LayerContext, Needs, ScorerPress, Selection, num_kept
 from kvforge.presses.kvzip import BUDGETS, top_entries
 
 logger = logging.getLogger(__name__)
@@ -169,13 +169,19 @@ class KVzapScorer:
         if path.exists():
             self.model = KVzapModel.load(path, fingerprint)
             return
-        from kvforge.presses.kvzap_train import train_kvzap
+        from kvforge.presses.kvzap_train import auto_train_size, train_kvzap
 
+        if tokenizer is None:
+            raise UserError(
+                f"KVzap has no trained {self.kind} scorer for {fingerprint} and needs the model's tokenizer to train "
+                "one (pass tokenizer=..., run `kvforge presses train`, or give KVzapPress(model=FILE))"
+            )
         logger.warning(
             "KVzap: no %s scorer for %s yet: training one on the bundled sample text (once, minutes on a CPU; "
             "`kvforge presses train` does it ahead), saving %s", self.kind, fingerprint, path
         )  # fmt: skip
-        self.model = train_kvzap(model, tokenizer, kind=self.kind)
+        window, windows = auto_train_size()
+        self.model = train_kvzap(model, tokenizer, kind=self.kind, window=window, max_windows=windows)
         self.model.save(path)
 
     def __call__(self, layer_idx: int, hidden_states: Tensor) -> Tensor | None:
@@ -231,6 +237,8 @@ class KVzapPress(ScorerPress):
         return self.compress_all([ctx])[0]
 
     def compress_all(self, contexts: list[LayerContext]) -> list[Selection]:
+        if all(num_kept(c.size, self.compression_ratio) >= c.size for c in contexts):  # nothing to remove
+            return [Selection(keep=torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device)) for c in contexts]
         if self.budget == "head":
             return [self.compress(c) for c in contexts]
         if self.budget == "layer":

@@ -41,6 +41,19 @@ QUESTION = "What is this text about?"  # only splits the prompt: the context par
 ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strength, relative to the mean feature variance
 
 
+def auto_train_size() -> tuple[int, int | None]:
+    """``(tokens per window, max windows)`` of the training a kvzap press runs on first use:
+    ``$KVFORGE_KVZAP_WINDOW`` (default 2048) and ``$KVFORGE_KVZAP_WINDOWS`` (default: every window of the text)."""
+    import os
+
+    try:
+        window = int(os.environ.get("KVFORGE_KVZAP_WINDOW") or DEFAULT_WINDOW)
+        windows = os.environ.get("KVFORGE_KVZAP_WINDOWS")
+        return window, int(windows) if windows else None
+    except ValueError:
+        raise UserError("KVFORGE_KVZAP_WINDOW and KVFORGE_KVZAP_WINDOWS must be whole numbers") from None
+
+
 def default_texts() -> list[Path]:
     """The public-domain sample text shipped with kvforge."""
     return sorted((bundled_data_dir() / "haystack_gutenberg").glob("*.txt"))

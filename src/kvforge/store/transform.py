@@ -120,7 +120,7 @@ class KVBasis:
             out |= {f"vm.{i}": self.value_mean[i], f"vb.{i}": self.value_basis[i]}
             if self.inv_freq[i] is not None:
                 out[f"f.{i}"] = self.inv_freq[i]  # type: ignore[assignment]
-        return {k: v.float().contiguous() for k, v in out.items()}
+        return {k: v.float().contiguous().clone() for k, v in out.items()}  # no shared storage (RoPE tables)
 
     def to_bytes(self) -> bytes:
         from safetensors.torch import save
@@ -356,7 +356,8 @@ def allocate_bits(variances: Tensor, budget: float) -> Tensor:
     top = float(var.max())
     if top <= 0:
         return torch.zeros(var.shape, dtype=torch.uint8)
-    lo, hi = top * 4.0 ** (-MAX_BITS - 2), top * 4.0  # bits(hi) = 0 everywhere; bits(lo) = 8 where var > 0
+    low = float(var[var > 0].min())
+    lo, hi = low * 4.0 ** (-MAX_BITS - 1), top * 4.0  # bits(hi) = 0 everywhere; bits(lo) = 8 wherever var > 0
     for _ in range(64):
         mid = math.sqrt(lo * hi)
         if float(bits(mid).sum()) > total:
