@@ -306,6 +306,44 @@ def narrative_needle_task(cfg: TaskConfig, wordings: tuple[str, ...] = tuple(WOR
     ]
 
 
+def narrative_multi_task(cfg: TaskConfig, num_needles: int = 4) -> list[Example]:
+    """``needle-multi`` with narrative needles: per length and sample ONE document holding ``num_needles`` statements
+    of different wordings at evenly spread depths (each at a sentence end), one question per needle."""
+    measure = Measure(cfg.tokenizer)
+    out = []
+    for length in cfg.lengths:
+        for index in range(cfg.num_samples):
+            rng = cfg.rng("needle-multi-narrative", length, index)
+            names = rng.sample(list(WORDINGS), min(num_needles, len(WORDINGS)))
+            drawn = [(n, WORDINGS[n].draw(rng)) for n in names]
+            needles = [WORDINGS[n].needle.format(**f) for n, f in drawn]
+            hay = filler_text(load_haystack(cfg), length - sum(measure.size(" " + x + " ") for x in needles), measure,
+                              rng.random())  # fmt: skip
+            context = hay
+            for j in reversed(range(len(needles))):  # insert from the end so earlier offsets stay valid
+                at = measure.prefix_chars(context, round((j + 0.5) / len(needles) * measure.size(context)))
+                ends = [m.end() for m in _STORY_SENTENCE_END.finditer(context, max(0, at - 4 * SNAP_WINDOW),
+                                                                       at + 4 * SNAP_WINDOW)]  # fmt: skip
+                at = min(ends, key=lambda e: abs(e - at)) if ends else at
+                context = f"{context[:at]}{needles[j]} {context[at:]}"
+            for j, ((name, fields), needle) in enumerate(zip(drawn, needles, strict=True)):
+                prefix = WORDINGS[name].prefix.format(**fields)
+                out.append(
+                    Example(
+                        id=f"needle-multi-narrative-L{length}-{index}-q{j}",
+                        context=context,
+                        question=WORDINGS[name].question.format(**fields),
+                        answers=[fields["value"]],
+                        metric="contains",
+                        task="needle-multi-narrative",
+                        max_new_tokens=24,
+                        answer_prefix=prefix[0].upper() + prefix[1:],
+                        needles=[needle],
+                    )
+                )
+    return out
+
+
 def multi_needle_task(cfg: TaskConfig, num_needles: int = 4) -> list[Example]:
     """Per length and sample, ONE document holding ``num_needles`` needles at evenly spread depths and one question
     per needle: examples share their context (the "store once, ask many" case of :mod:`kvforge.eval.stored`)."""
