@@ -36,7 +36,7 @@ from torch import Tensor
 from kvforge.errors import UserError
 from kvforge.paths import cache_dir
 from kvforge.presses.base import LayerContext, Needs, ScorerPress, Selection, num_kept
-from kvforge.presses.kvzip import BUDGETS, top_entries
+from kvforge.presses.kvzip import BUDGETS, max_pool, top_entries
 
 logger = logging.getLogger(__name__)
 FORMAT = "kvforge-kvzap/1"
@@ -200,6 +200,7 @@ class KVzapPress(ScorerPress):
             trained on first use.
         budget: ``"global"`` (KVzip's default), ``"layer"`` or ``"head"``, as :class:`KVzipPress`.
         keep_first, keep_header: entries always kept, as :class:`KVzipPress`.
+        pool: max over a window of neighbouring entries' scores before the top-k, as :class:`KVzipPress`.
     """
 
     kind: str = "linear"
@@ -207,6 +208,7 @@ class KVzapPress(ScorerPress):
     budget: str = "global"
     keep_first: int = 4
     keep_header: bool = True
+    pool: int = 0
     scorer: KVzapScorer = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -217,6 +219,8 @@ class KVzapPress(ScorerPress):
             raise ValueError(f"budget must be one of {BUDGETS}, got {self.budget!r}")
         if self.keep_first < 0:
             raise ValueError(f"keep_first must be >= 0, got {self.keep_first}")
+        if self.pool < 0 or (self.pool > 1 and self.pool % 2 == 0):
+            raise ValueError(f"pool must be 0 (off) or an odd window, got {self.pool}")
         self.scorer = KVzapScorer(self.kind, self.model)
 
     def config(self) -> dict[str, object]:
@@ -229,7 +233,8 @@ class KVzapPress(ScorerPress):
         got = (ctx.hidden_scores or {}).get(self.scorer.key)
         if got is None:
             raise ValueError("KVzap needs the scores its scorer gave during the prefill (run it through compress_prefill)")
-        return got.masked_fill(ctx.protected(self.keep_first, self.keep_header)[:, None, :], float("inf"))
+        return max_pool(got, self.pool).masked_fill(ctx.protected(self.keep_first, self.keep_header)[:, None, :],
+                                                    float("inf"))  # fmt: skip
 
     def compress(self, ctx: LayerContext) -> Selection:
         if self.budget == "head":

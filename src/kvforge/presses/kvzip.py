@@ -25,6 +25,9 @@ As in the paper (and each switchable so its effect is measured):
   common prefix with the template's own rendering) and the first ``keep_first`` entries are always kept (they count
   in the budget). The header is never repeated (as KVzip), so with ``keep_header=False`` it scores 0 beyond the
   sinks and goes first, which is kvpress's behaviour.
+- ``pool`` (kvforge, 0 = off): before the top-k, each entry's score becomes the max over a window of ``pool`` entries
+  around it (odd; per KV head), so the tokens next to a surprising one (a needle's key words beside its value) are
+  kept with it. Measured on narrative needles in docs/presses.md.
 - ``value_aware`` (KVzip+): score x the entry's projected value contribution ``||V_i W_O||_1`` (CriticalKV's
   :func:`~kvforge.presses.criticalkv.projected_value_norms`), normalised by its mean over the layer's entries so that
   layers compare under a global budget (the paper normalises by the residual stream's norm; the layer mean of the
@@ -67,9 +70,12 @@ class KVzipPress(ScorerPress):
     value_aware: bool = False
     replay_turn: str = "continue"
     normalise: str = "chunk"
+    pool: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.pool < 0 or (self.pool > 1 and self.pool % 2 == 0):
+            raise ValueError(f"pool must be 0 (off) or an odd window, got {self.pool}")
         if self.budget not in BUDGETS:
             raise ValueError(f"budget must be one of {BUDGETS}, got {self.budget!r}")
         if self.replay_turn not in TURNS:
@@ -93,7 +99,7 @@ class KVzipPress(ScorerPress):
         if self.value_aware:
             norms = projected_value_norms(ctx)
             scores = scores * (norms / norms.mean(dim=(1, 2), keepdim=True).clamp_min(1e-12))
-        return scores.masked_fill(self.protected(ctx)[:, None, :], float("inf"))
+        return max_pool(scores, self.pool).masked_fill(self.protected(ctx)[:, None, :], float("inf"))
 
     def compress(self, ctx: LayerContext) -> Selection:
         if self.budget == "head":
@@ -105,6 +111,15 @@ class KVzipPress(ScorerPress):
         if self.budget != "global":
             return [top_entries([self.score(c)], [c], self.compression_ratio)[0] for c in contexts]
         return top_entries([self.score(c) for c in contexts], contexts, self.compression_ratio)
+
+
+def max_pool(scores: Tensor, window: int) -> Tensor:
+    """``(B, H, S)`` scores -> the max over ``window`` neighbouring entries (odd; <= 1 leaves them as they are)."""
+    if window <= 1:
+        return scores
+    b, h, s = scores.shape
+    pooled = torch.nn.functional.max_pool1d(scores.reshape(b * h, 1, s).float(), window, stride=1, padding=window // 2)
+    return pooled.reshape(b, h, s).to(scores.dtype)
 
 
 def top_entries(scores: list[Tensor], contexts: list[LayerContext], compression_ratio: float) -> list[Selection]:
