@@ -117,3 +117,14 @@ def test_policy_is_paused_inside_a_press_and_cuts_after() -> None:
         held = layer.valid[:, :, : layer.length].sum(-1).max() if layer.valid is not None else layer.length
         assert int(held) <= 50 + 4 - 1
     assert compat is not None
+
+
+def test_cli_decode_budget_and_kv_budget(tiny_llama_dir, capsys):
+    from kvforge import cli
+
+    base = ["generate", "--model", str(tiny_llama_dir), "--device", "cpu", "--prompt", "hello there " * 20]
+    assert cli.main([*base, "--decode-budget", "32", "--decode-interval", "4", "--max-new-tokens", "40"]) == 0
+    assert cli.main([*base, "--press", "snapkv", "--kv-budget", "16", "--max-new-tokens", "4"]) == 0
+    assert cli.main([*base, "--kv-budget", "16"]) == 2
+    assert "needs --press" in capsys.readouterr().err
+    assert cli.main([*base, "--decode-budget", "32", "--window", "64"]) == 2

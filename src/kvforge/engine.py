@@ -69,6 +69,8 @@ class Engine:
             raise UserError(f"chunk size must be >= 1, got {chunk_size}")
         if window is not None and window < 1:
             raise UserError(f"window must be >= 1, got {window}")
+        if window is not None and decoding_press is not None:
+            raise UserError("a decoding budget does not combine with a sliding-window cache (--window): choose one")
         self.model = model
         self.tokenizer = tokenizer
         self.chunk_size = chunk_size

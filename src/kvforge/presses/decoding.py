@@ -37,7 +37,8 @@ class DecodingPress:
         interval: extra entries a head may hold before the layer is cut (compress every ``interval`` decoding steps;
             1 = every step).
         num_sink: first positions always kept (attention sinks).
-        recent: newest entries always kept (they have had no later queries to score them yet); < budget.
+        recent: newest entries always kept (they have had no later queries to score them yet); default
+            ``min(32, budget // 4)``.
         window: queries of a prefill chunk whose attention is observed (the chunk's last ones).
         decay: running-score decay per observed forward (1 = max over every query so far).
     """
@@ -45,13 +46,15 @@ class DecodingPress:
     budget: int = 1024
     interval: int = 16
     num_sink: int = 4
-    recent: int = 32
+    recent: int | None = None
     window: int = 16
     decay: float = 0.9
 
     def __post_init__(self) -> None:
         if self.budget < 1 or self.interval < 1 or self.window < 1:
             raise ValueError("budget, interval and window must be >= 1")
+        if self.recent is None:
+            self.recent = min(32, self.budget // 4)
         if self.num_sink < 0 or self.recent < 0 or self.num_sink + self.recent >= self.budget:
             raise ValueError(f"num_sink ({self.num_sink}) + recent ({self.recent}) must be >= 0 and < budget")
         if not 0.0 < self.decay <= 1.0:
@@ -149,7 +152,7 @@ class BudgetPolicy:
         newest = positions.masked_fill(~valid, -1) if valid is not None else positions
         rank = newest.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)  # 0 = newest of the head
         score = torch.where(positions < self.press.num_sink, math.inf, score)
-        score = torch.where(rank < self.press.recent, math.inf, score)
+        score = torch.where(rank < (self.press.recent or 0), math.inf, score)
         if valid is not None:
             score = score.masked_fill(~valid, -math.inf)
         keep = torch.zeros_like(positions, dtype=torch.bool)

@@ -155,15 +155,21 @@ def _transform_tensors(
     out: dict[str, Tensor] = {}
     streams: dict[str, list[bytes]] = {"k": [], "v": []}
     side: dict[str, list[list[Tensor]]] = {"k": [[], [], []], "v": [[], [], []]}
+    exact: dict[str, list[Tensor]] = {"k": [], "v": []}
     for head in range(h):
         rows = mask[head] if mask is not None else slice(None)
-        keys = k[head][rows].float()
+        positions = p[head][rows]
+        sink = positions < transform.SINKS  # attention sinks: outliers, kept as they are
+        exact["k"].append(k[head][rows][sink])
+        exact["v"].append(v[head][rows][sink])
+        keys = k[head][rows][~sink].float()
         if freq is not None:
-            keys = transform.unrotate(keys, p[head][rows], freq)
+            keys = transform.unrotate(keys, positions[~sink], freq)
         parts = (
             ("k", keys, basis.key_mean[i][head], basis.key_basis[i][head], scheme.key_bits),
-            ("v", v[head][rows].float(), basis.value_mean[i][head], basis.value_basis[i][head], scheme.value_bits),
-        )
+            ("v", v[head][rows][~sink].float(), basis.value_mean[i][head], basis.value_basis[i][head],
+             scheme.value_bits),
+        )  # fmt: skip
         for name, x, mean, base, bits in parts:
             data, b, lo, step = transform.encode_matrix(x, mean, base, bits)
             streams[name].append(data)
@@ -174,6 +180,7 @@ def _transform_tensors(
         info[f"{name}_sizes"] = [len(x) for x in streams[name]]
         out[f"{name}.{i}"] = _bytes_tensor(b"".join(streams[name]))
         out[f"{name}.{i}.bits"], out[f"{name}.{i}.min"], out[f"{name}.{i}.step"] = (torch.stack(t) for t in side[name])
+        out[f"{name}.{i}.exact"] = torch.cat(exact[name])
     out |= _compact_positions(i, p, mask, info)
     return out
 
@@ -548,17 +555,29 @@ def _compact_layer(
     else:
         if basis is None:
             raise CorruptSegmentError(f"layer {i} is transform-coded but the segment names no basis")
-        k_parts, v_parts, at_k, at_v, start = [], [], 0, 0, 0
+        k_parts, v_parts, at_k, at_v, start, at_exact = [], [], 0, 0, 0, 0
         freq = basis.inv_freq[i]
+        k_exact, v_exact = tensors[f"k.{i}.exact"], tensors[f"v.{i}.exact"]
         for head, n in enumerate(counts):
-            k_head = _decode_head(tensors, info, "k", i, head, at_k, n, basis.key_mean[i][head], basis.key_basis[i][head])
+            positions = flat[start : start + n]
+            sink = positions < transform.SINKS
+            coded = int((~sink).sum())
+            k_head = _decode_head(tensors, info, "k", i, head, at_k, coded, basis.key_mean[i][head],
+                                  basis.key_basis[i][head])  # fmt: skip
             if freq is not None:
-                k_head = transform.rotate(k_head, flat[start : start + n], freq)
-            k_parts.append(k_head)
-            v_parts.append(_decode_head(tensors, info, "v", i, head, at_v, n, basis.value_mean[i][head],
-                                        basis.value_basis[i][head]))  # fmt: skip
+                k_head = transform.rotate(k_head, positions[~sink], freq)
+            v_head = _decode_head(tensors, info, "v", i, head, at_v, coded, basis.value_mean[i][head],
+                                  basis.value_basis[i][head])  # fmt: skip
+            num_exact = n - coded
+            k_full = torch.empty(n, d, dtype=dtype)
+            v_full = torch.empty(n, dv, dtype=v_dtype)
+            k_full[sink], k_full[~sink] = k_exact[at_exact : at_exact + num_exact], k_head.to(dtype)
+            v_full[sink], v_full[~sink] = v_exact[at_exact : at_exact + num_exact], v_head.to(v_dtype)
+            k_parts.append(k_full)
+            v_parts.append(v_full)
             at_k += info["k_sizes"][head]
             at_v += info["v_sizes"][head]
+            at_exact += num_exact
             start += n
         k_flat, v_flat = torch.cat(k_parts).to(dtype), torch.cat(v_parts).to(v_dtype)
     if mask is None:

@@ -3,9 +3,11 @@
 A stored layer's keys and values are decorrelated with a basis fitted once per model (:class:`KVBasis`: mean and
 principal directions of each layer and KV head, keys before RoPE when the basis says so), the coefficients of each
 segment get bits by their variance in that segment under a budget of ``bits`` per element (reverse water-filling:
-``b_j = round(log2(sigma_j / theta) / ... )`` capped at 8, ``theta`` set by bisection so the budget is met; a component
-under the water level is dropped), are quantised uniformly over their range (fp16 minimum and step per component),
-packed ``8 // b`` codes per byte, and DEFLATE-compressed (zlib, the standard library) one stream per layer and K/V.
+``b_j = round(log2(var_j / theta) / 2)`` capped at 8, ``theta`` set by bisection so the budget is met; a component
+under the water level is dropped), are quantised uniformly with the Gaussian-optimal step of ``2^b_j`` levels for
+their spread (fp16 offset and step per component; codes not clipped to those levels), and DEFLATE-compressed (zlib,
+the standard library) one stream per layer, KV head and K/V: the entropy coder, not the bit count, sets the final
+size. The attention sinks (positions < 4) are kept exact: their keys and values are outliers no low-bit code holds.
 Positions of kept entries are stored as per-head deltas, the validity mask of head-wise layers as bits: only valid
 entries are coded (a head-wise layer is not padded to its longest head).
 
@@ -46,6 +48,7 @@ logger = logging.getLogger(__name__)
 BASIS_FORMAT = "kvforge-kv-basis/1"
 BLOB_PREFIX = "kvbasis-"  # store blob key of a basis: kvbasis-<digest>
 MAX_BITS = 8
+SINKS = 4  # entries at positions < 4 (attention sinks) are stored exactly
 DEFAULT_BITS = 2.0
 LEVEL = 6  # zlib level: 9 saves under 1% more here and is ~2x slower
 _NAME = re.compile(r"^kvtc(?:-b(?P<b>\d+(?:\.\d+)?))?(?:-k(?P<k>\d+(?:\.\d+)?))?(?:-v(?P<v>\d+(?:\.\d+)?))?$")
@@ -367,76 +370,46 @@ def allocate_bits(variances: Tensor, budget: float) -> Tensor:
     return bits(hi).to(torch.uint8)
 
 
+# step of the uniform quantiser with 2^b levels that minimises the squared error of a unit Gaussian (Max, 1960)
+GAUSSIAN_STEP = (0.0, 1.596, 0.9957, 0.586, 0.3352, 0.1881, 0.1041, 0.0569, 0.0308)
+
+
 def encode_matrix(x: Tensor, mean: Tensor, basis: Tensor, budget: float) -> tuple[bytes, Tensor, Tensor, Tensor]:
-    """Code ``x`` ``(N, D)`` fp32: ``(deflated codes, bits (D,) uint8, minimum (D,) f16, step (D,) f16)``."""
+    """Code ``x`` ``(N, D)`` fp32: ``(deflated codes, bits (D,) uint8, offset (D,) f16, step (D,) f16)``.
+
+    A component with ``b`` bits is quantised with the Gaussian-optimal step of ``2^b`` levels for its spread; codes
+    are not clipped to those levels (a rare large coefficient costs DEFLATE a longer code, not a clipped value), up to
+    +-127 steps; one byte per code, component after component, so each DEFLATE block sees one distribution."""
     coef = (x - mean) @ basis  # (N, D)
     n, d = coef.shape
+    zeros = torch.zeros(d, dtype=torch.float16)
     if n == 0:
-        return b"", torch.zeros(d, dtype=torch.uint8), torch.zeros(d, dtype=torch.float16), torch.ones(d, dtype=torch.float16)
+        return b"", torch.zeros(d, dtype=torch.uint8), zeros, zeros + 1
     bits = allocate_bits(coef.var(dim=0, unbiased=False), budget)
-    lo32, hi32 = coef.amin(dim=0), coef.amax(dim=0)
-    lo = _round_down_f16(lo32)
-    levels = (2.0 ** bits.double() - 1).float()
-    need = (hi32 - lo.float()) / levels.clamp_min(1)
-    step = _round_up_f16(need)
+    offset = coef.mean(dim=0).to(torch.float16)
+    table = torch.tensor(GAUSSIAN_STEP)[bits.long()]
+    step = (coef.std(dim=0, unbiased=False) * table).to(torch.float16)
     step = torch.where(step.float() > 0, step, torch.ones_like(step))
     parts = []
     for j in torch.nonzero(bits, as_tuple=False).flatten().tolist():
-        b = int(bits[j])
-        q = ((coef[:, j] - lo[j].float()) / step[j].float()).round_().clamp_(0, 2**b - 1).to(torch.uint8)
-        parts.append(_pack(q, b))
-    return zlib.compress(b"".join(parts), LEVEL), bits, lo, step
+        q = ((coef[:, j] - offset[j].float()) / step[j].float()).round_().clamp_(-127, 127)
+        parts.append((q + 128).to(torch.uint8).numpy().tobytes())
+    return zlib.compress(b"".join(parts), LEVEL), bits, offset, step
 
 
-def decode_matrix(data: bytes | memoryview, n: int, bits: Tensor, lo: Tensor, step: Tensor, mean: Tensor,
+def decode_matrix(data: bytes | memoryview, n: int, bits: Tensor, offset: Tensor, step: Tensor, mean: Tensor,
                   basis: Tensor) -> Tensor:  # fmt: skip
     """Inverse of :func:`encode_matrix`: ``(n, D)`` fp32."""
     d = bits.shape[0]
     coef = torch.zeros(n, d, dtype=torch.float32)
     if n:
+        used = torch.nonzero(bits, as_tuple=False).flatten().tolist()
         raw = np.frombuffer(zlib.decompress(data), dtype=np.uint8) if len(data) else np.empty(0, np.uint8)
-        at = 0
-        for j in torch.nonzero(bits, as_tuple=False).flatten().tolist():
-            b = int(bits[j])
-            size = -(-n // (8 // b))
-            if at + size > raw.size:
-                raise CorruptSegmentError("transform-coded layer is shorter than its header says")
-            q = _unpack(raw[at : at + size], b, n)
-            at += size
-            coef[:, j] = torch.from_numpy(q).float().mul_(step[j].float()).add_(lo[j].float())
-        if at != raw.size:
-            raise CorruptSegmentError("transform-coded layer is longer than its header says")
+        if raw.size != n * len(used):
+            raise CorruptSegmentError("transform-coded layer does not hold the codes its header says")
+        codes = torch.from_numpy(raw.reshape(len(used), n).astype(np.float32) - 128.0)  # (used, n)
+        coef[:, used] = (codes * step[used].float()[:, None] + offset[used].float()[:, None]).T
     return torch.addmm(mean[None].expand(n, -1), coef, basis.T) if n else coef
-
-
-def _round_down_f16(x: Tensor) -> Tensor:
-    h = x.to(torch.float16)
-    return torch.where(h.float() > x, torch.nextafter(h, torch.tensor(float("-inf"), dtype=torch.float16)), h)
-
-
-def _round_up_f16(x: Tensor) -> Tensor:
-    h = x.to(torch.float16)
-    return torch.where(h.float() < x, torch.nextafter(h, torch.tensor(float("inf"), dtype=torch.float16)), h)
-
-
-def _pack(codes: Tensor, bits: int) -> bytes:
-    """``8 // bits`` codes per byte (low bits first), so DEFLATE sees byte symbols of one component."""
-    per = 8 // bits
-    c = codes.numpy().astype(np.uint8)
-    pad = -len(c) % per
-    if pad:
-        c = np.concatenate([c, np.zeros(pad, np.uint8)])
-    c = c.reshape(-1, per)
-    out = c[:, 0].copy()
-    for i in range(1, per):
-        out |= c[:, i] << (bits * i)
-    return out.tobytes()
-
-
-def _unpack(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
-    per, mask = 8 // bits, (1 << bits) - 1
-    parts = [(packed >> (bits * i)) & mask for i in range(per)]
-    return np.stack(parts, axis=1).reshape(-1)[:n]
 
 
 # ------------------------------------------------------------------------------------------------ stores
