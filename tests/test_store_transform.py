@@ -163,3 +163,23 @@ def test_first_segment_fits_the_basis_of_an_unknown_model_or_calibrates_a_known_
     basis2 = _book().by_digest(read_header(encode(seg2, "kvtc"))["basis"])
     assert basis2 is not None and basis2.inv_freq[0] is not None  # calibrated on the model: keys before RoPE
     assert BOOK is not None
+
+
+def test_rag_chunks_through_a_kvtc_store():
+    """RAG chunk reuse on a kvtc store: chunks are coded, loaded and re-rotated; at 8 bits the answer's logits are
+    those of the full-precision store within rounding, and the second answer is all hits."""
+    from kvforge.reuse.rag import ChunkReuse
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    docs = ["The harbour master keeps the spare key. " * 3, "The code of the gate is 4242. " * 3, "Ships leave at noon. " * 3]
+    engine = Engine(model, tok)
+    answers = {}
+    for quant in ("none", "kvtc-b8"):
+        reuse = ChunkReuse(model, tok, method="cacheblend", recompute_ratio=0.2,
+                           store=open_store(f"memory://?quant={quant}"))  # fmt: skip
+        first = engine.answer_chunks(docs, "What is the code?", rag=reuse, max_new_tokens=4)
+        again = engine.answer_chunks(docs, "What is the code?", rag=reuse, max_new_tokens=4)
+        assert first.info["reuse"]["chunk_misses"] == len(docs) and again.info["reuse"]["chunk_misses"] == 0
+        assert again.token_ids == first.token_ids
+        answers[quant] = first.token_ids
+    assert answers["kvtc-b8"] == answers["none"]
