@@ -131,7 +131,7 @@ def _compact_positions(i: int, p: Tensor, mask: Tensor | None, info: dict[str, A
     rows = rows[:1] if shared else rows
     deltas = torch.cat([torch.diff(r.long(), prepend=r.new_zeros(1).long()) for r in rows]) if rows else p.new_zeros(0)
     info["p_layout"], info["p_shared"] = "delta-deflate", shared
-    out = {f"p.{i}": _bytes_tensor(zlib.compress(deltas.numpy().astype("<i8").tobytes(), 6))}
+    out = {f"p.{i}": _bytes_tensor(zlib.compress(deltas.numpy().astype("<i8").tobytes(), 6))}  # runs: LZ77 helps
     if mask is not None:
         out[f"m.{i}"] = _bytes_tensor(zlib.compress(np.packbits(mask.numpy().reshape(-1)).tobytes(), 6))
     return out

@@ -50,7 +50,7 @@ BLOB_PREFIX = "kvbasis-"  # store blob key of a basis: kvbasis-<digest>
 MAX_BITS = 8
 SINKS = 4  # entries at positions < 4 (attention sinks) are stored exactly
 DEFAULT_BITS = 2.0
-LEVEL = 6  # zlib level: 9 saves under 1% more here and is ~2x slower
+LEVEL = 6  # zlib level (Huffman only: the level changes little)
 _NAME = re.compile(r"^kvtc(?:-b(?P<b>\d+(?:\.\d+)?))?(?:-k(?P<k>\d+(?:\.\d+)?))?(?:-v(?P<v>\d+(?:\.\d+)?))?$")
 
 
@@ -394,7 +394,15 @@ def encode_matrix(x: Tensor, mean: Tensor, basis: Tensor, budget: float) -> tupl
     for j in torch.nonzero(bits, as_tuple=False).flatten().tolist():
         q = ((coef[:, j] - offset[j].float()) / step[j].float()).round_().clamp_(-127, 127)
         parts.append((q + 128).to(torch.uint8).numpy().tobytes())
-    return zlib.compress(b"".join(parts), LEVEL), bits, offset, step
+    return deflate(b"".join(parts)), bits, offset, step
+
+
+def deflate(data: bytes) -> bytes:
+    """DEFLATE with Huffman coding only: quantised coefficients hold no repeated strings for LZ77 to find, and its
+    matches cost 20-25% over the codes' entropy (measured on Gaussian codes: 1.39 vs 1.15 bits at 1 bit, 2.48 vs 2.10 at
+    2 bits; entropy 1.09 / 2.01). Any zlib inflates it."""
+    packer = zlib.compressobj(LEVEL, zlib.DEFLATED, 15, 9, zlib.Z_HUFFMAN_ONLY)
+    return packer.compress(data) + packer.flush()
 
 
 def decode_matrix(data: bytes | memoryview, n: int, bits: Tensor, offset: Tensor, step: Tensor, mean: Tensor,
