@@ -236,7 +236,7 @@ def train_kvzap(
         windows = windows[:max_windows]
     if len(windows) < 2:
         raise UserError(f"KVzap training needs at least 2 windows of {window} tokens of text (got {len(windows)})")
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     rng = random.Random(seed)
     grams: dict[int, _Gram] = {}
     samples: dict[int, list[tuple[Tensor, Tensor]]] = {}
@@ -289,7 +289,8 @@ def train_kvzap(
         "held_out_tokens": next(iter(held.values()))[0].shape[0] if held else 0,
         "ridge_alpha": alpha,
         "epochs": epochs if kind == "mlp" else None,
-        "seconds": {"replay": round(replay_s, 1), "fit": round(time.perf_counter() - start - replay_s, 1)},
+        "seconds": {"replay": round(replay_s, 1), "fit": round(time.perf_counter() - start - replay_s, 1),
+                    "cpu": round(time.process_time() - cpu_start, 1), "threads": torch.get_num_threads()},
         "validation": _validation(result, held),
         "linear_validation": _validation(linear, held) if kind == "mlp" else None,
     }
