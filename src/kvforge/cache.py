@@ -149,6 +149,11 @@ class KVLayer:
             keep &= self.valid[:, :, : self.length]
         self._keep(keep)
 
+    def keep(self, keep: Tensor) -> None:
+        """Keep the entries where ``keep`` ``(B, H_kv, length)`` is True, in order, packed to the front (heads that
+        keep different counts are padded to the longest, the padding masked)."""
+        self._keep(keep)
+
     def _keep(self, keep: Tensor) -> None:
         """Keep the entries where ``keep`` ``(B, H_kv, length)`` is True, in order, packed to the front."""
         assert self.keys is not None and self.values is not None and self.positions is not None
@@ -220,10 +225,12 @@ class KVLayer:
         order = (~keep).to(torch.int8).argsort(dim=-1, stable=True)[..., :width]  # kept first, in position order
         slot = torch.arange(width, device=keys.device)
         valid = slot[None, None, :] < counts[..., None]
+        # padding slots hold zeros (keys, values and positions): they are masked, and a stored head-wise layer is
+        # written without them (its bytes then read back equal to this cache's)
         self.replace(
-            keys.gather(2, order[..., None].expand(-1, -1, -1, d)),
-            values.gather(2, order[..., None].expand(-1, -1, -1, values.shape[3])),
-            positions.gather(2, order),
+            keys.gather(2, order[..., None].expand(-1, -1, -1, d)).masked_fill_(~valid[..., None], 0),
+            values.gather(2, order[..., None].expand(-1, -1, -1, values.shape[3])).masked_fill_(~valid[..., None], 0),
+            positions.gather(2, order).masked_fill_(~valid, 0),
             valid,
         )
 
@@ -380,6 +387,8 @@ class KVCache(Cache):
         self.token_ids: list[int] = []  # tokens processed, in order (single-sequence caches)
         self.info: dict[str, Any] = {}  # facts about how the cache was built (press, reuse), for reports
         self.attention_hook: AttentionHook | None = None  # replaces the softmax in kvforge_attention (RAG)
+        # a decoding-time budget (kvforge.presses.decoding.BudgetPolicy): sees attention, cuts layers when forwards end
+        self.policy: Any = None
         self._hf_layer: int | None = None  # last layer appended by a forward of the model's own attention
 
     @classmethod
@@ -486,6 +495,8 @@ class KVCache(Cache):
             self.query_positions, self._hf_layer = None, None
             for layer in self.layers:
                 layer.num_new = 0
+            if self.policy is not None:
+                self.policy.after_forward(self)  # the returned views stay valid: a cut installs new buffers
         return out
 
     # ------------------------------------------------------------------------ forward bookkeeping
@@ -504,6 +515,8 @@ class KVCache(Cache):
         self.query_positions = None
         for layer in self.layers:
             layer.num_new = 0
+        if self.policy is not None:
+            self.policy.after_forward(self)
 
     def abort(self) -> None:
         """Undo a forward that failed half-way: drop what it appended."""

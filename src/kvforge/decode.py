@@ -14,7 +14,6 @@ from kvforge.cache import KVCache
 from kvforge.errors import UserError
 from kvforge.prefill import forward
 
-
 # Temperatures below this are greedy, as in vLLM (its _SAMPLING_EPS): logits divided by a temperature near 0 overflow
 # (1e-38 gives inf, then NaN probabilities), and such a temperature asks for the most likely token anyway.
 MIN_TEMPERATURE = 1e-5

@@ -27,17 +27,20 @@ from kvforge.decode import DecodeState, SamplingParams, decode, eos_ids, trim_at
 from kvforge.errors import PRESS_WITH_REUSE, Aborted, UserError
 from kvforge.model import context_length, model_fingerprint
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, forward, prefill, prefill_at
+from kvforge.presses.decoding import attach as attach_policy
 from kvforge.request import Chunks, Document, Encoded, Request, encode, encode_chat, encode_qa
 from kvforge.reuse.base import PromptContext, ReusePlan, ReuseStrategy, miss_plan
 from kvforge.reuse.document import DocumentReuse
 from kvforge.reuse.rag import ChunkReuse
 from kvforge.schedule import schedule_chunks, step_budget
 from kvforge.sequence import Sequence, Unit
+from kvforge.store import transform
 from kvforge.store.memory import MemoryStore
 from kvforge.types import Generation
 
 if TYPE_CHECKING:
     from kvforge.presses.base import Press
+    from kvforge.presses.decoding import DecodingPress
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,9 @@ class Engine:
         reuse: the default :class:`~kvforge.reuse.ReuseStrategy` of requests (``Request.reuse=True``).
         prefill_budget: prompt tokens a step prefills beside decoding requests (None: ``chunk_size``); a step with
             nothing decoding prefills ``chunk_size`` tokens, as a lone prefill does.
+        decoding_press: a :class:`kvforge.presses.DecodingPress`: every cache keeps at most its budget (+ interval)
+            entries per layer and KV head while it decodes, and while a prompt is prefilled without a press (a prompt
+            press sees the whole prompt first: give it the same budget, ``build_press(name, kv_budget=N)``).
     """
 
     def __init__(
@@ -68,10 +74,13 @@ class Engine:
         num_sink: int = 4,
         reuse: ReuseStrategy | None = None,
         prefill_budget: int | None = None,
+        decoding_press: DecodingPress | None = None,
     ) -> None:
         for name, value in (("chunk size", chunk_size), ("window", window), ("prefill budget", prefill_budget)):
             if value is not None and value < 1:
                 raise UserError(f"{name} must be >= 1, got {value}")
+        if window is not None and decoding_press is not None:
+            raise UserError("a decoding budget does not combine with a sliding-window cache (--window): choose one")
         self.model = model
         self.tokenizer = tokenizer
         self.chunk_size = chunk_size
@@ -79,6 +88,7 @@ class Engine:
         self.num_sink = num_sink if window is not None else 0
         self.reuse = reuse
         self.prefill_budget = prefill_budget
+        self.decoding_press = decoding_press  # a token budget the cache keeps while generating (and prefilling)
         self.max_positions = context_length(model)
         self.eos_token_ids = eos_ids(model, tokenizer)
         self.running: list[Sequence] = []  # in arrival order
@@ -88,7 +98,10 @@ class Engine:
     @property
     def model_id(self) -> str:
         """Fingerprint of model + tokenizer (keys stored caches)."""
-        return model_fingerprint(self.model, self.tokenizer)
+        fingerprint = model_fingerprint(self.model, self.tokenizer)
+        # a store coding this model's KV with kvtc calibrates its basis on the model itself (keys before RoPE)
+        transform.BOOK.remember_model(fingerprint, self.model, self.tokenizer)
+        return fingerprint
 
     @cached_property
     def vocab_size(self) -> int:
@@ -157,6 +170,8 @@ class Engine:
             request, enc, plan, strategy, plan.cache if plan.cache is not None else self.new_cache(), units,
             self._decode_state(request, enc), start, time.perf_counter() - start, logits=plan.logits, tag=tag,
         )  # fmt: skip
+        if request.press is None or not units:  # a prompt press sees the whole prompt before any budget cut
+            attach_policy(self.decoding_press, seq.cache)
         if not units:
             seq.prefilled_at = time.perf_counter()
         self.running.append(seq)
@@ -250,6 +265,8 @@ class Engine:
             return plan
         if self.window is not None:
             raise UserError("KV reuse does not support a sliding-window cache (--window)")
+        if self.decoding_press is not None:
+            raise UserError("KV reuse does not combine with a decoding budget yet (its cache is cut while it decodes)")
         if press is not None and not (isinstance(context, PromptContext) and context.press is not None):
             raise UserError(PRESS_WITH_REUSE)
         if press is not None and not getattr(strategy, "stores_compressed", False):
@@ -320,6 +337,7 @@ class Engine:
             seq.document = CacheSnapshot(seq.cache)
         if not seq.units:
             seq.prefilled_at = time.perf_counter()
+            attach_policy(self.decoding_press, seq.cache)  # decoding keeps the budget (a no-op when attached at add)
 
     def _progress(self, seq: Sequence) -> Callable[[int, int], None] | None:
         report, total = seq.request.on_prefill, len(seq.plan.prefill_ids)
@@ -406,6 +424,7 @@ class Engine:
         """Prefill ``ids`` on ``cache`` (new if None), compressing with ``press`` if given; returns (cache, logits)."""
         cache = cache if cache is not None else self.new_cache()
         if press is None:
+            attach_policy(self.decoding_press, cache)
             return cache, prefill(self.model, list(ids), cache, chunk_size=self.chunk_size, on_chunk=on_chunk)
         logits = press.compress_prefill(
             self.model, list(ids), cache, chunk_size=self.chunk_size, tokenizer=self.tokenizer, on_chunk=on_chunk
@@ -425,6 +444,7 @@ class Engine:
         prefill by hand); ``ttft_s`` = time to pick the first token."""
         state = DecodeState(max_new_tokens, sampling, eos_token_ids=self.eos_token_ids, stop=list(stop or ()),
                             tokenizer=self.tokenizer, on_token=on_token)  # fmt: skip
+        attach_policy(self.decoding_press, cache)
         result = decode(self.model, cache, logits, state)
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return Generation(

@@ -42,6 +42,8 @@ PRESS_DESCRIPTIONS: dict[str, str] = {
     "kvzip-plus": "KVzip+: replay attention x projected value contribution ||V W_O||",
     "kvzip-head": "KVzip head-level: calibrated per-head budgets (once per model), sinks + recent, no replay",
     "kvzip-ada": "KVzip scores with AdaKV head-adaptive budgets",
+    "kvzap": "KVzap: KVzip+ scores predicted from hidden states by a per-layer linear model (trained once, no replay)",
+    "kvzap-mlp": "KVzap with a small MLP per layer (64 hidden units)",
     "knorm": "lowest key L2 norms kept (query-agnostic, free)",
     "expected_attention": "expected attention of future queries (Gaussian query model, averaged RoPE) x ||v||",
     "surrogatekv-kvzip": "SurrogateKV-global with KVzip replay token scores (query-agnostic)",
@@ -49,7 +51,7 @@ PRESS_DESCRIPTIONS: dict[str, str] = {
 PRESS_NAMES: tuple[str, ...] = tuple(PRESS_DESCRIPTIONS)
 
 TASK_NAMES: tuple[str, ...] = (
-    "needle", "needle-docs", "needle-multi", "ruler-mk", "ruler-mv", "ruler-mq", "ruler-vt", "ruler-cwe", "ruler",
+    "needle", "needle-docs", "needle-multi", "needle-narrative", "needle-multi-narrative", "ruler-mk", "ruler-mv", "ruler-mq", "ruler-vt", "ruler-cwe", "ruler",
     "longbench-qa", "longbench-summ", "longbench", "leval", "squad", "musique",
 )  # fmt: skip
 HUB_PREFIX = "hub:"

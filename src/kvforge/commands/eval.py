@@ -32,11 +32,18 @@ def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def haystack_file(text: str) -> Path:
+    """An existing file, optionally ``#row_id`` (one row of a JSONL collection): checked while parsing."""
+    file, sep, row = text.rpartition("#") if "#" in Path(text).name else (text, "", "")
+    return Path(str(input_file(file)) + sep + row)
+
+
 def register(sub: Any, bench_sub: Any) -> None:
     p = sub.add_parser("eval", help="evaluate KV-cache methods x budgets on a JSONL file or a built-in task")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", type=input_file, help="JSONL examples (see docs/eval.md for the format)")
-    src.add_argument("--task", help="built-in task(s), comma-separated and interleaved: needle, needle-docs (RAG), "
+    src.add_argument("--task", help="built-in task(s), comma-separated and interleaved: needle, needle-narrative, "
+                     "needle-multi-narrative, needle-docs (RAG), "
                      "ruler, ruler-mk|mv|mq|vt|cwe, longbench-qa, longbench-summ, longbench, leval, squad, musique, "
                      "hub:<name>")  # fmt: skip
     p.add_argument("--model", required=True, help="smollm2-135m | gemma3-270m | a model folder | a .gguf file")
@@ -52,7 +59,8 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096], help="needle/RULER context sizes (tokens)")
     p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
     p.add_argument("--num-samples", type=int, default=1, help="needle/RULER samples per length x depth")
-    p.add_argument("--haystack", type=input_file, action="append", help="haystack text/JSONL file (repeatable)")
+    p.add_argument("--haystack", type=haystack_file, action="append", help="haystack text/JSONL file (repeatable; "
+                   "books.jsonl#ID reads the JSONL row whose id is ID)")
     p.add_argument("--max-context", type=int, help="converted tasks: cut the middle of longer contexts (tokens)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--dtype", help="float32, bfloat16, float16")
@@ -83,8 +91,10 @@ def register(sub: Any, bench_sub: Any) -> None:
         "--quants",
         type=_names,
         default=["none", "int8", "int4"],
-        help="--store-once: storage quantisations (none, int8, int4, int2)",
+        help="--store-once: storage codecs (none, int8, int4, int2, kvtc, kvtc-b<bits>)",
     )
+    p.add_argument("--store", default=None, help="--store-once: where documents are stored (default memory://; with "
+                   "file:///dir a later run, another process, loads what an earlier one stored)")
     p.add_argument("--report-only", action="store_true", help="rebuild summary, plots and report from results.jsonl")
     p.set_defaults(func=run, check=_check)
 
@@ -107,6 +117,12 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError("--methods is empty")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be >= 1")
+    if args.store is not None:
+        if not args.store_once:
+            raise UserError("--store applies to --store-once")
+        from kvforge.commands._common import check_store_url
+
+        check_store_url(args.store)
     if args.rag:
         _check_rag(args)
     elif args.aux_model:
@@ -178,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             trials = [press_trial(FULL, 0.0, query_aware=False)]
-            trials += stored_trials(args.methods, args.compression_ratios, args.quants)
+            trials += stored_trials(args.methods, args.compression_ratios, args.quants, args.store or "memory://")
         except ValueError as e:
             raise UserError(str(e)) from e
     engine = load_engine(args)  # names, options and data were checked above: a mistake costs no model load

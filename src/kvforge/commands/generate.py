@@ -43,6 +43,12 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--num-sink", type=int, default=4, help="with --window: first tokens always kept")
     p.add_argument("--press", default=None, help="compression method (see `kvforge presses`)")
     p.add_argument("--compression-ratio", type=ratio, default=0.5, help="fraction of KV entries removed")
+    p.add_argument("--kv-budget", type=positive_int, default=None, help="with --press: keep this many entries per "
+                   "layer and KV head of the prompt instead of a ratio")
+    p.add_argument("--decode-budget", type=positive_int, default=None, help="keep at most this many entries per "
+                   "layer and KV head while generating (a decoding-time press; the prompt too without --press)")
+    p.add_argument("--decode-interval", type=positive_int, default=16, help="with --decode-budget: cut every N "
+                   "steps (the cache holds at most budget + N - 1 entries between steps)")
     p.add_argument(
         "--query-agnostic",
         action="store_true",
@@ -102,7 +108,17 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.press:  # a wrong name or option fails before the model loads
         from kvforge.presses import build_press
 
-        press = build_press(args.press, compression_ratio=args.compression_ratio)
+        press = build_press(args.press, compression_ratio=args.compression_ratio, kv_budget=args.kv_budget)
+    elif args.kv_budget is not None:
+        raise UserError("--kv-budget sets a prompt press's budget: it needs --press")
+    decoding = None
+    if args.decode_budget is not None:
+        from kvforge.presses import DecodingPress
+
+        try:
+            decoding = DecodingPress(budget=args.decode_budget, interval=args.decode_interval)
+        except ValueError as e:
+            raise UserError(f"--decode-budget: {e}") from e
     if args.quant is not None:
         from kvforge.store.quant import parse_scheme
 
@@ -120,7 +136,8 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         check_store_url(args.store)
     model, tokenizer = load(args)
-    engine = Engine(model, tokenizer, chunk_size=args.chunk_size, window=args.window, num_sink=args.num_sink)
+    engine = Engine(model, tokenizer, chunk_size=args.chunk_size, window=args.window, num_sink=args.num_sink,
+                    decoding_press=decoding)  # fmt: skip
     if args.reuse:
         from kvforge.commands._reuse import attach_reuse
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvforge.cache import KVCache
 from kvforge.reuse.base import PromptContext, ReusePlan, digest, encode_ids, miss_plan
-from kvforge.store.quant import GroupScheme, parse_scheme
+from kvforge.store.quant import canonical_quant
 
 if TYPE_CHECKING:
     from kvforge.store.base import KVStore
@@ -39,8 +39,7 @@ def press_spec(press: Any) -> dict[str, Any]:
 
 def quant_name(quant: str | None) -> str:
     """Canonical name of a storage quantisation (``"none"`` for full precision): ``int8`` -> ``int8-kivi``."""
-    scheme = parse_scheme(quant)
-    return scheme.name if isinstance(scheme, GroupScheme) else (scheme or "none")
+    return canonical_quant(quant) or "none"
 
 
 @dataclass

@@ -31,7 +31,8 @@ from kvforge.errors import CorruptSegmentError, ModelMismatchError, StoreUnavail
 from kvforge.names import STORE_KEY_PATTERN
 from kvforge.redact import redact_text
 from kvforge.store import codec
-from kvforge.store.quant import GroupScheme, parse_scheme
+from kvforge.store.quant import canonical_quant
+from kvforge.store.transform import basis_for_put
 from kvforge.types import KVSegment
 
 log = logging.getLogger(__name__)
@@ -133,8 +134,7 @@ def check_key(key: str) -> str:
 
 
 def check_quant(quant: str | None) -> str | None:
-    scheme = parse_scheme(quant)  # ValueError naming the choices
-    return scheme.name if isinstance(scheme, GroupScheme) else scheme
+    return canonical_quant(quant)  # ValueError naming the choices
 
 
 def wrap_blob(data: bytes) -> bytes:
@@ -311,7 +311,9 @@ class ByteStore(ABC):
         try:
             digest = getattr(data, "payload_checksum", None)  # computed while reading (disk)
             parsed = getattr(data, "parsed", None)  # the header, parsed while reading (disk)
-            return codec.decode(data, verify=self.verifies_checksum, payload_checksum=digest, parsed=parsed)
+            return codec.decode(
+                data, verify=self.verifies_checksum, payload_checksum=digest, parsed=parsed, basis_source=self.get_blob
+            )
         except CorruptSegmentError as e:
             log.warning("%s store: entry %s is corrupt (%s); treated as a miss and removed", self.scheme, key, e)
             self.num_corrupt += 1
@@ -336,7 +338,9 @@ class ByteStore(ABC):
     def put(self, key: str, segment: KVSegment, quant: str | None = None) -> None:
         """Store ``segment`` under ``key`` (replacing any entry), encoded with ``quant`` (None: this store's own;
         ``"none"``: full precision). An I/O error skips the write (one warning per cause)."""
-        self.save(check_key(key), codec.encode_parts(segment, self.quant if quant is None else quant))
+        quant = self.quant if quant is None else quant
+        basis = basis_for_put(self, segment, quant)  # kvtc: its basis kept as a blob of this store
+        self.save(check_key(key), codec.encode_parts(segment, quant, basis=basis))
 
     def contains(self, key: str) -> bool:
         """Whether ``key`` is held (does not count as a use, nor check integrity)."""

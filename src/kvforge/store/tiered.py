@@ -23,6 +23,7 @@ from kvforge.errors import StoreUnavailableError
 from kvforge.store import codec
 from kvforge.store.base import ByteStore, ClearResult, Kind, check_key, describe_error, summarize_entries, wrap_blob
 from kvforge.store.memory import MemoryStore
+from kvforge.store.transform import basis_for_put
 from kvforge.types import KVSegment
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,8 @@ class TieredStore:
         for tier in self.tiers:
             tier_quant = tier.quant if quant is None else quant
             if tier_quant not in encoded:
-                encoded[tier_quant] = codec.encode_parts(segment, tier_quant)
+                basis = basis_for_put(self, segment, tier_quant)  # kvtc: its basis kept as a blob of every tier
+                encoded[tier_quant] = codec.encode_parts(segment, tier_quant, basis=basis)
             tier.save(key, encoded[tier_quant])
 
     def contains(self, key: str) -> bool:
