@@ -51,7 +51,8 @@ PRESS_DESCRIPTIONS: dict[str, str] = {
 PRESS_NAMES: tuple[str, ...] = tuple(PRESS_DESCRIPTIONS)
 
 TASK_NAMES: tuple[str, ...] = (
-    "needle", "needle-docs", "needle-multi", "needle-narrative", "needle-multi-narrative", "ruler-mk", "ruler-mv", "ruler-mq", "ruler-vt", "ruler-cwe", "ruler",
+    "needle", "needle-docs", "needle-multi", "needle-narrative", "needle-multi-narrative",
+    "ruler-mk", "ruler-mv", "ruler-mq", "ruler-vt", "ruler-cwe", "ruler",
     "longbench-qa", "longbench-summ", "longbench", "leval", "squad", "musique",
 )  # fmt: skip
 HUB_PREFIX = "hub:"
