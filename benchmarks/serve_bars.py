@@ -2,8 +2,9 @@
 
 - ``ttft``: a lone cold prompt (``--tokens`` ids, a new one each time) streamed by ``kvforge serve`` (the default
   batched scheduler) to its first token, against a lone ``Engine`` prefill of the same ids in this process.
-- ``sequential``: ``--requests`` short chat requests sent one after another to ``kvforge serve`` and to vLLM's
-  OpenAI server (its CPU build, from ``--vllm-python``) on the same weights, alternating rounds.
+- ``sequential``: ``--requests`` short chat requests sent one after another to ``kvforge serve``, to vLLM's
+  OpenAI server (its CPU build, from ``--vllm-python``) on the same weights, and run by ``Engine.run`` in this
+  process, alternating rounds (without a python that imports vLLM, the row says so and only ``Engine`` is the peer).
 - ``document``: ``--questions`` questions on one document stored compressed (query-agnostic press, through
   ``POST /v1/kv/documents``), sent all at once against one after another; the greedy answers are compared with
   ``Engine`` alone.
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -115,13 +116,14 @@ def bench_ttft(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 
     model, tokenizer = load_model(args.model)
     engine = Engine(model, tokenizer)
+    engine.prefill(haystack_ids(tokenizer, 64, 998))  # warm up, as the server is below
     with server(kvforge_command(args, args.port, *args.kvforge_args), args.port, args.log) as url:
         stream(url, "/v1/completions", {"model": "m", "prompt": haystack_ids(tokenizer, 64, 999), "max_tokens": 2})
         for i in range(args.repeats):
             ids = haystack_ids(tokenizer, args.tokens, 2 * i)
             served, _, _ = stream(url, "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 1})
             ids = haystack_ids(tokenizer, args.tokens, 2 * i + 1)
-            start = time.perf_counter()
+            start = time.perf_counter()  # what the server's first token costs at least: prefill, then argmax
             _, logits = engine.prefill(ids)
             int(logits.argmax(-1))
             alone = time.perf_counter() - start
@@ -130,34 +132,61 @@ def bench_ttft(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                    "threads": torch.get_num_threads(), "kvforge_args": args.kvforge_args}  # fmt: skip
 
 
-def bench_sequential(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
-    """``--requests`` short chats one after another, kvforge and vLLM alternating rounds on the same weights."""
-    from kvforge.model import load_model
+def vllm_available(python: str) -> str | None:
+    """None when ``python`` imports vLLM, else why not (one line)."""
+    try:
+        done = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{python}: {e}"
+    return None if done.returncode == 0 else f"{python} cannot import vllm: {done.stderr.strip().splitlines()[-1:]}"
 
-    model, _ = load_model(args.model)
+
+def bench_sequential(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """``--requests`` short chats one after another: kvforge serve, vLLM and ``Engine.run`` alternating rounds."""
+    from contextlib import ExitStack
+
+    from kvforge import Engine, Request, load_model
+
+    model, tokenizer = load_model(args.model)
     folder = str(Path(model.config._name_or_path))
+    engine = Engine(model, tokenizer)
     vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--dtype", "float32",
             "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(args.port + 1),
             "--served-model-name", "m"]  # fmt: skip
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    del model
-    with (
-        server(kvforge_command(args, args.port, *args.kvforge_args), args.port, args.log) as kv_url,
-        server(vllm, args.port + 1, args.log, timeout_s=1200.0) as vllm_url,
-    ):
-        sides = {"kvforge": kv_url, "vllm": vllm_url}
-        for url in sides.values():
-            chat(url, "m", "Hello!", 4)  # warm up
+    why_not = vllm_available(args.vllm_python)
+    if why_not:
+        yield {"bar": "sequential", "vllm": "not measured", "why": why_not}
+
+    def in_process(question: str) -> dict[str, Any]:
+        g = engine.run(Request([{"role": "user", "content": question}], args.max_tokens))
+        return {"usage": {"completion_tokens": len(g.token_ids)}}
+
+    with ExitStack() as stack:
+        kv_url = stack.enter_context(server(kvforge_command(args, args.port, *args.kvforge_args), args.port, args.log))
+        sides: dict[str, Callable[[str], dict[str, Any]]] = {
+            "kvforge": lambda q: chat(kv_url, "m", q, args.max_tokens),
+            "engine": in_process,
+        }
+        if not why_not:
+            vllm_url = stack.enter_context(server(vllm, args.port + 1, args.log, timeout_s=1200.0))
+            sides["vllm"] = lambda q: chat(vllm_url, "m", q, args.max_tokens)
+        for ask in sides.values():
+            ask("Hello!")  # warm up
+        names = list(sides)
         for round_ in range(args.rounds):
             totals: dict[str, float] = {}
-            for name in ("kvforge", "vllm") if round_ % 2 == 0 else ("vllm", "kvforge"):
+            for name in names if round_ % 2 == 0 else names[::-1]:
                 start = time.perf_counter()
-                answers = [chat(sides[name], "m", q, args.max_tokens) for q in QUESTIONS[: args.requests]]
+                answers = [sides[name](q) for q in QUESTIONS[: args.requests]]
                 totals[name] = time.perf_counter() - start
                 tokens = sum(a["usage"]["completion_tokens"] for a in answers)
                 yield {"bar": "sequential", "side": name, "round": round_, "requests": args.requests,
                        "seconds": round(totals[name], 4), "completion_tokens": tokens}  # fmt: skip
-            yield {"bar": "sequential", "round": round_, "ratio": round(totals["kvforge"] / totals["vllm"], 4),
+            peer = "vllm" if "vllm" in totals else "engine"
+            yield {"bar": "sequential", "round": round_, "peer": peer,
+                   "ratio": round(totals["kvforge"] / totals[peer], 4),
+                   "ratio_vs_engine": round(totals["kvforge"] / totals["engine"], 4),
                    "kvforge_args": args.kvforge_args}  # fmt: skip
 
 
@@ -245,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with args.out.open("a") as out:
         for row in BARS[args.bar](args):
-            row |= {"model": args.model, "git_sha": sha.strip()}
+            row |= {"model": args.model, "git_sha": sha.strip(), "loadavg": os.getloadavg()}
             rows.append(row)
             print(json.dumps(row), flush=True)
             out.write(json.dumps(row) + "\n")

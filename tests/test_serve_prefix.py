@@ -63,3 +63,33 @@ def test_second_question_on_a_stored_document_prefills_only_the_question(stored_
             assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == doc_tokens
             assert out["usage"]["prompt_tokens"] == doc_tokens + len(engine.encode_qa(DOC, question)[1])
             assert out["choices"][0]["message"]["content"] == expected[question]
+
+
+def test_on_a_hit_the_model_runs_only_the_question_tokens(tmp_path):
+    """What the model computes, not only what the reply reports: with ``max_tokens=1`` (no decode step), the forwards
+    of a second question on the stored document hold exactly the question's tokens."""
+    engine = Engine(tiny_model("llama", max_position_embeddings=4096), tiny_tokenizer())
+    forwarded: list[int] = []
+
+    def count(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        forwarded.append(int(ids.numel()))
+
+    app = create_app(engine, model_name="tiny", store_url=f"file://{tmp_path}/kv", reuse="prefix")
+    handle = engine.model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        with TestClient(app) as client:
+            r = client.post("/v1/kv/documents", json={"documents": [DOC]})
+            assert r.status_code == 200, r.text
+            doc_tokens = r.json()["data"][0]["tokens"]
+            for question in QUESTIONS:
+                forwarded.clear()
+                body = {"model": "tiny", "messages": [{"role": "user", "content": DOC + "\n\n" + question}],
+                        "max_tokens": 1, "temperature": 0}  # fmt: skip
+                out = client.post("/v1/chat/completions", json=body)
+                assert out.status_code == 200, out.text
+                question_tokens = len(engine.encode_qa(DOC, question)[1])
+                assert out.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == doc_tokens
+                assert sum(forwarded) == question_tokens, (forwarded, question_tokens)
+    finally:
+        handle.remove()
