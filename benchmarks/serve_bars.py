@@ -33,6 +33,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+PIDS: dict[str, int] = {}  # server url -> its process id (CPU seconds from /proc)
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "How many legs does a spider have?",
              "What is 12 times 12?", "Who wrote Hamlet?", "What is the boiling point of water?",
              "Name a planet with rings.", "What language is spoken in Brazil?"]  # fmt: skip
@@ -59,6 +60,7 @@ def server(command: list[str], port: int, log: Path, ready: str = "/v1/models", 
                 raise TimeoutError(f"no answer from {url} in {timeout_s:.0f} s")
             time.sleep(1.0)
         print(f"[bench] {command[2]} ready in {time.monotonic() - start:.0f} s", file=sys.stderr)
+        PIDS[url] = proc.pid
         yield url
     finally:
         proc.terminate()
@@ -91,6 +93,15 @@ def stream(url: str, path: str, body: dict[str, Any]) -> tuple[float, float, str
     return (first if first is not None else end), end, "".join(text)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid``, all its threads (Linux ``/proc``; NaN elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def chat(url: str, model: str, content: str, max_tokens: int) -> dict[str, Any]:
     body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0}  # fmt: skip
@@ -120,15 +131,23 @@ def bench_ttft(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     with server(kvforge_command(args, args.port, *args.kvforge_args), args.port, args.log) as url:
         stream(url, "/v1/completions", {"model": "m", "prompt": haystack_ids(tokenizer, 64, 999), "max_tokens": 2})
         for i in range(args.repeats):
-            ids = haystack_ids(tokenizer, args.tokens, 2 * i)
-            served, _, _ = stream(url, "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 1})
-            ids = haystack_ids(tokenizer, args.tokens, 2 * i + 1)
-            start = time.perf_counter()  # what the server's first token costs at least: prefill, then argmax
-            _, logits = engine.prefill(ids)
-            int(logits.argmax(-1))
-            alone = time.perf_counter() - start
-            yield {"bar": "ttft", "tokens": args.tokens, "repeat": i, "server_ttft_s": round(served, 4),
-                   "engine_ttft_s": round(alone, 4), "ratio": round(served / alone, 4),
+            measured: dict[str, tuple[float, float]] = {}  # side -> (wall s, CPU s)
+            for side in ("server", "engine") if i % 2 == 0 else ("engine", "server"):
+                ids = haystack_ids(tokenizer, args.tokens, 2 * i + (side == "engine"))
+                if side == "server":
+                    cpu = cpu_seconds(PIDS[url])
+                    served, _, _ = stream(url, "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 1})
+                    measured[side] = served, cpu_seconds(PIDS[url]) - cpu
+                else:  # what the server's first token costs at least: the prefill, then argmax
+                    cpu, start = time.process_time(), time.perf_counter()
+                    _, logits = engine.prefill(ids)
+                    int(logits.argmax(-1))
+                    measured[side] = time.perf_counter() - start, time.process_time() - cpu
+            (served, served_cpu), (alone, alone_cpu) = measured["server"], measured["engine"]
+            yield {"bar": "ttft", "tokens": args.tokens, "repeat": i, "first": "server" if i % 2 == 0 else "engine",
+                   "server_ttft_s": round(served, 4), "engine_ttft_s": round(alone, 4),
+                   "ratio": round(served / alone, 4), "server_cpu_s": round(served_cpu, 3),
+                   "engine_cpu_s": round(alone_cpu, 3), "cpu_ratio": round(served_cpu / alone_cpu, 4),
                    "threads": torch.get_num_threads(), "kvforge_args": args.kvforge_args}  # fmt: skip
 
 
