@@ -22,9 +22,9 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -72,8 +72,10 @@ def server(command: list[str], port: int, log: Path, ready: str = "/v1/models", 
 
 
 def kvforge_command(args: argparse.Namespace, port: int, *extra: str) -> list[str]:
+    # a long request timeout: on a loaded machine the server's shedding (a deadline it expects to miss) would refuse
+    # the concurrent rounds, and the bars time the work, not the admission
     return [sys.executable, "-m", "kvforge", "serve", "--model", args.model, "--port", str(port),
-            "--served-model-name", "m", *extra]  # fmt: skip
+            "--served-model-name", "m", "--timeout", "3600", *extra]  # fmt: skip
 
 
 def stream(url: str, path: str, body: dict[str, Any]) -> tuple[float, float, str]:
@@ -100,6 +102,17 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return float("nan")
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def model_thread(url: str) -> dict[str, float]:
+    """The server's model-thread counters from ``/metrics``: steps, decode rows, prompt tokens, seconds per phase."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=60.0).text.splitlines():
+        if line.startswith("kvforge_model_thread_"):
+            name, _, value = line.rpartition(" ")
+            name = name.removeprefix("kvforge_model_thread_").replace('seconds_total{phase="', "s_").rstrip('"}')
+            out[name.removesuffix("_total")] = float(value)
+    return out
 
 
 def chat(url: str, model: str, content: str, max_tokens: int) -> dict[str, Any]:
@@ -230,32 +243,37 @@ def bench_document(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
         def ask(q: str) -> dict[str, Any]:
             body = {"model": "m", "messages": [{"role": "user", "content": f"{doc}\n\n{q}"}],
                     "max_tokens": args.max_tokens, "temperature": 0, **opts}  # fmt: skip
-            return httpx.post(url + "/v1/chat/completions", json=body, timeout=900.0).json()  # type: ignore[no-any-return]
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=3600.0)
+            if r.status_code != 200:  # e.g. a 429: the server's load shedding (raise --timeout on a loaded machine)
+                raise RuntimeError(f"{r.status_code} from the server: {r.text[:300]}")
+            return r.json()  # type: ignore[no-any-return]
 
         ask(questions[0])  # warm up
         for round_ in range(args.rounds):
             timings: dict[str, float] = {}
             answers: dict[str, list[str]] = {}
+            work: dict[str, dict[str, float]] = {}  # mode -> the model thread's work in it
             for mode in ("serial", "concurrent") if round_ % 2 == 0 else ("concurrent", "serial"):
                 out: list[Any] = [None] * len(questions)
+                counters, cpu = model_thread(url), cpu_seconds(PIDS[url])
                 start = time.perf_counter()
                 if mode == "serial":
                     for i, q in enumerate(questions):
                         out[i] = ask(q)
-                else:
-                    threads = [threading.Thread(target=lambda i=i, q=q, out=out: out.__setitem__(i, ask(q)))
-                               for i, q in enumerate(questions)]  # fmt: skip
-                    for t in threads:
-                        t.start()
-                    for t in threads:
-                        t.join()
+                else:  # all at once; a failed request raises here
+                    with ThreadPoolExecutor(len(questions)) as pool:
+                        out = list(pool.map(ask, questions))
                 timings[mode] = time.perf_counter() - start
+                after = model_thread(url)
+                work[mode] = {k: round(v - counters.get(k, 0.0), 3) for k, v in after.items()}
+                work[mode]["server_cpu_s"] = round(cpu_seconds(PIDS[url]) - cpu, 3)
                 answers[mode] = [o["choices"][0]["message"]["content"] for o in out]
                 cached = [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in out]
             yield {"bar": "document", "round": round_, "questions": len(questions), "doc_tokens": args.doc_tokens,
                    "serial_s": round(timings["serial"], 4), "concurrent_s": round(timings["concurrent"], 4),
                    "ratio": round(timings["concurrent"] / timings["serial"], 4),
-                   "same_answers": answers["serial"] == answers["concurrent"], "cached_tokens": cached[0]}  # fmt: skip
+                   "same_answers": answers["serial"] == answers["concurrent"], "cached_tokens": cached[0],
+                   "model_thread": work}  # fmt: skip
     engine = Engine(model, tokenizer)  # the server is gone: Engine alone, the same requests
     built = build_press(args.press, compression_ratio=args.compression_ratio)
     alone = []
