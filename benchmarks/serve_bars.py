@@ -7,11 +7,12 @@
   process, alternating rounds (without a python that imports vLLM, the row says so and only ``Engine`` is the peer).
 - ``document``: ``--questions`` questions on one document stored compressed (query-agnostic press, through
   ``POST /v1/kv/documents``), sent all at once against one after another; the greedy answers are compared with
-  ``Engine`` alone.
+  ``Engine`` alone. ``engine-document``: the same loop in this process, ``Engine.run_many`` against ``Engine.run``.
 
     PYTHONPATH=src python benchmarks/serve_bars.py ttft --tokens 2048 --repeats 3
     PYTHONPATH=src python benchmarks/serve_bars.py sequential --vllm-python VENV/bin/python --rounds 3
     PYTHONPATH=src python benchmarks/serve_bars.py document --questions 8 --rounds 2
+    PYTHONPATH=src python benchmarks/serve_bars.py engine-document --doc-tokens 600 --max-tokens 12 --threads 1
 """
 
 from __future__ import annotations
@@ -284,7 +285,52 @@ def bench_document(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     yield {"bar": "document", "answers_equal_engine_alone": alone == answers["concurrent"] == answers["serial"]}
 
 
-BARS = {"ttft": bench_ttft, "sequential": bench_sequential, "document": bench_document}
+def bench_engine_document(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """The document bar's loop without the server: ``Engine.run_many`` of the questions vs ``Engine.run`` of each."""
+    import torch
+
+    from kvforge import Document, Engine, Request, load_model
+    from kvforge.presses import build_press
+    from kvforge.reuse.document import DocumentReuse
+    from kvforge.store.memory import MemoryStore
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    engine = Engine(model, tokenizer)
+    engine.reuse = DocumentReuse(MemoryStore(), engine.model_id, model.device)
+    engine.eos_token_ids = []  # every answer runs to --max-tokens
+    text = (ROOT / "src/kvforge/data/haystack_gutenberg/moby_dick_excerpt.txt").read_text()
+    doc = tokenizer.decode(tokenizer(text, add_special_tokens=False).input_ids[: args.doc_tokens])
+    press = build_press(args.press, compression_ratio=args.compression_ratio)
+    questions = [f"Question {i}: what happens in the passage? Answer briefly." for i in range(args.questions)]
+
+    def request(q: str) -> Request:
+        return Request(Document(doc, q), args.max_tokens, press=press, query_aware=False)
+
+    engine.run(request("Store it."))
+    for round_ in range(args.rounds):
+        measured: dict[str, dict[str, Any]] = {}
+        for mode in ("serial", "batched") if round_ % 2 == 0 else ("batched", "serial"):
+            before, cpu, start = dict(engine.stats), time.process_time(), time.perf_counter()
+            if mode == "serial":
+                out = [engine.run(request(q)) for q in questions]
+            else:
+                out = engine.run_many([request(q) for q in questions])
+            measured[mode] = {"wall_s": round(time.perf_counter() - start, 4),
+                              "cpu_s": round(time.process_time() - cpu, 4),
+                              "texts": [g.text for g in out], "reused_tokens": out[0].reused_tokens,
+                              **{k: v - before.get(k, 0) for k, v in engine.stats.items()}}  # fmt: skip
+        serial, batched = measured["serial"], measured["batched"]
+        yield {"bar": "engine-document", "round": round_, "questions": len(questions), "doc_tokens": args.doc_tokens,
+               "ratio": round(batched["wall_s"] / serial["wall_s"], 4),
+               "cpu_ratio": round(batched["cpu_s"] / serial["cpu_s"], 4),
+               "same_answers": serial.pop("texts") == batched.pop("texts"), "serial": serial, "batched": batched,
+               "threads": torch.get_num_threads()}  # fmt: skip
+
+
+BARS = {"ttft": bench_ttft, "sequential": bench_sequential, "document": bench_document,
+        "engine-document": bench_engine_document}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doc-tokens", type=int, default=1500, help="document: tokens of the stored document")
     parser.add_argument("--press", default="knorm")
     parser.add_argument("--compression-ratio", type=float, default=0.5)
+    parser.add_argument("--threads", type=int, default=0, help="engine-document: torch threads (0: torch's default)")
     parser.add_argument("--kvforge-args", nargs=argparse.REMAINDER, default=[], help="extra `kvforge serve` flags")
     parser.add_argument("--out", type=Path, default=RESULTS / "serve_bars.jsonl")
     args = parser.parse_args(argv)
