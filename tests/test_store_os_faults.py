@@ -129,3 +129,21 @@ def test_a_failed_write_reports_its_own_error_once_and_its_cleanup_never_raises(
                           text=True, env=python_env(), timeout=60)  # fmt: skip
     assert proc.returncode == 1 and proc.stderr.count("[Errno 30] Read-only file system") == 1, proc.stderr
     assert "During handling" not in proc.stderr and list((folder / "tmp").iterdir()) == []
+
+
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_generate_on_a_faulted_store_answers_with_one_warning(tmp_path: Path, tiny_llama_dir: Path, fault: str) -> None:
+    """``kvforge generate --reuse prefix`` on a store mounted read-only or on a full disk: the answer is printed, rc 0,
+    one warning for the write it could not make, no traceback."""
+    namespaces_or_skip()
+    folder = tmp_path / "kv"
+    folder.mkdir()
+    cli = [sys.executable, "-m", "kvforge.cli", "generate", "--model", str(tiny_llama_dir), "--device", "cpu",
+           "--reuse", "prefix", "--store", f"file://{folder}", "--prompt", "Where is the key? " * 20,
+           "--max-new-tokens", "4"]  # fmt: skip
+    argv = read_only(folder, cli) if fault == "read-only" else full_disk(folder, cli)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=python_env(), timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    cause = "[EROFS]" if fault == "read-only" else "[ENOSPC]"
+    assert _warnings(proc.stderr, "write of") == 1 and cause in proc.stderr, proc.stderr
