@@ -43,7 +43,7 @@ def served(model_dir: Path, store: str, wrap: Any = None, *extra: str) -> Iterat
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # importing torch takes minutes on 2 busy cores
         while True:
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:

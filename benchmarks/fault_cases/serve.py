@@ -142,8 +142,9 @@ def server_redis_stops(tmp: Path) -> tuple[str, dict[str, list[int]]]:
 
 @case(
     "`kvforge serve --store` naming a Redis that is down",
-    "refuses to start: exit 2, one line, before the model loads (< 5 s)",
-    lambda o: o.startswith("exit 2, 1 line, no traceback") and float(o.split()[-2]) < 5,
+    "refuses to start: exit 2, one line, before the model loads (faster than `import torch` alone, timed in the same "
+    "run: a machine's load makes absolute times say little)",
+    lambda o: o.startswith("exit 2, 1 line, no traceback, faster"),
     promise="store-down-at-start",
 )
 def server_store_down_at_start(tmp: Path) -> str:
@@ -159,8 +160,12 @@ def server_store_down_at_start(tmp: Path) -> str:
     start = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True, env=python_env(), timeout=120)
     took = time.monotonic() - start
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import torch"], env=python_env(), timeout=300, check=True)
+    peer = time.monotonic() - start
     traceback = "traceback" if "Traceback" in proc.stderr else "no traceback"
-    return f"exit {proc.returncode}, {proc.stderr.count(chr(10))} line, {traceback}, in {took:.1f} s"
+    return (f"exit {proc.returncode}, {proc.stderr.count(chr(10))} line, {traceback}, "
+            f"{'faster' if took < peer else 'SLOWER'} than import torch: {took:.1f} s vs {peer:.1f} s")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ inputs
