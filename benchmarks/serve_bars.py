@@ -10,6 +10,7 @@
   ``Engine`` alone. ``engine-document``: the same loop in this process, ``Engine.run_many`` against ``Engine.run``.
 
     PYTHONPATH=src python benchmarks/serve_bars.py ttft --tokens 2048 --repeats 3
+    PYTHONPATH=src python benchmarks/serve_bars.py ttft-inprocess --tokens 2048 --repeats 2
     PYTHONPATH=src python benchmarks/serve_bars.py sequential --vllm-python VENV/bin/python --rounds 3
     PYTHONPATH=src python benchmarks/serve_bars.py document --questions 8 --rounds 2
     PYTHONPATH=src python benchmarks/serve_bars.py engine-document --doc-tokens 600 --max-tokens 12 --threads 1
@@ -329,8 +330,41 @@ def bench_engine_document(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                "threads": torch.get_num_threads()}  # fmt: skip
 
 
+def bench_ttft_inprocess(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """The ttft bar without a second process: the server's app (``create_app``, FastAPI's TestClient) in this
+    process against ``Engine.prefill``, alternating; the same engine, so only the server's loop and HTTP differ."""
+    import torch
+    from fastapi.testclient import TestClient
+
+    from kvforge.engine import Engine
+    from kvforge.model import load_model
+    from kvforge.serve import create_app
+
+    model, tokenizer = load_model(args.model)
+    engine = Engine(model, tokenizer)
+    engine.prefill(haystack_ids(tokenizer, 64, 998))  # warm up
+    with TestClient(create_app(engine, model_name="m", request_timeout_s=3600.0)) as client:
+        client.post("/v1/completions", json={"model": "m", "prompt": haystack_ids(tokenizer, 64, 999), "max_tokens": 1})
+        for i in range(args.repeats):
+            measured: dict[str, tuple[float, float]] = {}
+            for side in ("server", "engine") if i % 2 == 0 else ("engine", "server"):
+                ids = haystack_ids(tokenizer, args.tokens, 2 * i + (side == "engine"))
+                cpu, start = time.process_time(), time.perf_counter()
+                if side == "server":
+                    r = client.post("/v1/completions", json={"model": "m", "prompt": ids, "max_tokens": 1})
+                    r.raise_for_status()
+                else:
+                    int(engine.prefill(ids)[1].argmax(-1))
+                measured[side] = time.perf_counter() - start, time.process_time() - cpu
+            (served, served_cpu), (alone, alone_cpu) = measured["server"], measured["engine"]
+            yield {"bar": "ttft-inprocess", "tokens": args.tokens, "repeat": i, "server_s": round(served, 4),
+                   "engine_s": round(alone, 4), "ratio": round(served / alone, 4), "server_cpu_s": round(served_cpu, 3),
+                   "engine_cpu_s": round(alone_cpu, 3), "cpu_ratio": round(served_cpu / alone_cpu, 4),
+                   "threads": torch.get_num_threads()}  # fmt: skip
+
+
 BARS = {"ttft": bench_ttft, "sequential": bench_sequential, "document": bench_document,
-        "engine-document": bench_engine_document}  # fmt: skip
+        "engine-document": bench_engine_document, "ttft-inprocess": bench_ttft_inprocess}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
