@@ -1,7 +1,7 @@
 """Bounded memory while generating: answers of 1,024 tokens with a fixed KV budget vs the full cache.
 
     PYTHONPATH=src python benchmarks/decoding_budget.py --examples 3 --prompt-tokens 2048 --new-tokens 1024 \
-        --budget 1024 --out docs/presses_results/decoding_budget.jsonl
+        --budget 1024 --data-dir DATA_DIR --out docs/presses_results/decoding_budget.jsonl
 
 Task: LongBench gov_report (reports of the U.S. Government Accountability Office with reference summaries of 500 to
 1,300 tokens; shared data), prompts cut to ``--prompt-tokens`` (LongBench's middle cut), LongBench's prompt, greedy,
@@ -112,13 +112,14 @@ def main() -> None:
     p.add_argument("--chunk-size", type=int, default=64, help="prefill chunk (one step's worth while prefilling)")
     p.add_argument("--methods", nargs="+", default=["decoding", "window"])
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--data-dir", type=Path, default=None, help="evaluation data folder (default: as kvforge eval)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2-135m", device="cpu")
     engine = Engine(model, tok)
-    cfg = TaskConfig(default_data_dir(), tokenizer=tok, max_context_size=args.prompt_tokens)
+    cfg = TaskConfig(args.data_dir or default_data_dir(), tokenizer=tok, max_context_size=args.prompt_tokens)
     examples = [e for e in build_task("longbench-summ", cfg) if "gov_report" in e.id][: args.examples]
     done = set()
     if args.out.exists():
