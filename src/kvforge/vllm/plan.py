@@ -1,0 +1,192 @@
+"""The scheduler side of the connector, without vLLM: which stored blocks a request can load, and which of its
+blocks to save at each step.
+
+A prompt is cut in store blocks of ``store_block_size`` tokens (a multiple of vLLM's block size), keyed exactly
+as :class:`kvforge.reuse.prefix.PrefixReuse` keys its blocks (hash-chained over the model fingerprint and every
+token before the block's end). A lookup walks the chain to the first block the store lacks; the hit is cut to a
+vLLM block boundary and leaves at least the prompt's last token to compute (its logits start decoding). Only
+whole store blocks of the prompt are saved (decoded tokens are not), each as soon as the step that completes it
+has run, whether its KV was computed, found in vLLM's own prefix cache or loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BlockMove:
+    """One store block to load into, or save from, vLLM's paged cache.
+
+    Args:
+        key: the store key (a prefix-chain key).
+        start, end: the block's tokens in the prompt, ``[start, end)``.
+        token_ids: the prompt's tokens ``[start, end)`` (checked against a loaded segment, written into a saved one).
+        first, last: the tokens actually moved, ``[first, last)`` inside ``[start, end)``: a load skips what vLLM
+            already holds and stops where the hit stops; a save moves the whole block.
+        block_ids: vLLM's blocks holding tokens ``[first, last)``, in order.
+    """
+
+    key: str
+    start: int
+    end: int
+    token_ids: list[int]
+    first: int
+    last: int
+    block_ids: list[int]
+
+
+@dataclass
+class StepMoves:
+    """What the workers move around one model step: loads before it, saves after it."""
+
+    loads: list[BlockMove] = field(default_factory=list)
+    saves: list[BlockMove] = field(default_factory=list)
+
+
+@dataclass
+class _Running:
+    prompt: list[int]
+    keys: list[str]  # of the prompt's whole store blocks
+    block_ids: list[int]
+    saved_blocks: int = 0  # store blocks of the prompt already saved or found stored
+
+
+class TransferPlanner:
+    """Per-request bookkeeping of the scheduler-side connector.
+
+    Args:
+        block_keys: prompt token ids -> the store key of each of its blocks (the last one may be partial).
+        contains: whether the store holds a key.
+        block_size: vLLM's tokens per paged block.
+        store_block_size: tokens per stored block, a multiple of ``block_size``.
+        load, save: whether this connector loads stored blocks / saves new ones (``kv_role``).
+    """
+
+    def __init__(
+        self,
+        block_keys: Callable[[Sequence[int]], list[str]],
+        contains: Callable[[str], bool],
+        block_size: int,
+        store_block_size: int,
+        load: bool = True,
+        save: bool = True,
+    ) -> None:
+        if block_size < 1 or store_block_size < block_size or store_block_size % block_size:
+            raise ValueError(
+                f"the store block size ({store_block_size}) must be a multiple of vLLM's block size ({block_size})"
+            )
+        self.block_keys = block_keys
+        self.contains = contains
+        self.block_size = block_size
+        self.store_block_size = store_block_size
+        self.load = load
+        self.save = save
+        self._pending_loads: dict[str, int] = {}  # request id -> external tokens to load (set after allocation)
+        self._running: dict[str, _Running] = {}
+
+    # ------------------------------------------------------------------------------------------ lookup
+    def _full_keys(self, prompt: Sequence[int]) -> list[str]:
+        return self.block_keys(prompt)[: len(prompt) // self.store_block_size]
+
+    def stored_tokens(self, prompt: Sequence[int]) -> int:
+        """Tokens of ``prompt`` that loading can provide: the stored chain, cut to a vLLM block boundary and to at
+        most ``len(prompt) - 1`` tokens."""
+        if not self.load or len(prompt) < 2:
+            return 0
+        hit = 0
+        for key in self._full_keys(prompt):
+            if not self.contains(key):
+                break
+            hit += self.store_block_size
+        usable = min(hit, len(prompt) - 1)
+        return usable - usable % self.block_size
+
+    def matched_tokens(self, prompt: Sequence[int], num_computed: int) -> int:
+        """What ``get_num_new_matched_tokens`` answers: stored tokens beyond the ``num_computed`` vLLM holds."""
+        return max(self.stored_tokens(prompt) - num_computed, 0)
+
+    def allocated(self, request_id: str, num_external: int) -> None:
+        """``update_state_after_alloc``: remember how many tokens the scheduler will have loaded."""
+        if num_external > 0:
+            self._pending_loads[request_id] = num_external
+        else:
+            self._pending_loads.pop(request_id, None)
+
+    # ------------------------------------------------------------------------------------------ steps
+    def start(
+        self,
+        request_id: str,
+        prompt: Sequence[int] | None,
+        block_ids: Sequence[int],
+        num_computed: int,
+        num_scheduled: int,
+        moves: StepMoves,
+    ) -> None:
+        """A request scheduled for the first time (or again after a preemption: its blocks are all new)."""
+        if prompt is None:  # prompt embeddings: no token ids to key blocks by
+            self.finish([request_id])
+            return
+        self._running[request_id] = _Running(list(prompt), self._full_keys(prompt), [])
+        self.resume(request_id, block_ids, num_computed, num_scheduled, moves)
+
+    def resume(
+        self, request_id: str, block_ids: Sequence[int], num_computed: int, num_scheduled: int, moves: StepMoves
+    ) -> None:
+        """A request scheduled with all-new blocks (its first step, or again after a preemption)."""
+        num_external = self._pending_loads.pop(request_id, 0)
+        state = self._running.get(request_id)
+        if state is None:
+            return
+        state.block_ids = list(block_ids)
+        if num_external > 0:
+            moves.loads += self._loads(state, num_computed - num_external, num_computed)
+        self._saves(state, num_computed + num_scheduled, moves)
+
+    def advance(
+        self, request_id: str, new_block_ids: Sequence[int] | None, num_computed: int, num_scheduled: int,
+        moves: StepMoves,
+    ) -> None:  # fmt: skip
+        """A running request scheduled again: new blocks appended, the blocks this step completes saved."""
+        state = self._running.get(request_id)
+        if state is None:
+            return
+        if new_block_ids:
+            state.block_ids += list(new_block_ids)
+        self._saves(state, num_computed + num_scheduled, moves)
+
+    def finish(self, request_ids: Sequence[str] | set[str]) -> None:
+        for request_id in request_ids:
+            self._running.pop(request_id, None)
+            self._pending_loads.pop(request_id, None)
+
+    def _move(self, state: _Running, index: int, key: str, first: int, last: int) -> BlockMove:
+        start = index * self.store_block_size
+        end = start + self.store_block_size
+        blocks = state.block_ids[first // self.block_size : last // self.block_size]
+        return BlockMove(key, start, end, state.prompt[start:end], first, last, blocks)
+
+    def _loads(self, state: _Running, first: int, last: int) -> list[BlockMove]:
+        out = []
+        for index, key in enumerate(state.keys):
+            start, end = index * self.store_block_size, (index + 1) * self.store_block_size
+            lo, hi = max(start, first), min(end, last)
+            if lo < hi:
+                out.append(self._move(state, index, key, lo, hi))
+        return out
+
+    def _saves(self, state: _Running, computed: int, moves: StepMoves) -> None:
+        if not self.save:
+            return
+        done = min(computed, len(state.prompt)) // self.store_block_size
+        if done <= state.saved_blocks:
+            return
+        planned = {m.key for m in moves.saves}
+        for index in range(state.saved_blocks, done):
+            key = state.keys[index]
+            if key in planned or self.contains(key):
+                continue
+            start = index * self.store_block_size
+            moves.saves.append(self._move(state, index, key, start, start + self.store_block_size))
+        state.saved_blocks = done
