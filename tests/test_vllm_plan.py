@@ -134,6 +134,22 @@ def test_a_preempted_request_resumes_on_new_blocks():
     assert [(m.start, m.block_ids) for m in moves.saves] == [(8, [9, 10]), (16, [11, 12])]
 
 
+def test_blocks_that_failed_to_load_are_saved_again_once_recomputed():
+    store = open_store("memory://")
+    plan, prefix = planner(store)
+    prompt = list(range(500, 520))
+    store_blocks(store, prefix, prompt, 2)
+    plan.allocated("r", 16)
+    moves = StepMoves()
+    plan.start("r", prompt, [3, 4, 5, 6, 7], num_computed=16, num_scheduled=4, moves=moves)
+    assert len(moves.loads) == 2 and moves.saves == []
+    store.delete(prefix.block_keys(prompt)[1])  # its load failed: the store dropped the corrupt entry
+    plan.failed({5})  # vLLM block 5 holds tokens 8-11: store block 1
+    moves = StepMoves()
+    plan.advance("r", None, num_computed=8, num_scheduled=12, moves=moves)  # vLLM recomputes from token 8
+    assert [(m.start, m.block_ids) for m in moves.saves] == [(8, [5, 6])]
+
+
 def test_store_blocks_must_be_whole_vllm_blocks():
     store = open_store("memory://")
     with pytest.raises(ValueError, match="multiple"):

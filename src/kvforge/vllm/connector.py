@@ -193,6 +193,11 @@ class KVForgeConnector(KVConnectorBase_V1):
         self.planner.finish(scheduler_output.finished_req_ids)
         return KVForgeMetadata(moves)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        failed = getattr(connector_output, "invalid_block_ids", None)
+        if failed:
+            self.planner.failed(set(failed))
+
     # ================================================================================== worker side
     def _kernel_blocks(self, cache: torch.Tensor, block_ids: list[int]) -> tuple[int, list[int]]:
         """(tokens per block of ``cache``, its blocks holding the scheduler's ``block_ids``): a backend may split each
@@ -246,7 +251,7 @@ class KVForgeConnector(KVConnectorBase_V1):
             logger.warning("kvforge connector: block %s unreadable (%s); recomputed", move.key[:24], e)
             return None
         if segment is None:
-            logger.warning("kvforge connector: block %s left the store before it was loaded; recomputed",
+            logger.warning("kvforge connector: block %s is missing or corrupt in the store; recomputed",
                            move.key[:24])  # fmt: skip
             return None
         spec = self.spec

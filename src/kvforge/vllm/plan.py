@@ -156,6 +156,14 @@ class TransferPlanner:
             state.block_ids += list(new_block_ids)
         self._saves(state, num_computed + num_scheduled, moves)
 
+    def failed(self, block_ids: set[int]) -> None:
+        """vLLM blocks whose load failed: vLLM recomputes them, and the store blocks they hold are saved again."""
+        for state in self._running.values():
+            for i, block in enumerate(state.block_ids):
+                if block in block_ids:
+                    state.saved_blocks = min(state.saved_blocks, i * self.block_size // self.store_block_size)
+                    break
+
     def finish(self, request_ids: Sequence[str] | set[str]) -> None:
         for request_id in request_ids:
             self._running.pop(request_id, None)
