@@ -36,6 +36,7 @@ from kvforge.errors import UserError
 from kvforge.reuse.prefix import PrefixReuse
 from kvforge.store import open_store
 from kvforge.vllm.blocks import BlockWriter, block_segment, check_block
+from kvforge.vllm.identity import ServedModel, announce
 from kvforge.vllm.layout import BlockLayout, LayoutError, probe_layout
 from kvforge.vllm.plan import BlockMove, StepMoves, TransferPlanner
 from kvforge.vllm.settings import ConnectorSettings
@@ -154,6 +155,9 @@ class KVForgeConnector(KVConnectorBase_V1):
                 load=self._kv_transfer_config.is_kv_consumer,
                 save=self._kv_transfer_config.is_kv_producer,
             )
+            if self.planner.save:  # the router reads what the blocks are keyed by from the store
+                served = ServedModel(vllm_config.model_config.model, self.model_id, self.settings.block_size)
+                announce(self.store, served)
             logger.info("kvforge connector: %s, model %s", self.settings.describe(), self.model_id)
         else:
             self.writer = BlockWriter(self.store, quant=self.settings.quant)
@@ -232,7 +236,7 @@ class KVForgeConnector(KVConnectorBase_V1):
             return
         caches = {name: layer.kv_cache for name, layer in forward_context.no_compile_layers.items()
                   if name in self.spec.layer_index}  # fmt: skip
-        for move in meta.moves.loads:
+        for move in reversed(meta.moves.loads):  # the last block read first: prefixes stay the most recently used
             segment = self._read(move)
             if segment is None:
                 self._load_errors.update(move.block_ids)  # vLLM recomputes from the first failed block
@@ -277,7 +281,7 @@ class KVForgeConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         num_layers = len(self.spec.layer_index)
-        for key, (move, layers) in self._saving.items():
+        for key, (move, layers) in sorted(self._saving.items(), key=lambda item: -item[1][0].start):  # suffix first
             if len(layers) != num_layers:
                 logger.warning("kvforge connector: block %s saw %d of %d layers; not stored", key[:24], len(layers),
                                num_layers)  # fmt: skip
