@@ -154,6 +154,17 @@ def test_a_corrupt_block_is_recomputed_never_used(model_dir, tmp_path):
     assert_same_answer(again, cold)
 
 
+@pytest.mark.redis
+def test_a_redis_store_survives_a_restart_too(model_dir, tmp_path):
+    from store_helpers import redis_server
+
+    with redis_server(tmp_path) as url:
+        (cold,) = run(model_dir, [PROMPT], url)
+        (warm,) = run(model_dir, [PROMPT], url)
+    assert warm["cached"] == 512
+    assert_same_answer(warm, cold)
+
+
 def test_a_store_of_another_model_is_not_used(model_dir, tmp_path):
     store = f"file://{tmp_path}/kv"
     run(model_dir, [PROMPT], store, model_id="LlamaForCausalLM:another:model:float32")
