@@ -66,7 +66,9 @@ class Server:
         deadline = self.started_at + timeout_s
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see {self.log_dir}/{self.name}.log")
+                raise RuntimeError(
+                    f"{self.name} exited with {self.process.returncode}; see {self.log_dir}/{self.name}.log"
+                )
             try:
                 if httpx.get(self.url + path, timeout=2.0).status_code == 200:
                     self.ready_s = time.monotonic() - self.started_at
@@ -89,11 +91,13 @@ class Server:
             self.process.wait()
 
 
+VLLM_ARGS: list[str] = []  # extra vLLM options for every server (e.g. --enforce-eager for a quick smoke run)
+
+
 def vllm_server(name: str, port: int, model: str, log_dir: Path, store: str | None = None, **extra: Any) -> Server:
     """vLLM's OpenAI server on ``model`` in fp32, prompt-token details on, dev endpoints (``/reset_prefix_cache``)."""
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "float32",
-               "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
-               "8192"]  # fmt: skip
+               "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port), *VLLM_ARGS]  # fmt: skip
     if store is not None:
         command += ["--kv-transfer-config", connector_config(store, **extra)]
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}

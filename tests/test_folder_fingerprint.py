@@ -33,3 +33,13 @@ def test_a_folder_without_weights_or_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(UserError, match="not a model folder"):
         folder_fingerprint(tmp_path)
+
+
+@pytest.mark.slow
+def test_the_bundled_models_folder_has_its_fingerprint(smollm2):
+    from kvforge.model import model_folder
+
+    model, tokenizer = smollm2
+    folder = model_folder("smollm2-135m")
+    assert folder is not None and (folder / "model.safetensors").is_file()
+    assert folder_fingerprint(folder) == model_fingerprint(model, tokenizer)

@@ -127,15 +127,7 @@ def load_model(
     torch_dtype = _parse_dtype(dtype, dev)
     name = str(name_or_path)
     start = time.perf_counter()
-    kind = check_model(name)  # the same check the CLI makes before importing torch
-    if kind == "builtin":
-        folder = _dequantized_folder(BUILTIN_MODELS[name].gguf_path())
-    elif kind == "gguf":
-        folder = _dequantized_folder(Path(name))
-    elif kind == "folder":
-        folder = Path(name)
-    else:
-        folder = None  # hub id
+    folder = model_folder(name)  # None: a hub id
     model, tokenizer = _from_pretrained(str(folder) if folder is not None else name, torch_dtype)
     model.to(dev).eval()
     source = _source_digest(folder, name, model)
@@ -144,6 +136,19 @@ def load_model(
     use_kvforge_attention(model)
     logger.info("loaded %s in %.1fs", name, time.perf_counter() - start)
     return model, tokenizer
+
+
+def model_folder(name_or_path: str | os.PathLike[str]) -> Path | None:
+    """The Hugging Face model folder :func:`load_model` reads for a built-in name, a ``.gguf`` file (dequantized
+    once into kvforge's cache) or a folder; None for a hub id. Another engine serving this folder (vLLM) runs the
+    same weights as kvforge."""
+    name = str(name_or_path)
+    kind = check_model(name)  # the same check the CLI makes before importing torch
+    if kind == "builtin":
+        return _dequantized_folder(BUILTIN_MODELS[name].gguf_path())
+    if kind == "gguf":
+        return _dequantized_folder(Path(name))
+    return Path(name) if kind == "folder" else None
 
 
 def _source_digest(folder: Path | None, name: str, model: Any) -> str | None:

@@ -1,0 +1,218 @@
+"""vLLM alone, vLLM + kvforge's connector (disk, Redis), after a restart, two servers on one store, and ``kvforge
+serve``, side by side on one machine in one run: cold and warm TTFT of 1k/2k/4k-token prompts, then requests per
+second for 8 concurrent clients. One JSON line per request, then one per (configuration, measure) summary.
+
+    python benchmarks/vllm_side_by_side.py --model MODEL_FOLDER --out benchmarks/results/vllm_side_by_side.jsonl
+
+Configurations (all fp32, the same weights: ``--model`` is the folder ``kvforge`` dequantised smollm2-135m into):
+``vllm`` (its in-memory prefix cache), ``vllm+disk`` / ``vllm+redis`` (kvforge connector on a file / Redis store;
+"warm (store)" empties vLLM's memory first with ``/reset_prefix_cache``, so the KV comes from the store),
+``vllm restarted`` / ``vllm+disk restarted`` (a new process: only a store remembers), ``vllm+disk 2nd server``
+(another process on the same store, started while the first runs) and ``kvforge serve`` (prefix reuse on its own
+memory + file store). Requests alternate between the servers that are up, so load changes on a shared machine hit
+all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import vllm_servers
+from vllm_servers import (
+    ask,
+    document_prompt,
+    exclusive,
+    git_sha,
+    kvforge_server,
+    reset_prefix_cache,
+    served_model,
+    vllm_server,
+    write_line,
+)
+
+QUESTION = "What does the narrator say about this passage's main character? Answer in one sentence."
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="model folder (fp32 safetensors) vLLM serves")
+    parser.add_argument("--kvforge-model", default="smollm2-135m", help="what kvforge serve loads (same weights)")
+    parser.add_argument("--lengths", default="1024,2048,4096", help="prompt sizes in tokens")
+    parser.add_argument("--prompts", type=int, default=2, help="distinct prompts per size (each cold once)")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent clients of the throughput phase")
+    parser.add_argument("--seconds", type=float, default=60.0, help="length of each throughput window")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--redis", default=None, help="Redis URL for vllm+redis (default: a redis-server started here)")
+    parser.add_argument("--port", type=int, default=8401, help="first of six ports")
+    parser.add_argument("--work", type=Path, default=None, help="folder for stores and logs (default: a temp dir)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm_side_by_side.jsonl"))
+    parser.add_argument("--lock", default=None, help="flock this file exclusively while timing (shared machines)")
+    parser.add_argument("--skip", default="", help="comma-separated configurations to leave out")
+    parser.add_argument("--vllm-args", default="", help="extra vLLM server options, e.g. '--enforce-eager'")
+    args = parser.parse_args()
+    vllm_servers.VLLM_ARGS[:] = args.vllm_args.split()
+
+    from transformers import AutoTokenizer
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="kvforge-vllm-bench-"))
+    logs = work / "logs"
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    prompts = {
+        (n, i): document_prompt(tokenizer, n, offset_words=1500 * (k * args.prompts + i), question=QUESTION)
+        for k, n in enumerate(lengths)
+        for i in range(args.prompts)
+    }
+    base = {"bench": "vllm_side_by_side", "git": git_sha(), "model": args.model, "max_tokens": args.max_tokens}
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    rows: list[dict] = []
+
+    def record(config: str, phase: str, key: tuple[int, int], result: dict) -> None:
+        row = base | {"config": config, "phase": phase, "length": key[0], "prompt": key[1]} | result
+        rows.append(row)
+        write_line(args.out, row)
+
+    redis_ctx = None
+    redis_url = args.redis
+    if redis_url is None and "vllm+redis" not in skip:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from store_helpers import redis_server
+
+        redis_ctx = redis_server(work)
+        redis_url = redis_ctx.__enter__()
+    disk = f"file://{work}/disk-store"
+    servers = {}
+    try:
+        first = {
+            "vllm": lambda: vllm_server("vllm", args.port, args.model, logs),
+            "vllm+disk": lambda: vllm_server("vllm-disk", args.port + 1, args.model, logs, store=disk),
+            "vllm+redis": lambda: vllm_server("vllm-redis", args.port + 2, args.model, logs, store=redis_url),
+            "kvforge serve": lambda: kvforge_server(
+                "kvforge", args.port + 3, args.kvforge_model, f"memory://,file://{work}/kvforge-store", logs
+            ),
+        }
+        servers = start_all({name: make for name, make in first.items() if name not in skip})
+        models = {name: served_model(server.url) for name, server in servers.items()}
+
+        # cold, then warm (memory), then warm (store): alternating servers, one prompt size at a time
+        for n in lengths:
+            with exclusive(args.lock):
+                for i in range(args.prompts):
+                    for name, server in servers.items():
+                        record(name, "cold", (n, i), ask(server.url, models[name], prompts[n, i], args.max_tokens))
+                    for name, server in servers.items():
+                        phase = "warm (store)" if name == "kvforge serve" else "warm (memory)"
+                        record(name, phase, (n, i), ask(server.url, models[name], prompts[n, i], args.max_tokens))
+                    for name, server in servers.items():
+                        if name in ("vllm+disk", "vllm+redis"):
+                            reset_prefix_cache(server.url)
+                            result = ask(server.url, models[name], prompts[n, i], args.max_tokens)
+                            record(name, "warm (store)", (n, i), result)
+
+        # throughput: 8 clients, each asking the stored prompts in turn, one server at a time
+        for name, server in servers.items():
+            with exclusive(args.lock):
+                result = throughput(server.url, models[name], list(prompts.values()), args.clients, args.seconds,
+                                    args.max_tokens)  # fmt: skip
+            write_line(args.out, base | {"config": name, "phase": f"throughput {args.clients} clients"} | result)
+
+        # restarts: new processes, and a second server on the first's store
+        for server in servers.values():
+            server.stop()  # SIGTERM: the connectors flush their pending block writes
+        later = {
+            "vllm restarted": lambda: vllm_server("vllm-restarted", args.port, args.model, logs),
+            "vllm+disk restarted": lambda: vllm_server(
+                "vllm-disk-restarted", args.port + 1, args.model, logs, store=disk
+            ),
+            "vllm+disk 2nd server": lambda: vllm_server("vllm-disk-2", args.port + 4, args.model, logs, store=disk),
+        }
+        servers = start_all({name: make for name, make in later.items() if name.split(" ")[0] not in skip})
+        for n in lengths:
+            with exclusive(args.lock):
+                for i in range(args.prompts):
+                    for name, server in servers.items():
+                        model = served_model(server.url)
+                        record(name, "after restart", (n, i), ask(server.url, model, prompts[n, i], args.max_tokens))
+        for summary in summarise(rows):
+            write_line(args.out, base | summary | {"summary": True})
+        return 0
+    finally:
+        for server in servers.values():
+            server.stop()
+        if redis_ctx is not None:
+            redis_ctx.__exit__(None, None, None)
+
+
+def start_all(makers: dict) -> dict:
+    """Start every server at once (their start-up overlaps), then wait for each."""
+    servers = {name: make().start() for name, make in makers.items()}
+    for server in servers.values():
+        server.wait(timeout_s=1800)
+    return servers
+
+
+def throughput(url: str, model: str, prompts: list, clients: int, seconds: float, max_tokens: int) -> dict:
+    """Requests completed by ``clients`` threads asking ``prompts`` in turn during ``seconds`` (after a warm-up
+    round that makes every prompt stored)."""
+    done: list[float] = []
+    errors = 0
+    stop_at = time.monotonic() + seconds
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        nonlocal errors
+        i = k
+        while time.monotonic() < stop_at:
+            try:
+                result = ask(url, model, prompts[i % len(prompts)], max_tokens)
+                with lock:
+                    if time.monotonic() <= stop_at:
+                        done.append(result["latency_s"])
+            except Exception:
+                with lock:
+                    errors += 1
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = min(time.monotonic() - start, seconds)
+    return {
+        "requests": len(done),
+        "errors": errors,
+        "seconds": seconds,
+        "requests_per_s": len(done) / elapsed if elapsed else 0.0,
+        "median_latency_s": statistics.median(done) if done else None,
+    }
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Median TTFT and cached tokens per (configuration, phase, size); texts compared with the cold answer."""
+    out = []
+    cold_text = {(r["config"], r["length"], r["prompt"]): r["text"] for r in rows if r["phase"] == "cold"}
+    keys = sorted({(r["config"], r["phase"], r["length"]) for r in rows})
+    for config, phase, length in keys:
+        group = [r for r in rows if (r["config"], r["phase"], r["length"]) == (config, phase, length)]
+        origin = config.replace(" restarted", "").replace(" 2nd server", "")
+        same = [r["text"] == cold_text.get((origin, length, r["prompt"])) for r in group]
+        out.append({
+            "config": config, "phase": phase, "length": length,
+            "prompt_tokens": statistics.median(r["prompt_tokens"] for r in group),
+            "ttft_s": statistics.median(r["ttft_s"] for r in group),
+            "cached_tokens": statistics.median(r["cached_tokens"] for r in group),
+            "same_text_as_cold": all(same), "n": len(group),
+        })  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
