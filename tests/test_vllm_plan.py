@@ -150,6 +150,14 @@ def test_blocks_that_failed_to_load_are_saved_again_once_recomputed():
     assert [(m.start, m.block_ids) for m in moves.saves] == [(8, [5, 6])]
 
 
+def test_an_abandoned_load_names_the_blocks_vllm_must_recompute():
+    store = open_store("memory://")
+    plan, _ = planner(store)
+    plan.allocated("r", 12)  # the scheduler counts tokens 4..15 as loaded
+    assert plan.abandon("r", [7, 8, 9, 10, 11], num_computed=16) == [8, 9, 10]
+    assert plan.abandon("r", [7, 8, 9, 10, 11], num_computed=16) == []  # once
+
+
 def test_store_blocks_must_be_whole_vllm_blocks():
     store = open_store("memory://")
     with pytest.raises(ValueError, match="multiple"):

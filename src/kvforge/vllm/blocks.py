@@ -72,7 +72,7 @@ class BlockWriter:
     that ``put`` blocks the caller (the model step) rather than grow memory without bound.
     """
 
-    def __init__(self, store: KVStore, quant: str | None = None, max_pending: int = 64) -> None:
+    def __init__(self, store: KVStore, quant: str | None = None, max_pending: int = 32) -> None:
         self.store = store
         self.quant = quant
         self.num_written = 0

@@ -19,6 +19,7 @@ reported to vLLM, which recomputes it (``kv_load_failure_policy: recompute``); i
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -141,6 +142,8 @@ class KVForgeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _share_vllm_logging()
+        self._warned: dict[str, float] = {}
+        self._disabled: str | None = None  # why saving/loading stopped (a backend whose blocks cannot be addressed)
         self.settings = ConnectorSettings.parse(self._kv_transfer_config.kv_connector_extra_config)
         self.spec = _model_spec(vllm_config, kv_cache_config)
         self.model_id = _model_id(vllm_config, self.settings)
@@ -149,7 +152,7 @@ class KVForgeConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.planner = TransferPlanner(
                 prefix.block_keys,
-                self.store.contains,
+                self._contains,
                 block_size=vllm_config.cache_config.block_size,
                 store_block_size=self.settings.block_size,
                 load=self._kv_transfer_config.is_kv_consumer,
@@ -167,8 +170,26 @@ class KVForgeConnector(KVConnectorBase_V1):
             self._layers = vllm_config.compilation_config.static_forward_context
 
     # ================================================================================== scheduler side
+    # A store fault must never take vLLM down: every store call of the scheduler side is a miss when it fails.
+    def _contains(self, key: str) -> bool:
+        try:
+            return bool(self.store.contains(key))
+        except Exception as e:
+            self._warn_once("store lookup failed (%s); treated as a miss", e)
+            return False
+
+    def _warn_once(self, message: str, *args: Any, every_s: float = 60.0) -> None:
+        now = time.monotonic()
+        if now - self._warned.get(message, -every_s) >= every_s:
+            self._warned[message] = now
+            logger.warning("kvforge connector: " + message, *args)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.planner.matched_tokens(request.prompt_token_ids or [], num_computed_tokens), False
+        try:
+            return self.planner.matched_tokens(request.prompt_token_ids or [], num_computed_tokens), False
+        except Exception as e:
+            self._warn_once("lookup failed (%s); treated as a miss", e)
+            return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self.planner.allocated(request.request_id, num_external_tokens)
@@ -179,6 +200,17 @@ class KVForgeConnector(KVConnectorBase_V1):
             )  # fmt: skip
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        try:
+            return KVForgeMetadata(self._plan_step(scheduler_output))
+        except Exception as e:  # never take the engine down: nothing moves this step, promised loads are recomputed
+            self._warn_once("planning a step failed (%s); nothing loaded or saved in it", e)
+            moves = StepMoves()
+            for new in scheduler_output.scheduled_new_reqs:
+                moves.failed += self.planner.abandon(new.req_id, new.block_ids[0], new.num_computed_tokens)
+            self.planner.finish(scheduler_output.finished_req_ids)
+            return KVForgeMetadata(moves)
+
+    def _plan_step(self, scheduler_output: SchedulerOutput) -> StepMoves:
         moves = StepMoves()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -195,7 +227,7 @@ class KVForgeConnector(KVConnectorBase_V1):
             else:
                 self.planner.advance(req_id, blocks, cached.num_computed_tokens[i], scheduled[req_id], moves)
         self.planner.finish(scheduler_output.finished_req_ids)
-        return KVForgeMetadata(moves)
+        return moves
 
     def update_connector_output(self, connector_output: Any) -> None:
         failed = getattr(connector_output, "invalid_block_ids", None)
@@ -232,21 +264,27 @@ class KVForgeConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVForgeMetadata)
+        self._load_errors.update(meta.moves.failed)
         if not meta.moves.loads:
             return
         caches = {name: layer.kv_cache for name, layer in forward_context.no_compile_layers.items()
                   if name in self.spec.layer_index}  # fmt: skip
         for move in reversed(meta.moves.loads):  # the last block read first: prefixes stay the most recently used
-            segment = self._read(move)
-            if segment is None:
+            segment = None if self._disabled else self._read(move)
+            try:
+                if segment is None:
+                    raise LookupError
+                lo, hi = move.first - move.start, move.last - move.start
+                for name, cache in caches.items():
+                    layer = self.spec.layer_index[name]
+                    keys, values = segment.keys[layer][:, lo:hi], segment.values[layer][:, lo:hi]
+                    blocks = self._kernel_blocks(cache, move.block_ids)[1]
+                    self._layout(name, cache).scatter(cache, blocks, keys, values)
+            except LookupError:
                 self._load_errors.update(move.block_ids)  # vLLM recomputes from the first failed block
-                continue
-            lo, hi = move.first - move.start, move.last - move.start
-            for name, cache in caches.items():
-                layer = self.spec.layer_index[name]
-                keys, values = segment.keys[layer][:, lo:hi], segment.values[layer][:, lo:hi]
-                blocks = self._kernel_blocks(cache, move.block_ids)[1]
-                self._layout(name, cache).scatter(cache, blocks, keys, values)
+            except LayoutError as e:
+                self._disable(e)
+                self._load_errors.update(move.block_ids)
 
     def _read(self, move: BlockMove) -> Any:
         try:
@@ -272,12 +310,23 @@ class KVForgeConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVForgeMetadata)
         layer = self.spec.layer_index.get(layer_name)
-        if not meta.moves.saves or layer is None:
+        if not meta.moves.saves or layer is None or self._disabled:
             return
-        layout = self._layout(layer_name, kv_layer)
+        try:
+            layout = self._layout(layer_name, kv_layer)
+        except LayoutError as e:
+            self._disable(e)
+            return
         for move in meta.moves.saves:
             keys, values = layout.gather(kv_layer, self._kernel_blocks(kv_layer, move.block_ids)[1])
             self._saving.setdefault(move.key, (move, {}))[1][layer] = (keys, values)
+
+    def _disable(self, error: Exception) -> None:
+        if self._disabled is None:
+            self._disabled = str(error)
+            logger.error("kvforge connector: cannot address this backend's KV blocks (%s); nothing is stored or "
+                         "loaded by this server", error)  # fmt: skip
+        self._saving.clear()
 
     def wait_for_save(self) -> None:
         num_layers = len(self.spec.layer_index)

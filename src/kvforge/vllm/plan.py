@@ -39,10 +39,12 @@ class BlockMove:
 
 @dataclass
 class StepMoves:
-    """What the workers move around one model step: loads before it, saves after it."""
+    """What the workers move around one model step: loads before it, saves after it; ``failed``: vLLM blocks the
+    scheduler counts as loaded but that no load will fill (the workers report them, and vLLM recomputes them)."""
 
     loads: list[BlockMove] = field(default_factory=list)
     saves: list[BlockMove] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -155,6 +157,14 @@ class TransferPlanner:
         if new_block_ids:
             state.block_ids += list(new_block_ids)
         self._saves(state, num_computed + num_scheduled, moves)
+
+    def abandon(self, request_id: str, block_ids: Sequence[int], num_computed: int) -> list[int]:
+        """The vLLM blocks of a planned load that will not happen (this step's planning failed): to recompute."""
+        num_external = self._pending_loads.pop(request_id, 0)
+        if num_external <= 0:
+            return []
+        first = (num_computed - num_external) // self.block_size
+        return list(block_ids[first : -(-num_computed // self.block_size)])
 
     def failed(self, block_ids: set[int]) -> None:
         """vLLM blocks whose load failed: vLLM recomputes them, and the store blocks they hold are saved again."""
