@@ -116,6 +116,32 @@ def router(name: str, port: int, upstream: str, store: str, log_dir: Path) -> Se
     return Server(name, command, port, log_dir)
 
 
+@contextlib.contextmanager
+def redis_process(port: int, workdir: Path) -> Iterator[str]:
+    """A throw-away ``redis-server`` on 127.0.0.1 (no persistence); yields its URL."""
+    import redis
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+               "--dir", str(workdir)]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                redis.Redis.from_url(url).ping()
+                break
+            except redis.ConnectionError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {port}") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
 def served_model(url: str) -> str:
     return str(httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"])
 
@@ -127,7 +153,8 @@ def ask(url: str, model: str, messages: list[dict[str, str]], max_tokens: int = 
     start = time.perf_counter()
     ttft, pieces, usage = None, [], {}
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout_s) as answer:
-        answer.raise_for_status()
+        if answer.status_code != 200:
+            raise RuntimeError(f"{url} answered {answer.status_code}: {answer.read().decode()[:500]}")
         route = answer.headers.get("x-kvforge-route")
         for line in answer.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -163,9 +190,15 @@ def document_prompt(tokenizer: Any, num_tokens: int, offset_words: int, question
     while lo < hi:  # the longest passage that fits
         mid = (lo + hi + 1) // 2
         messages = [{"role": "user", "content": " ".join(words[:mid]) + "\n\n" + question}]
-        size = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        size = chat_tokens(tokenizer, messages)
         lo, hi = (mid, hi) if size <= num_tokens else (lo, mid - 1)
     return [{"role": "user", "content": " ".join(words[:lo]) + "\n\n" + question}]
+
+
+def chat_tokens(tokenizer: Any, messages: list[dict[str, str]]) -> int:
+    """Tokens of the prompt a server renders for ``messages`` (chat template, generation prompt)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return len(tokenizer(text, add_special_tokens=False).input_ids)
 
 
 @contextlib.contextmanager

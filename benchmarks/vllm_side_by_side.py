@@ -30,6 +30,7 @@ from vllm_servers import (
     exclusive,
     git_sha,
     kvforge_server,
+    redis_process,
     reset_prefix_cache,
     served_model,
     vllm_server,
@@ -61,6 +62,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     work = args.work or Path(tempfile.mkdtemp(prefix="kvforge-vllm-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
     logs = work / "logs"
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -81,10 +83,7 @@ def main() -> int:
     redis_ctx = None
     redis_url = args.redis
     if redis_url is None and "vllm+redis" not in skip:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from store_helpers import redis_server
-
-        redis_ctx = redis_server(work)
+        redis_ctx = redis_process(args.port + 9, work / "redis")
         redis_url = redis_ctx.__enter__()
     disk = f"file://{work}/disk-store"
     servers = {}
