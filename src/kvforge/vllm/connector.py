@@ -160,7 +160,10 @@ class KVForgeConnector(KVConnectorBase_V1):
             )
             if self.planner.save:  # the router reads what the blocks are keyed by from the store
                 served = ServedModel(vllm_config.model_config.model, self.model_id, self.settings.block_size)
-                announce(self.store, served)
+                try:
+                    announce(self.store, served)
+                except Exception as e:  # a read-only store: blocks still load, routers cannot find this model
+                    logger.warning("kvforge connector: cannot announce the model in the store (%s)", e)
             logger.info("kvforge connector: %s, model %s", self.settings.describe(), self.model_id)
         else:
             self.writer = BlockWriter(self.store, quant=self.settings.quant)
