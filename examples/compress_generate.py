@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+from kvforge.compat import output_cache
 from kvforge.model import load_model
 from kvforge.presses import build_press
 
@@ -22,7 +23,7 @@ def main(model_name: str = "smollm2-135m") -> None:
     for label, press in (("full cache    ", build_press("full")), ("snapkv at 0.5 ", build_press("snapkv", 0.5))):
         with press(model, tokenizer=tokenizer):  # the prompt's KV is compressed during generate's prefill
             out = model.generate(input_ids, max_new_tokens=16, do_sample=False, return_dict_in_generate=True)
-        cache = out.past_key_values  # a kvforge KVCache: model.generate(past_key_values=cache) continues it
+        cache = output_cache(out)  # a kvforge KVCache: model.generate(cache=cache) continues it
         text = tokenizer.decode(out.sequences[0, input_ids.shape[1] :], skip_special_tokens=True)
         print(f"{label}: {cache.num_entries():>7} entries -> {text!r}")
 

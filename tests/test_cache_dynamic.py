@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvforge import compat
 from kvforge.cache import KVCache
 from kvforge.prefill import forward, prefill
 from kvforge.testing import tiny_model
@@ -25,7 +26,8 @@ def test_dynamic_round_trip_is_exact_and_decodes_the_same(arch):
             assert torch.equal(x, y)
     ours = forward(model, [[20]], back)[:, -1]
     with torch.no_grad():
-        theirs = model(torch.tensor([[20]]), past_key_values=dynamic, position_ids=torch.tensor([[12]])).logits[:, -1]
+        out = model(torch.tensor([[20]]), **compat.cache_arg(model, dynamic), position_ids=torch.tensor([[12]]))
+        theirs = out.logits[:, -1]
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
 
 

@@ -1,4 +1,4 @@
-"""transformers-native use: ``with press(model): model.generate(...)`` and ``generate(past_key_values=KVCache)``
+"""transformers-native use: ``with press(model): model.generate(...)`` and ``generate(cache=KVCache)``
 give what Engine gives on the same input, and the model is exactly as before once the block is left."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from kvforge import compat
 from kvforge.cache import KVCache
 from kvforge.engine import Engine
 from kvforge.errors import UserError
@@ -54,7 +55,7 @@ def hf_generate(model, input_ids, **kwargs):
     """Greedy model.generate returning (new tokens, per-step logits, the cache it ended on)."""
     out = model.generate(input_ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
                          return_dict_in_generate=True, output_logits=True, **kwargs)  # fmt: skip
-    return out.sequences[0, input_ids.shape[1] :].tolist(), torch.cat(out.logits), out.past_key_values
+    return out.sequences[0, input_ids.shape[1] :].tolist(), torch.cat(out.logits), compat.output_cache(out)
 
 
 def engine_decode(model, cache, logits):
@@ -103,7 +104,7 @@ def test_generate_continues_a_compressed_cache_as_engine_decode(model, tokenizer
     cache, _ = eng.prefill(prompt[0, :S].tolist(), press=build_press("snapkv", 0.5, window_size=8))
     ours, logits = eng.prefill(prompt[0, S:].tolist(), copy.deepcopy(cache))
     expected_tokens, expected_logits = engine_decode(model, ours, logits)
-    tokens, got_logits, same = hf_generate(model, prompt, past_key_values=cache)
+    tokens, got_logits, same = hf_generate(model, prompt, **compat.cache_arg(model, cache))
     assert same is cache and tokens == expected_tokens
     torch.testing.assert_close(got_logits, expected_logits, rtol=1e-4, atol=1e-4)
     assert cache.next_position == S + 6 + NEW - 1 and cache.lengths() == ours.lengths()
@@ -117,7 +118,7 @@ def test_generate_continues_a_reused_segment(tokenizer):
     segment = full.to_segment("m")
     ours, logits = eng.prefill(prompt[0, S:].tolist(), KVCache.from_segment(segment, model))
     expected_tokens, expected_logits = engine_decode(model, ours, logits)
-    tokens, got_logits, _ = hf_generate(model, prompt, past_key_values=KVCache.from_segment(segment, model))
+    tokens, got_logits, _ = hf_generate(model, prompt, **compat.cache_arg(model, KVCache.from_segment(segment, model)))
     assert tokens == expected_tokens
     torch.testing.assert_close(got_logits, expected_logits, rtol=1e-4, atol=1e-4)
 
@@ -133,12 +134,12 @@ def test_generate_continues_every_press_cache(model, tokenizer, name):
     if cache.hf_attention_problem() is not None:
         before = copy.deepcopy(cache)
         with pytest.raises(ValueError, match=r"kvforge\.hf\.attach"):
-            hf_generate(model, prompt, past_key_values=cache)
+            hf_generate(model, prompt, **compat.cache_arg(model, cache))
         assert cache.next_position == before.next_position and cache.lengths() == before.lengths()  # rolled back
         with attach(model):
-            tokens, got_logits, _ = hf_generate(model, prompt, past_key_values=cache)
+            tokens, got_logits, _ = hf_generate(model, prompt, **compat.cache_arg(model, cache))
     else:
-        tokens, got_logits, _ = hf_generate(model, prompt, past_key_values=cache)
+        tokens, got_logits, _ = hf_generate(model, prompt, **compat.cache_arg(model, cache))
     assert tokens == expected_tokens
     torch.testing.assert_close(got_logits, expected_logits, rtol=1e-4, atol=1e-4)
     assert cache.lengths() == ours.lengths() and cache.next_position == S + 6 + NEW - 1
@@ -193,9 +194,9 @@ def test_clear_errors(tokenizer):
     cache = KVCache.for_model(model)
     engine(model, tokenizer).prefill(ids()[0].tolist(), cache)
     with attach(model), pytest.raises(UserError, match="already in the cache"):
-        model.generate(ids(), past_key_values=cache, max_new_tokens=2, do_sample=False)
+        model.generate(ids(), **compat.cache_arg(model, cache), max_new_tokens=2, do_sample=False)
     with pytest.raises(ValueError, match="num_beams=1"):
-        model.generate(ids(S + 2), past_key_values=cache, max_new_tokens=2, num_beams=2, do_sample=False)
+        model.generate(ids(S + 2), **compat.cache_arg(model, cache), max_new_tokens=2, num_beams=2, do_sample=False)
 
 
 def test_generate_on_sliding_window_layers_across_compaction():
@@ -205,21 +206,21 @@ def test_generate_on_sliding_window_layers_across_compaction():
     prefill(model, prompt[:, :30], ours)
     prefill(model, prompt[:, :30], theirs)
     expected_tokens, expected_logits = engine_decode(model, ours, prefill(model, prompt[:, 30:], ours, chunk_size=3))
-    tokens, got_logits, _ = hf_generate(model, prompt, past_key_values=theirs)
+    tokens, got_logits, _ = hf_generate(model, prompt, **compat.cache_arg(model, theirs))
     assert tokens == expected_tokens
     torch.testing.assert_close(got_logits, expected_logits, rtol=1e-4, atol=1e-4)
     assert max(theirs.lengths()[:2]) < 30  # the sliding layers really dropped entries
 
 
 def test_direct_forward_inside_attach_gives_every_logit(tokenizer):
-    """model(ids, past_key_values=kv_cache) inside the block returns all positions' logits, as the model would."""
+    """model(ids, cache=kv_cache) inside the block returns all positions' logits, as the model would."""
     model, prompt = tiny_model("llama"), ids()
     with torch.no_grad():
         expected = model(prompt).logits
     cache = KVCache.for_model(model)
     with attach(model):
-        got = model(prompt[:, :30], past_key_values=cache).logits
-        got = torch.cat([got, model(prompt[:, 30:], past_key_values=cache).logits], dim=1)
+        got = model(prompt[:, :30], **compat.cache_arg(model, cache)).logits
+        got = torch.cat([got, model(prompt[:, 30:], **compat.cache_arg(model, cache)).logits], dim=1)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert cache.next_position == S and cache.token_ids == prompt[0].tolist()
 
@@ -232,6 +233,6 @@ def test_press_compresses_new_tokens_on_a_passed_cache(tokenizer):
     ours, logits = eng.prefill(prompt[0, S:].tolist(), copy.deepcopy(prefix), press=press)
     expected_tokens, expected_logits = engine_decode(model, ours, logits)
     with press(model, chunk_size=CHUNK):
-        tokens, got_logits, cache = hf_generate(model, prompt, past_key_values=prefix)
+        tokens, got_logits, cache = hf_generate(model, prompt, **compat.cache_arg(model, prefix))
     assert tokens == expected_tokens and cache.lengths() == ours.lengths() == [S + 10 + NEW - 1] * 2
     torch.testing.assert_close(got_logits, expected_logits, rtol=1e-4, atol=1e-4)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvforge import compat
 from kvforge.cache import KVCache
 
 logger = logging.getLogger(__name__)
@@ -196,31 +197,7 @@ def register_attention() -> None:
     :func:`kvforge_attention` without a kvforge cache applies it exactly as sdpa does. kvforge's own forwards build
     their masks from the cache's positions and ignore it.
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, kvforge_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
-
-
-def _model_configs(model: Any) -> list[Any]:
-    """Every config whose ``_attn_implementation`` the model's attention layers read (top, sub-configs, submodels)."""
-    configs: dict[int, Any] = {}
-    pending = [model.config]
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation_internal"):
-            pending.append(config)
-    while pending:
-        config = pending.pop()
-        if id(config) in configs:
-            continue
-        configs[id(config)] = config
-        for key in getattr(config, "sub_configs", {}) or {}:
-            sub = getattr(config, key, None)
-            if sub is not None and hasattr(sub, "_attn_implementation_internal"):
-                pending.append(sub)
-    return list(configs.values())
+    compat.register_attention(ATTN_IMPLEMENTATION, kvforge_attention)
 
 
 @contextmanager
@@ -231,15 +208,8 @@ def kvforge_attention_scope(model: Any) -> Iterator[Any]:
     attention, and so the masks, it had before kvforge ran. Re-entrant (an inner scope finds "kvforge" and leaves it).
     """
     register_attention()
-    configs = [c for c in _model_configs(model) if c._attn_implementation_internal != ATTN_IMPLEMENTATION]
-    previous = [c._attn_implementation_internal for c in configs]
-    for config in configs:
-        config._attn_implementation_internal = ATTN_IMPLEMENTATION
-    try:
+    with compat.attn_implementation(model, ATTN_IMPLEMENTATION):
         yield model
-    finally:
-        for config, impl in zip(configs, previous, strict=True):
-            config._attn_implementation_internal = impl
 
 
 def use_kvforge_attention(model: Any) -> Any:

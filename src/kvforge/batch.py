@@ -50,8 +50,9 @@ class BatchedCache:
 
     # transformers' Cache interface (what decoder layers call)
     def update(
-        self, key_states: Tensor, value_states: Tensor, layer_idx: int, cache_kwargs: dict[str, Any] | None = None
+        self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[Tensor, Tensor]:
+        """Append each row's new keys/values to its own cache (extra arguments: whatever the release passes)."""
         self._rows[layer_idx] = [  # key_states (1, H_kv, S_total, D)
             cache.update(key_states[:, :, a:b], value_states[:, :, a:b], layer_idx)
             for cache, (a, b) in zip(self.caches, self._spans(), strict=True)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kvforge import compat
 from kvforge.decode import decode_uncached
 from kvforge.engine import Engine
 
@@ -47,9 +48,7 @@ def bench_decode(
     decode_uncached(model, ids, m)
     uncached_s = time.perf_counter() - start
 
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
-    try:
+    with compat.attn_implementation(model, "sdpa"):
         input_ids = torch.tensor([ids], device=model.device)
         mask = torch.ones_like(input_ids)
 
@@ -59,8 +58,6 @@ def bench_decode(
 
         hf(2)
         hf_s = _best(lambda: hf(n), repeats) - _best(lambda: hf(1), repeats)
-    finally:
-        model.set_attn_implementation(previous)
     cached_tok_s = (n - 1) / cached_s
     uncached_tok_s = m / uncached_s
     hf_tok_s = (n - 1) / hf_s

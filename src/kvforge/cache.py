@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache
 
+from kvforge.compat import Cache, dynamic_cache, dynamic_cache_layers
 from kvforge.types import KVSegment
 
 DEFAULT_BLOCK_SIZE = 256
@@ -574,8 +574,6 @@ class KVCache(Cache):
         last ``len`` tokens); a compressed, head-wise or re-positioned cache is refused instead of silently changing
         what the model attends to.
         """
-        from transformers import DynamicCache
-
         data = []
         for i, layer in enumerate(self.layers):
             if layer.keys is None:
@@ -588,18 +586,17 @@ class KVCache(Cache):
                     "(keep the KVCache, or convert before compressing)"
                 )
             data.append((k.clone(), v.clone()))
-        return DynamicCache(data)
+        return dynamic_cache(data)
 
     @classmethod
     def from_dynamic(cls, dynamic: Any, model: Any = None, **kwargs: Any) -> KVCache:
         """A KVCache holding a ``transformers.DynamicCache``'s entries (copies), positions continuing after them."""
-        layers = list(dynamic.layers)
+        layers = dynamic_cache_layers(dynamic)
         cache = cls.for_model(model, **kwargs) if model is not None else cls(len(layers), **kwargs)
         if cache.num_layers != len(layers):
             raise ValueError(f"DynamicCache has {len(layers)} layers, the model has {cache.num_layers}")
         total = dynamic.get_seq_length()
-        for i, (ours, theirs) in enumerate(zip(cache.layers, layers, strict=True)):
-            keys, values = theirs.keys, theirs.values
+        for i, (ours, (keys, values)) in enumerate(zip(cache.layers, layers, strict=True)):
             if keys is None or not isinstance(keys, Tensor) or keys.dim() != 4:
                 raise ValueError(f"DynamicCache layer {i} is empty")
             total = max(total, dynamic.get_seq_length(i))

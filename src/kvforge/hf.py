@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kvforge import compat
 from kvforge.cache import KVCache
 from kvforge.errors import UserError
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, forward, prefill
@@ -93,7 +94,7 @@ class _Router:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if "kv_cache" in kwargs:  # a forward of kvforge.prefill: already kvforge's
             return self.original(*args, **kwargs)
-        cache = kwargs.get("past_key_values")
+        cache = compat.cache_from(kwargs)  # ``cache=`` on new releases, ``past_key_values=`` on older ones
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         if isinstance(cache, KVCache):  # under a press, new tokens on a passed cache are a prefill: compressed
             compress = self.press is not None and input_ids is not None and input_ids.shape[1] > 1
@@ -109,8 +110,6 @@ class _Router:
 
     @torch.inference_mode()
     def _run(self, cache: KVCache, input_ids: Tensor | None, kwargs: dict[str, Any], compress: bool) -> Any:
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
         _check_inputs(cache, input_ids, kwargs)
         assert input_ids is not None
         keep = kwargs.get("logits_to_keep", 0)  # generate asks for 1; a direct call for all (0)
@@ -128,7 +127,7 @@ class _Router:
             logits = prefill(self.model, input_ids, cache, chunk_size=self.chunk_size)[:, None, :]
         else:
             logits = forward(self.model, input_ids, cache, logits_to_keep=keep)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+        return compat.causal_lm_output(logits, cache)
 
 
 def _check_inputs(cache: KVCache, input_ids: Tensor | None, kwargs: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kvforge import compat
 from kvforge.attention import kvforge_attention_scope
 from kvforge.cache import KVCache
 
@@ -73,8 +74,8 @@ def call_model(
         return model(
             input_ids=input_ids,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=True,
+            **compat.cache_arg(model, cache),
             kv_cache=cache,
             logits_to_keep=logits_to_keep,
             **({"attention_mask": masks_from_cache(input_ids.device)} | model_kwargs),

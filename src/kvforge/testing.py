@@ -21,6 +21,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from kvforge import compat
+
 TINY: dict[str, Any] = dict(
     vocab_size=128,
     hidden_size=64,
@@ -66,7 +68,7 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides: Any) -> PreTrain
     config_cls, model_cls = ARCHS[arch]
     torch.manual_seed(seed)
     config = config_cls(**(TINY | _ARCH_OVERRIDES.get(arch, {}) | overrides))
-    config._attn_implementation = "sdpa"
+    compat.set_attn_implementation(config, "sdpa")
     model = model_cls(config).eval()
     # Random init gives near-uniform attention; scale q/k so attention is peaked and scores are informative.
     with torch.no_grad():

@@ -13,5 +13,6 @@ COMMAND_MODULES = [
     "kvforge.commands.bench_reuse",
     "kvforge.commands.eval",
     "kvforge.commands.rag",
+    "kvforge.commands.models",
     "kvforge.commands.route",
 ]

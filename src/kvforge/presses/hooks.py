@@ -19,25 +19,9 @@ from torch import Tensor, nn
 
 from kvforge.attention import rotate_half, sdpa
 from kvforge.cache import KVCache
+from kvforge.compat import attention_inputs, attention_modules
 
 logger = logging.getLogger(__name__)
-
-
-def attention_modules(model: Any) -> list[nn.Module]:
-    """The ``self_attn`` module of every decoder layer, in layer order (Llama, Qwen2/3, Mistral, Gemma3...)."""
-    roots = [model, getattr(model, "model", None)]
-    for root in roots:
-        if root is None:
-            continue
-        for path in ("layers", "model.layers", "language_model.layers", "model.language_model.layers"):
-            obj = root
-            for part in path.split("."):
-                obj = getattr(obj, part, None)
-                if obj is None:
-                    break
-            if isinstance(obj, nn.ModuleList) and len(obj) and hasattr(obj[0], "self_attn"):
-                return [layer.self_attn for layer in obj]
-    raise ValueError(f"cannot find decoder layers with self_attn in {type(model).__name__}")
 
 
 def num_query_heads(module: nn.Module) -> int:
@@ -53,9 +37,9 @@ def prerope_queries(module: nn.Module, hidden_states: Tensor) -> Tensor:
     return q_norm(queries) if q_norm is not None else queries
 
 
-def rope_angles(position_embeddings: tuple[Tensor, Tensor], positions: Tensor) -> Tensor | None:
+def rope_angles(rope: tuple[Tensor, Tensor], positions: Tensor) -> Tensor | None:
     """``(D/2,)`` angle per position step of each RoPE frequency, read off two consecutive positions' cos/sin."""
-    cos, sin = position_embeddings  # (B, Q, D)
+    cos, sin = rope  # (B, Q, D)
     if cos.shape[1] < 2 or int(positions[0, -1] - positions[0, -2]) != 1:
         return None
     half = cos.shape[-1] // 2
@@ -64,10 +48,10 @@ def rope_angles(position_embeddings: tuple[Tensor, Tensor], positions: Tensor) -
     return torch.remainder(step + math.pi, 2 * math.pi) - math.pi
 
 
-def compute_queries(module: nn.Module, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> Tensor:
+def compute_queries(module: nn.Module, hidden_states: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
     """Post-RoPE queries ``(B, H, Q, D)`` for ``hidden_states`` ``(B, Q, hidden)``, as the layer computes them."""
     queries = prerope_queries(module, hidden_states)
-    cos, sin = position_embeddings  # (B, Q, D)
+    cos, sin = rope  # (B, Q, D)
     return queries * cos[:, None] + rotate_half(queries) * sin[:, None]
 
 
@@ -100,8 +84,7 @@ class Collector:
         qpos = self.cache.query_positions
         if idx not in self.layers or qpos is None:
             return
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
-        rope = kwargs.get("position_embeddings")
+        hidden, rope = attention_inputs(args, kwargs)
         if hidden is None or rope is None:
             raise RuntimeError(f"layer {idx}: attention hook got no hidden_states/position_embeddings")
         if self.mode == "window":

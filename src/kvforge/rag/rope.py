@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from kvforge.attention import rotate_half
+from kvforge.compat import find_rotary
 from kvforge.errors import UserError
 
 #: rope types whose frequencies do not depend on the sequence length (HF ``rope_type`` names).
@@ -83,18 +84,11 @@ def _text_config(model: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _find_rotary(model: Any) -> Any:
-    for name, module in model.named_modules():
-        if name.endswith("rotary_emb"):
-            return module
-    return None
-
-
 def rope_spec(model: Any) -> RopeSpec:
     """Read the per-layer RoPE frequencies of ``model``; raise :class:`UnsupportedRopeError` when not composable."""
     config = _text_config(model)
     name = type(model).__name__
-    rotary = _find_rotary(model)
+    rotary = find_rotary(model)
     if rotary is None:
         raise UnsupportedRopeError(f"{name} has no rotary embedding (absolute positions or ALiBi): chunks cannot move")
     num_layers = config.num_hidden_layers
