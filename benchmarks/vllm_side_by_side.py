@@ -16,6 +16,7 @@ all of them.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -56,7 +57,11 @@ def main() -> int:
     parser.add_argument("--lock", default=None, help="flock this file exclusively while timing (shared machines)")
     parser.add_argument("--skip", default="", help="comma-separated configurations to leave out")
     parser.add_argument("--vllm-args", default="", help="extra vLLM server options, e.g. '--enforce-eager'")
+    parser.add_argument("--report", type=Path, default=None, help="print the markdown tables of a results file, only")
     args = parser.parse_args()
+    if args.report is not None:
+        print(report([json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]))
+        return 0
     vllm_servers.VLLM_ARGS[:] = args.vllm_args.split()
 
     from transformers import AutoTokenizer
@@ -211,6 +216,35 @@ def summarise(rows: list[dict]) -> list[dict]:
             "same_text_as_cold": all(same), "n": len(group),
         })  # fmt: skip
     return out
+
+
+def report(records: list[dict]) -> str:
+    """Markdown: TTFT (s) per configuration and prompt size, cold / warm / after restart, with cached tokens; then
+    throughput. Medians over the prompts of each size."""
+    summary = [r for r in records if r.get("summary")]
+    lengths = sorted({r["length"] for r in summary})
+    order = ["vllm", "vllm+disk", "vllm+redis", "vllm restarted", "vllm+disk restarted", "vllm+disk 2nd server",
+             "kvforge serve"]  # fmt: skip
+    phases = ["cold", "warm (memory)", "warm (store)", "after restart"]
+    head = "| configuration | measure | " + " | ".join(f"{n} tokens: TTFT s (cached)" for n in lengths) + " |"
+    lines = [head, "|" + " --- |" * (2 + len(lengths))]
+    for config in order:
+        for phase in phases:
+            cells = []
+            for n in lengths:
+                row = next((r for r in summary if (r["config"], r["phase"], r["length"]) == (config, phase, n)), None)
+                if row is None or row["ttft_s"] is None:
+                    cells.append("")
+                    continue
+                same = "" if row["same_text_as_cold"] else " ≠"
+                cells.append(f"{row['ttft_s']:.2f} ({int(row['cached_tokens'])}/{int(row['prompt_tokens'])}){same}")
+            if any(cells):
+                lines.append(f"| {config} | {phase} | " + " | ".join(cells) + " |")
+    lines += ["", "| configuration | requests/s, 8 clients | median latency s | errors |", "| --- | --- | --- | --- |"]
+    for r in records:
+        if str(r.get("phase", "")).startswith("throughput"):
+            lines.append(f"| {r['config']} | {r['requests_per_s']:.2f} | {r['median_latency_s']:.2f} | {r['errors']} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
