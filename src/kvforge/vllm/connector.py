@@ -172,6 +172,10 @@ class KVForgeConnector(KVConnectorBase_V1):
             self._load_errors: set[int] = set()
             self._layers = vllm_config.compilation_config.static_forward_context
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # blocks are copied out after each attention layer: CUDA graphs must leave those calls to Python
+
     # ================================================================================== scheduler side
     # A store fault must never take vLLM down: every store call of the scheduler side is a miss when it fails.
     def _contains(self, key: str) -> bool:
