@@ -95,6 +95,8 @@ def create_router_app(
             outcome = await asyncio.to_thread(normalizer.record, decision, ids, record_wait_s)
         except (httpx.HTTPError, KeyError, ValueError, TypeError) as e:
             outcome = f"not recorded: upstream /tokenize failed ({e})"
+        except Exception as e:  # a store fault while recording: this prompt is simply not indexed
+            outcome = f"not recorded: {type(e).__name__}: {e}"
         if outcome == "recorded":
             metrics.recorded.inc()
         logger.info("route: prompt %s", outcome)
