@@ -225,6 +225,7 @@ def git_sha() -> str:
 
 
 def write_line(path: Path, record: dict) -> None:
+    record = record | {"load_avg_1m": round(os.getloadavg()[0], 2)}  # the machine may be shared: say how busy
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
