@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvforge.vllm import layout as layout_module
 from kvforge.vllm.layout import LayoutError, probe_layout
 
 H, N, D = 3, 8, 4  # KV heads, tokens per block, head dim
@@ -37,13 +38,32 @@ def write_padded(keys, values, cache, slots):
         cache[b, :, t, D:] = values[i]
 
 
+PERM = [3, 0, 7, 1, 6, 2, 5, 4]  # a tile-like order no stride describes
+
+
+def write_shuffled(keys, values, cache, slots):
+    """Tokens in a permuted order inside the block: no strided view; the general path must handle it."""
+    for i, slot in enumerate(slots.tolist()):
+        b, t = divmod(slot, N)
+        cache[b, :, PERM[t], :D] = keys[i]
+        cache[b, :, PERM[t], D:] = values[i]
+
+
 def shape_of(writer):
     return (H, N + 1, 2 * D) if writer is write_padded else (H, N, 2 * D)
 
 
-@pytest.mark.parametrize("writer", [write_head_major, write_cpu_vec, write_padded])
+@pytest.fixture(params=["numpy", "torch"])
+def copies(request, monkeypatch):
+    """CPU caches are copied with numpy; the torch path (GPU caches) runs on CPU tensors here too."""
+    if request.param == "torch":
+        monkeypatch.setattr(layout_module, "_use_numpy", lambda cache: False)
+    return request.param
+
+
+@pytest.mark.parametrize("writer", [write_head_major, write_cpu_vec, write_padded, write_shuffled])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_gather_returns_what_the_backend_wrote(writer, dtype):
+def test_gather_returns_what_the_backend_wrote(writer, dtype, copies):
     layout = probe_layout(writer, shape_of(writer), N, H, D, dtype)
     num_blocks = 5
     cache = torch.zeros((num_blocks, *shape_of(writer)), dtype=dtype)
@@ -57,8 +77,8 @@ def test_gather_returns_what_the_backend_wrote(writer, dtype):
     assert torch.equal(got_v, values.transpose(0, 1))
 
 
-@pytest.mark.parametrize("writer", [write_head_major, write_cpu_vec, write_padded])
-def test_scatter_is_what_the_backend_would_write_and_keeps_other_bytes(writer):
+@pytest.mark.parametrize("writer", [write_head_major, write_cpu_vec, write_padded, write_shuffled])
+def test_scatter_is_what_the_backend_would_write_and_keeps_other_bytes(writer, copies):
     layout = probe_layout(writer, shape_of(writer), N, H, D, torch.float32)
     keys, values = torch.randn(N, H, D), torch.randn(N, H, D)
     expected = torch.full((4, *shape_of(writer)), 7.0)
@@ -66,6 +86,14 @@ def test_scatter_is_what_the_backend_would_write_and_keeps_other_bytes(writer):
     cache = torch.full((4, *shape_of(writer)), 7.0)  # 7.0 stands for other blocks' data and padding
     layout.scatter(cache, [2], keys.transpose(0, 1), values.transpose(0, 1))
     assert torch.equal(cache, expected)
+
+
+def test_strided_layouts_are_recognised_and_others_are_not():
+    vec = probe_layout(write_cpu_vec, (H, N, 2 * D), N, H, D, torch.float32)
+    assert vec.key_strides == (0, 2 * N * D, 1, N)  # keys transposed: token step 1, channel step N
+    assert vec.value_strides == (N * D, 2 * N * D, D, 1)
+    shuffled = probe_layout(write_shuffled, (H, N, 2 * D), N, H, D, torch.float32)
+    assert shuffled.key_strides is None and shuffled.value_strides is None
 
 
 def test_a_backend_that_transforms_values_is_refused():

@@ -109,6 +109,24 @@ def test_saves_follow_chunked_prefill_and_skip_what_is_stored():
     assert moves.saves == []
 
 
+def test_a_block_being_written_is_not_saved_again_by_the_next_request():
+    store = open_store("memory://")
+    now = [100.0]
+    prefix = PrefixReuse(store, MODEL_ID, block_size=SBS)
+    plan = TransferPlanner(prefix.block_keys, store.contains, BS, SBS, in_flight_s=30, clock=lambda: now[0])
+    prompt = list(range(16))
+    moves = StepMoves()
+    plan.start("a", [*prompt, 1], [0, 1, 2, 3, 4], 0, 17, moves)
+    assert len(moves.saves) == 2  # queued, not written yet: the store does not hold them
+    moves = StepMoves()
+    plan.start("b", [*prompt, 2], [5, 6, 7, 8, 9], 0, 17, moves)
+    assert moves.saves == []
+    now[0] += 31  # never written (a failed write): planned again once the window is over
+    moves = StepMoves()
+    plan.start("c", [*prompt, 3], [5, 6, 7, 8, 9], 0, 17, moves)
+    assert len(moves.saves) == 2
+
+
 def test_two_requests_with_one_prefix_save_it_once_per_step():
     store = open_store("memory://")
     plan, _ = planner(store)

@@ -11,6 +11,7 @@ has run, whether its KV was computed, found in vLLM's own prefix cache or loaded
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -64,6 +65,8 @@ class TransferPlanner:
         block_size: vLLM's tokens per paged block.
         store_block_size: tokens per stored block, a multiple of ``block_size``.
         load, save: whether this connector loads stored blocks / saves new ones (``kv_role``).
+        in_flight_s: a block planned for saving is not planned again for this long, even while the store does not
+            hold it yet (the workers write in the background): two requests with one prefix save it once.
     """
 
     def __init__(
@@ -74,6 +77,8 @@ class TransferPlanner:
         store_block_size: int,
         load: bool = True,
         save: bool = True,
+        in_flight_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if block_size < 1 or store_block_size < block_size or store_block_size % block_size:
             raise ValueError(
@@ -85,8 +90,11 @@ class TransferPlanner:
         self.store_block_size = store_block_size
         self.load = load
         self.save = save
+        self.in_flight_s = in_flight_s
+        self.clock = clock
         self._pending_loads: dict[str, int] = {}  # request id -> external tokens to load (set after allocation)
         self._running: dict[str, _Running] = {}
+        self._saving: dict[str, float] = {}  # key -> when its save was planned (written in the background since)
 
     # ------------------------------------------------------------------------------------------ lookup
     def _full_keys(self, prompt: Sequence[int]) -> list[str]:
@@ -171,7 +179,10 @@ class TransferPlanner:
         for state in self._running.values():
             for i, block in enumerate(state.block_ids):
                 if block in block_ids:
-                    state.saved_blocks = min(state.saved_blocks, i * self.block_size // self.store_block_size)
+                    first = i * self.block_size // self.store_block_size
+                    state.saved_blocks = min(state.saved_blocks, first)
+                    for key in state.keys[first:]:
+                        self._saving.pop(key, None)
                     break
 
     def finish(self, request_ids: Sequence[str] | set[str]) -> None:
@@ -200,11 +211,14 @@ class TransferPlanner:
         done = min(computed, len(state.prompt)) // self.store_block_size
         if done <= state.saved_blocks:
             return
-        planned = {m.key for m in moves.saves}
+        now = self.clock()
+        for key in [k for k, t in self._saving.items() if now - t > self.in_flight_s]:
+            del self._saving[key]
         for index in range(state.saved_blocks, done):
             key = state.keys[index]
-            if key in planned or self.contains(key):
+            if key in self._saving or self.contains(key):  # planned already: maybe still being written
                 continue
             start = index * self.store_block_size
             moves.saves.append(self._move(state, index, key, start, start + self.store_block_size))
+            self._saving[key] = now
         state.saved_blocks = done
