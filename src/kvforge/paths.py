@@ -66,8 +66,9 @@ def task_data_folder(data_dir: Path, folder: str) -> Path:
             else f"the data folder {data_dir} has no {folder}/"
         )
         logger.warning(
-            "%s: using the few %s examples bundled with kvforge (a smoke test, not a benchmark). For the real "
-            "benchmark, give --data-dir DIR (or set $%s) where DIR holds %s/ in the layout of kvforge's docs/eval.md",
+            "%s: using the small bundled sample of %s shipped with kvforge (a smoke test, not a benchmark). For the "
+            "real benchmark, give --data-dir DIR (or set $%s) where DIR holds %s/ in the layout of kvforge's "
+            "docs/eval.md",
             where, folder, DATA_ENV, folder,
         )  # fmt: skip
     return bundled_data_dir() / folder
