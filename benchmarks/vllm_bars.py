@@ -60,6 +60,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm_bars.jsonl"))
     parser.add_argument("--logs", type=Path, default=Path("benchmarks/results/vllm_logs"))
     parser.add_argument("--lock", default=None, help="flock this file exclusively while timing (shared machines)")
+    parser.add_argument("--lock-wait", type=float, default=180.0, help="seconds to wait for --lock before going on")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -70,7 +71,7 @@ def main() -> int:
         open_store(args.store).clear()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompt = document_prompt(tokenizer, args.tokens, 0, QUESTION)
-    base = {"bench": "vllm_bars", "git": git_sha(), "store": args.store, "model": args.model}
+    base = {"bench": "vllm_bars", "git": git_sha(), "store": args.store, "model": Path(args.model).name}
     servers = []
 
     def step(name: str, result: dict, **extra: object) -> dict:
@@ -82,19 +83,19 @@ def main() -> int:
         a = vllm_server("vllm-a", args.port, args.model, args.logs, store=args.store).start().wait()
         servers.append(a)
         model = served_model(a.url)
-        with exclusive(args.lock):
+        with exclusive(args.lock, args.lock_wait):
             first = step("first answer", ask(a.url, model, prompt))
         a.stop()
         a2 = vllm_server("vllm-a-restarted", args.port, args.model, args.logs, store=args.store).start().wait()
         servers.append(a2)
-        with exclusive(args.lock):
+        with exclusive(args.lock, args.lock_wait):
             again = step("after restart", ask(a2.url, model, prompt))
         bar1 = again["cached_tokens"] >= 1792 and again["text"] == first["text"] and again["ttft_s"] < first["ttft_s"]
 
         # 2. a second server on the same store
         b = vllm_server("vllm-b", args.port + 1, args.model, args.logs, store=args.store).start().wait()
         servers.append(b)
-        with exclusive(args.lock):
+        with exclusive(args.lock, args.lock_wait):
             second = step("second server", ask(b.url, model, prompt))
         bar2 = second["cached_tokens"] >= 1792 and second["text"] == first["text"]
 

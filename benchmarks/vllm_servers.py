@@ -92,6 +92,10 @@ class Server:
 
 
 VLLM_ARGS: list[str] = []  # extra vLLM options for every server (e.g. --enforce-eager for a quick smoke run)
+# extra environment for every vLLM server; e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=1: on CPU, vLLM reserves one more core
+# for its scheduler when any KV connector is configured (meant for NIXL), which on a 2-core machine leaves none and
+# makes the worker run two OpenMP threads against its own scheduler (see docs/vllm.md)
+VLLM_ENV: dict[str, str] = {}
 
 
 def vllm_server(name: str, port: int, model: str, log_dir: Path, store: str | None = None, **extra: Any) -> Server:
@@ -101,7 +105,7 @@ def vllm_server(name: str, port: int, model: str, log_dir: Path, store: str | No
     if store is not None:
         command += ["--kv-transfer-config", connector_config(store, **extra)]
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-    return Server(name, command, port, log_dir, env)
+    return Server(name, command, port, log_dir, env | VLLM_ENV)
 
 
 def kvforge_server(name: str, port: int, model: str, store: str, log_dir: Path, *extra: str) -> Server:
@@ -167,9 +171,13 @@ def ask(url: str, model: str, messages: list[dict[str, str]], max_tokens: int = 
                     ttft = ttft if ttft is not None else time.perf_counter() - start
                     pieces.append(piece)
     details = usage.get("prompt_tokens_details") or {}
+    latency = time.perf_counter() - start
+    generated = usage.get("completion_tokens") or 0
     return {
         "ttft_s": ttft,
-        "latency_s": time.perf_counter() - start,
+        "latency_s": latency,
+        "completion_tokens": generated,
+        "decode_s_per_token": (latency - ttft) / (generated - 1) if ttft is not None and generated > 1 else None,
         "text": "".join(pieces),
         "prompt_tokens": usage.get("prompt_tokens"),
         "cached_tokens": details.get("cached_tokens", 0),
@@ -201,19 +209,38 @@ def chat_tokens(tokenizer: Any, messages: list[dict[str, str]]) -> int:
     return len(tokenizer(text, add_special_tokens=False).input_ids)
 
 
+LOCK_STATE = {"exclusive_lock": None}  # written into every result line: whether the timing lock was held
+
+
 @contextlib.contextmanager
-def exclusive(lock_path: str | None) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``lock_path`` (if given) while timing, so other heavy jobs wait."""
+def exclusive(lock_path: str | None, wait_s: float = 180.0) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on ``lock_path`` (if given) while timing, so other heavy jobs wait. On a shared
+    machine where other jobs hold the lock for hours, it is given up after ``wait_s`` and the run goes on without it
+    (every line says whether the lock was held; the ratios come from alternating requests either way)."""
     if lock_path is None:
-        yield
+        yield False
         return
     with open(lock_path, "a") as f:
-        print(f"[bench] waiting for the exclusive lock {lock_path}", file=sys.stderr)
-        fcntl.flock(f, fcntl.LOCK_EX)
+        print(f"[bench] waiting up to {wait_s:.0f} s for the exclusive lock {lock_path}", file=sys.stderr)
+        deadline = time.monotonic() + wait_s
+        held = False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    print("[bench] the lock is busy: timing without it", file=sys.stderr)
+                    break
+                time.sleep(1.0)
+        LOCK_STATE["exclusive_lock"] = held
         try:
-            yield
+            yield held
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            LOCK_STATE["exclusive_lock"] = None
+            if held:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def git_sha() -> str:
@@ -226,6 +253,8 @@ def git_sha() -> str:
 
 def write_line(path: Path, record: dict) -> None:
     record = record | {"load_avg_1m": round(os.getloadavg()[0], 2)}  # the machine may be shared: say how busy
+    if LOCK_STATE["exclusive_lock"] is not None:
+        record["exclusive_lock"] = LOCK_STATE["exclusive_lock"]
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")

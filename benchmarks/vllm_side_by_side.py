@@ -8,9 +8,9 @@ Configurations (all fp32, the same weights: ``--model`` is the folder ``kvforge`
 ``vllm`` (its in-memory prefix cache), ``vllm+disk`` / ``vllm+redis`` (kvforge connector on a file / Redis store;
 "warm (store)" empties vLLM's memory first with ``/reset_prefix_cache``, so the KV comes from the store),
 ``vllm restarted`` / ``vllm+disk restarted`` (a new process: only a store remembers), ``vllm+disk 2nd server``
-(another process on the same store, started while the first runs) and ``kvforge serve`` (prefix reuse on its own
-memory + file store). Requests alternate between the servers that are up, so load changes on a shared machine hit
-all of them.
+(another process on the same store, running beside the restarted one) and ``kvforge serve`` (prefix reuse on its
+own memory + file store; its request timeout raised so that long cold prompts on a busy machine are answered).
+Requests alternate between the servers that are up, so load changes on a shared machine hit all of them.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ QUESTION = "What does the narrator say about this passage's main character? Answ
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="model folder (fp32 safetensors) vLLM serves")
+    parser.add_argument("--model", help="model folder (fp32 safetensors) vLLM serves (required to run)")
     parser.add_argument("--kvforge-model", default="smollm2-135m", help="what kvforge serve loads (same weights)")
     parser.add_argument("--lengths", default="1024,2048,4096", help="prompt sizes in tokens")
     parser.add_argument("--prompts", type=int, default=2, help="distinct prompts per size (each cold once)")
@@ -55,14 +55,30 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=None, help="folder for stores and logs (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm_side_by_side.jsonl"))
     parser.add_argument("--lock", default=None, help="flock this file exclusively while timing (shared machines)")
+    parser.add_argument("--lock-wait", type=float, default=180.0, help="seconds to wait for --lock before going on")
     parser.add_argument("--skip", default="", help="comma-separated configurations to leave out")
     parser.add_argument("--vllm-args", default="", help="extra vLLM server options, e.g. '--enforce-eager'")
+    parser.add_argument(
+        "--vllm-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of every vLLM server, e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=1 (docs/vllm.md)",
+    )
+    parser.add_argument("--kvforge-args", default="--timeout 3600", help="extra kvforge serve options")
     parser.add_argument("--report", type=Path, default=None, help="print the markdown tables of a results file, only")
     args = parser.parse_args()
     if args.report is not None:
         print(report([json.loads(line) for line in args.report.read_text().splitlines() if line.strip()]))
         return 0
+    if not args.model:
+        parser.error("--model is required (the fp32 model folder vLLM serves)")
     vllm_servers.VLLM_ARGS[:] = args.vllm_args.split()
+    for item in args.vllm_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--vllm-env takes KEY=VALUE, got {item!r}")
+        vllm_servers.VLLM_ENV[key] = value
 
     from transformers import AutoTokenizer
 
@@ -76,7 +92,14 @@ def main() -> int:
         for k, n in enumerate(lengths)
         for i in range(args.prompts)
     }
-    base = {"bench": "vllm_side_by_side", "git": git_sha(), "model": args.model, "max_tokens": args.max_tokens}
+    base = {
+        "bench": "vllm_side_by_side",
+        "git": git_sha(),
+        "model": Path(args.model).name,
+        "max_tokens": args.max_tokens,
+        "vllm_env": dict(vllm_servers.VLLM_ENV),
+        "vllm_args": args.vllm_args,
+    }
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     rows: list[dict] = []
 
@@ -98,7 +121,12 @@ def main() -> int:
             "vllm+disk": lambda: vllm_server("vllm-disk", args.port + 1, args.model, logs, store=disk),
             "vllm+redis": lambda: vllm_server("vllm-redis", args.port + 2, args.model, logs, store=redis_url),
             "kvforge serve": lambda: kvforge_server(
-                "kvforge", args.port + 3, args.kvforge_model, f"memory://,file://{work}/kvforge-store", logs
+                "kvforge",
+                args.port + 3,
+                args.kvforge_model,
+                f"memory://,file://{work}/kvforge-store",
+                logs,
+                *args.kvforge_args.split(),
             ),
         }
         servers = start_all({name: make for name, make in first.items() if name not in skip})
@@ -106,7 +134,7 @@ def main() -> int:
 
         # cold, then warm (memory), then warm (store): alternating servers, one prompt size at a time
         for n in lengths:
-            with exclusive(args.lock):
+            with exclusive(args.lock, args.lock_wait):
                 for i in range(args.prompts):
                     for name, server in servers.items():
                         record(name, "cold", (n, i), ask(server.url, models[name], prompts[n, i], args.max_tokens))
@@ -121,7 +149,7 @@ def main() -> int:
 
         # throughput: 8 clients, each asking the stored prompts in turn, one server at a time
         for name, server in servers.items():
-            with exclusive(args.lock):
+            with exclusive(args.lock, args.lock_wait):
                 result = throughput(server.url, models[name], list(prompts.values()), args.clients, args.seconds,
                                     args.max_tokens)  # fmt: skip
             write_line(args.out, base | {"config": name, "phase": f"throughput {args.clients} clients"} | result)
@@ -138,7 +166,7 @@ def main() -> int:
         }
         servers = start_all({name: make for name, make in later.items() if name.split(" ")[0] not in skip})
         for n in lengths:
-            with exclusive(args.lock):
+            with exclusive(args.lock, args.lock_wait):
                 for i in range(args.prompts):
                     for name, server in servers.items():
                         model = served_model(server.url)
@@ -213,6 +241,8 @@ def summarise(rows: list[dict]) -> list[dict]:
             "prompt_tokens": statistics.median(r["prompt_tokens"] for r in group),
             "ttft_s": statistics.median(t) if (t := [r["ttft_s"] for r in group if r["ttft_s"] is not None]) else None,
             "cached_tokens": statistics.median(r["cached_tokens"] for r in group),
+            "decode_s_per_token": statistics.median(d) if (d := [r["decode_s_per_token"] for r in group
+                                                                 if r.get("decode_s_per_token")]) else None,
             "same_text_as_cold": all(same), "n": len(group),
         })  # fmt: skip
     return out
@@ -240,10 +270,22 @@ def report(records: list[dict]) -> str:
                 cells.append(f"{row['ttft_s']:.2f} ({int(row['cached_tokens'])}/{int(row['prompt_tokens'])}){same}")
             if any(cells):
                 lines.append(f"| {config} | {phase} | " + " | ".join(cells) + " |")
-    lines += ["", "| configuration | requests/s, 8 clients | median latency s | errors |", "| --- | --- | --- | --- |"]
+    lines += ["", "| configuration | decode s/token (median of its answers) |", "| --- | --- |"]
+    for config in order:
+        per_token = [r["decode_s_per_token"] for r in records if r.get("config") == config and "ttft_s" in r
+                     and not r.get("summary") and r.get("decode_s_per_token")]  # fmt: skip
+        if per_token:
+            lines.append(f"| {config} | {statistics.median(per_token):.3f} |")
+    lines += ["", "| configuration | requests/s, 8 clients | median latency s | errors | load (1 min) |",
+              "| --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in records:
         if str(r.get("phase", "")).startswith("throughput"):
-            lines.append(f"| {r['config']} | {r['requests_per_s']:.2f} | {r['median_latency_s']:.2f} | {r['errors']} |")
+            latency = "" if r["median_latency_s"] is None else f"{r['median_latency_s']:.2f}"
+            lines.append(f"| {r['config']} | {r['requests_per_s']:.2f} | {latency} | {r['errors']} | "
+                         f"{r.get('load_avg_1m', '')} |")  # fmt: skip
+    loads = [r["load_avg_1m"] for r in records if r.get("load_avg_1m") is not None]
+    if loads:
+        lines += ["", f"1-minute load average over the run's lines: {min(loads):.1f}-{max(loads):.1f}."]
     return "\n".join(lines)
 
 

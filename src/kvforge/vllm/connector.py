@@ -356,6 +356,8 @@ class KVForgeConnector(KVConnectorBase_V1):
         if writer is not None:
             writer.flush()
             writer.close()
+            logger.info("kvforge connector: shut down; %d blocks written, %d failed", writer.num_written,
+                        writer.num_failed)  # fmt: skip
         close = getattr(self.store, "close", None)
         if close is not None:
             close()
