@@ -38,24 +38,13 @@ import numpy as np
 
 from kvforge.cache import KVCache
 from kvforge.errors import StoreUnavailableError
-from kvforge.reuse.base import (
-    Embedder,
-    PromptContext,
-    ReusePlan,
-    cache_from_segments,
-    covers,
-    digest,
-    encode_ids,
-    full_layers_complete,
-    holds_exactly,
-    miss_plan,
-    segment_slice,
-)
+from kvforge.reuse.base import ReusePlan, covers, digest, encode_ids, full_layers_complete, holds_exactly, miss_plan
 from kvforge.reuse.guards import DEFAULT_GUARDS, check, words
 from kvforge.reuse.index import IndexEntry, SemanticIndex, read_record, record_bytes
 from kvforge.types import KVSegment
 
 if TYPE_CHECKING:
+    from kvforge.reuse.base import Embedder, PromptContext
     from kvforge.store.base import KVStore
 
 logger = logging.getLogger(__name__)
@@ -142,9 +131,7 @@ class SemanticReuse:
     def plan(
         self, token_ids: Sequence[int], *, text: str | None = None, context: PromptContext | None = None
     ) -> ReusePlan:
-        ids = list(token_ids)
-        if not ids:
-            raise ValueError("empty prompt: nothing to prefill")
+        ids = list(token_ids)  # an empty prompt is refused by miss_plan
         t0 = time.perf_counter()
         reused_ids, namespace = self._split(ids, context)
         tail = ids[len(reused_ids) :]  # context mode: the question, always prefilled; canonical: nothing
@@ -172,7 +159,9 @@ class SemanticReuse:
         prefill_ids = tail if tail else reused_ids[-1:]
         if end == 0 or not covers([segment], end):
             return miss_plan(ids, reason="stored KV does not cover the reused part")
-        cache = cache_from_segments([segment], reused_ids, end, segment.meta.get("layer_windows"), self.device)
+        cache = KVCache.from_segments(
+            [segment], end=end, layer_windows=segment.meta.get("layer_windows"), device=self.device
+        )
         cache.info["reuse"] = {"kind": kind, "reused_tokens": end, "approximate": False}
         return ReusePlan(
             cache=cache,
@@ -248,12 +237,7 @@ class SemanticReuse:
 
     # ------------------------------------------------------------------------------------------------ record
     def record(
-        self,
-        token_ids: Sequence[int],
-        cache: KVCache,
-        *,
-        text: str | None = None,
-        context: PromptContext | None = None,
+        self, token_ids: Sequence[int], cache: KVCache, *, text: str | None = None, context: PromptContext | None = None
     ) -> None:
         """Store the KV of the prompt (canonical) or of its context (context mode) and index its text."""
         ids = list(token_ids)
@@ -266,7 +250,7 @@ class SemanticReuse:
         query = context.text if self.mode == "context" and context is not None else text
         if not self.store.contains(key):
             try:
-                segment = segment_slice(cache, 0, len(stored_ids), self.model_id, stored_ids)
+                segment = cache.to_segment(self.model_id, stored_ids, start=0, end=len(stored_ids))
             except ValueError as e:
                 logger.debug("not recording: %s", e)
                 return
