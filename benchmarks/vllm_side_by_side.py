@@ -233,7 +233,12 @@ def summarise(rows: list[dict]) -> list[dict]:
     cold_text = {(r["config"], r["length"], r["prompt"]): r["text"] for r in rows if r["phase"] == "cold"}
     keys = sorted({(r["config"], r["phase"], r["length"]) for r in rows})
     for config, phase, length in keys:
-        group = [r for r in rows if (r["config"], r["phase"], r["length"]) == (config, phase, length)]
+        every = [r for r in rows if (r["config"], r["phase"], r["length"]) == (config, phase, length)]
+        group = [r for r in every if r["ttft_s"] is not None and r["prompt_tokens"] is not None]  # answered
+        if not group:
+            out.append({"config": config, "phase": phase, "length": length, "ttft_s": None, "n": 0,
+                        "unanswered": len(every)})  # fmt: skip
+            continue
         origin = config.replace(" restarted", "").replace(" 2nd server", "")
         same = [r["text"] == cold_text.get((origin, length, r["prompt"])) for r in group]
         out.append({
@@ -243,7 +248,7 @@ def summarise(rows: list[dict]) -> list[dict]:
             "cached_tokens": statistics.median(r["cached_tokens"] for r in group),
             "decode_s_per_token": statistics.median(d) if (d := [r["decode_s_per_token"] for r in group
                                                                  if r.get("decode_s_per_token")]) else None,
-            "same_text_as_cold": all(same), "n": len(group),
+            "same_text_as_cold": all(same), "n": len(group), "unanswered": len(every) - len(group),
         })  # fmt: skip
     return out
 
@@ -252,6 +257,8 @@ def report(records: list[dict]) -> str:
     """Markdown: TTFT (s) per configuration and prompt size, cold / warm / after restart, with cached tokens; then
     throughput. Medians over the prompts of each size."""
     summary = [r for r in records if r.get("summary")]
+    if not summary:  # a run stopped before its summary lines: summarise the answers it has
+        summary = summarise([r for r in records if "ttft_s" in r and "phase" in r and "length" in r])
     lengths = sorted({r["length"] for r in summary})
     order = ["vllm", "vllm+disk", "vllm+redis", "vllm restarted", "vllm+disk restarted", "vllm+disk 2nd server",
              "kvforge serve"]  # fmt: skip
@@ -263,11 +270,17 @@ def report(records: list[dict]) -> str:
             cells = []
             for n in lengths:
                 row = next((r for r in summary if (r["config"], r["phase"], r["length"]) == (config, phase, n)), None)
-                if row is None or row["ttft_s"] is None:
+                if row is None:
                     cells.append("")
                     continue
+                unanswered = f" ({row['unanswered']} unanswered)" if row.get("unanswered") else ""
+                if row["ttft_s"] is None:
+                    cells.append("no answer" + unanswered)
+                    continue
                 same = "" if row["same_text_as_cold"] else " ≠"
-                cells.append(f"{row['ttft_s']:.2f} ({int(row['cached_tokens'])}/{int(row['prompt_tokens'])}){same}")
+                cells.append(
+                    f"{row['ttft_s']:.2f} ({int(row['cached_tokens'])}/{int(row['prompt_tokens'])}){same}{unanswered}"
+                )
             if any(cells):
                 lines.append(f"| {config} | {phase} | " + " | ".join(cells) + " |")
     lines += ["", "| configuration | decode s/token (median of its answers) |", "| --- | --- |"]

@@ -95,7 +95,7 @@ def assert_same_answer(warm: dict, cold: dict, tol: float = 1e-4) -> None:
 
 
 def block_files(store_dir: Path) -> list[Path]:
-    return sorted(store_dir.glob("segments/*/prefix-v1-*.kvseg"))
+    return sorted(store_dir.glob("segments/*/prefix-v2-*.kvseg"))
 
 
 def test_a_restarted_engine_loads_the_stored_blocks_and_answers_the_same(model_dir, tmp_path):
@@ -138,6 +138,44 @@ def test_kvforge_engine_and_vllm_share_blocks(model_dir, tmp_path):
     (plain,) = run(model_dir, [other], None)
     assert warm["cached"] == 512
     assert_same_answer(warm, plain)
+
+
+def test_blocks_carry_kvforges_chain_header_and_a_copied_block_is_recomputed(model_dir, tmp_path):
+    """vLLM's blocks have PrefixReuse's header (chain, parent, block_start, next) and are listed as kvforge lists its
+    own; a block copied under another prompt's key (same tokens at the same positions, another first block) fails
+    the chain check inside vLLM: recomputed, the right block stored in its place, the answer vLLM's own."""
+    from kvforge.reuse import chain as ch
+
+    store_url = f"file://{tmp_path}/kv"
+    (a,) = run(model_dir, [PROMPT], store_url)
+    store = open_store(store_url)
+    prefix = PrefixReuse(store, folder_fingerprint(model_dir))
+    chains = prefix.block_chains(a["prompt_ids"])
+    first = store.get(ch.block_key(chains[0]))
+    second = store.get(ch.block_key(chains[1]))
+    assert first.meta == ch.block_meta(chains[0], prefix.root, 0, [None] * 3, a["prompt_ids"][256:512])
+    assert (second.meta["parent"], second.meta["block_start"]) == (chains[0], 256)
+    roots = ch.decode_list(prefix.root, store.get_blob(ch.list_key(prefix.root, True)))
+    assert [c for c, _ in roots] == [chains[0]]
+
+    other = "Z" * 10 + PROMPT[10:]  # block 0 differs; blocks 1 and 2 hold the same characters
+    (plain,) = run(model_dir, [other], None)
+    b_ids = plain["prompt_ids"]
+    b_chains = prefix.block_chains(b_ids)
+    assert b_ids[256:512] == a["prompt_ids"][256:512] and b_chains[1] != chains[1]
+    store.close()
+    run(model_dir, [b_ids[:300]], store_url)  # stores b's block 0 only
+    store = open_store(store_url)
+    store.put(ch.block_key(b_chains[1]), second)  # a's block 1 copied under b's key
+    store.close()
+    (b,) = run(model_dir, [b_ids], store_url)
+    assert_same_answer(b, plain)
+    store = open_store(store_url)
+    assert store.get(ch.block_key(b_chains[1])).meta["parent"] == b_chains[0]  # the right block, stored again
+    store.close()
+    (again,) = run(model_dir, [b_ids], store_url)
+    assert again["cached"] == 512
+    assert_same_answer(again, plain)
 
 
 def test_a_corrupt_block_is_recomputed_never_used(model_dir, tmp_path):

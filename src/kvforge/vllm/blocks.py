@@ -1,13 +1,18 @@
 """Store blocks as kvforge prefix segments: built from a paged cache's keys/values, checked before any KV is loaded,
 and written by a background thread so a step never waits for the disk or the network.
 
-A block saved here is the segment :class:`kvforge.reuse.prefix.PrefixReuse` records for the same tokens (same key,
-same header: ``layer_windows``, ``block_start``; positions ``start..end-1`` on every head), so kvforge's own engine
-and a vLLM server on one store reuse each other's blocks when they serve the same weights.
+A block saved here is the segment :class:`kvforge.reuse.prefix.PrefixReuse` records for the same tokens: the same
+key (``prefix-v2-<chain digest>``), the same header (:func:`kvforge.reuse.chain.block_meta`: format, chain, parent,
+``block_start``, ``layer_windows``, ``next``), positions ``start..end-1`` on every head, and the same listing among
+its parent's children. A block is loaded only when :func:`kvforge.reuse.chain.block_problem` accepts it (its parent
+is the block before it in this prompt, its chain hash is that of its parent and its tokens, and it is the block the
+key names), so kvforge's own engine and a vLLM server on one store reuse each other's blocks when they serve the
+same weights, and a block copied from another chain is a miss for it and every block after it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -17,10 +22,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from kvforge.reuse.prefix import KEY_PREFIX
+from kvforge.errors import StoreUnavailableError
+from kvforge.reuse import chain as ch
 from kvforge.types import KVSegment
 
 if TYPE_CHECKING:
+    from kvforge.reuse.prefix import PrefixReuse
     from kvforge.store.base import KVStore
     from kvforge.vllm.plan import BlockMove
 
@@ -40,19 +47,25 @@ def block_segment(move: BlockMove, keys: Sequence[Tensor], values: Sequence[Tens
         valid=[None] * num_layers,
         next_position=move.end,
         model_id=model_id,
-        meta={"layer_windows": [None] * num_layers, "block_start": move.start, "format": KEY_PREFIX},
+        meta=ch.block_meta(move.chain, move.parent, move.start, [None] * num_layers, move.next_ids),
     )
 
 
 def check_block(
     segment: KVSegment, move: BlockMove, model_id: str, num_layers: int, num_kv_heads: int, head_size: int
 ) -> str | None:
-    """Why ``segment`` may not fill ``move`` (None = it may): another model, other tokens, another shape."""
+    """Why ``segment`` may not fill ``move`` (None = it may): another model, another chain (the blocks before it
+    differ, or its header does not hash to its key), other tokens, another shape."""
     size = move.end - move.start
     if segment.model_id != model_id:
         return f"made by model {segment.model_id!r}, not {model_id!r}"
     if segment.token_ids != list(move.token_ids) or segment.next_position != move.end:
         return f"does not hold tokens [{move.start}, {move.end}) of this prompt"
+    problem = ch.block_problem(
+        segment, model_id=model_id, parent=move.parent, start=move.start, chain=move.chain, block_size=size
+    )
+    if problem is not None:
+        return f"is not this prompt's block: {problem}"
     if segment.num_layers != num_layers:
         return f"has {segment.num_layers} layers, the model {num_layers}"
     expected = torch.arange(move.start, move.end)
@@ -65,26 +78,37 @@ def check_block(
 
 
 class BlockWriter:
-    """Writes segments to a store from one background thread, in order; ``flush`` waits for what was queued.
+    """Writes the blocks one model step saved from one background thread, in order; ``flush`` waits for what was
+    queued.
 
-    A failed write (a full disk, a store that went away) is logged and dropped: a block not written is a later
-    miss, never an error for the request that computed it. At most ``max_pending`` segments wait in memory; past
-    that ``put`` blocks the caller (the model step) rather than grow memory without bound.
+    A step's blocks are written as :meth:`PrefixReuse.record` writes a prompt's: head first (a full disk keeps the
+    reachable head), a block whose parent failed is not written (it would be unreachable), the written blocks are
+    touched last to first (under the stores' LRU a prefix is at least as recent as its suffixes), and a block whose
+    parent was stored before is listed among that parent's children. A failed write (a full disk, a store that went
+    away) is logged and dropped: a block not written is a later miss, never an error for the request that computed
+    it. At most ``max_pending`` steps wait in memory; past that ``put`` blocks the caller (the model step) rather
+    than grow memory without bound.
     """
 
-    def __init__(self, store: KVStore, quant: str | None = None, max_pending: int = 32) -> None:
+    def __init__(
+        self, store: KVStore, quant: str | None = None, max_pending: int = 32, prefix: PrefixReuse | None = None
+    ) -> None:
         self.store = store
         self.quant = quant
+        self.prefix = prefix  # lists blocks among their parent's children (None: not listed)
         self.num_written = 0
         self.num_failed = 0
-        self._queue: queue.Queue[tuple[str, KVSegment] | None] = queue.Queue(max_pending)
+        self._failed: dict[str, None] = {}  # chains of recent failed writes (bounded, insertion-ordered)
+        self._queue: queue.Queue[list[tuple[BlockMove, KVSegment]] | None] = queue.Queue(max_pending)
         self._thread = threading.Thread(target=self._run, name="kvforge-block-writer", daemon=True)
         self._thread.start()
 
-    def put(self, key: str, segment: KVSegment) -> None:
+    def put(self, blocks: list[tuple[BlockMove, KVSegment]]) -> None:
+        """Queue one step's blocks (any order: written head first)."""
         if not self._thread.is_alive():
             raise RuntimeError("the block writer is closed")
-        self._queue.put((key, segment))
+        if blocks:
+            self._queue.put(sorted(blocks, key=lambda item: item[0].start))
 
     def _run(self) -> None:
         while True:
@@ -92,18 +116,42 @@ class BlockWriter:
             try:
                 if item is None:
                     return
-                key, segment = item
-                try:
-                    self.store.put(key, segment, quant=self.quant)
-                    self.num_written += 1
-                except Exception as e:  # never let a store fault kill the writer: the block is a later miss
-                    self.num_failed += 1
-                    logger.warning("kvforge connector: block %s not stored: %s", key[:24], e)
+                self._write(item)
+            except Exception as e:  # never let a fault kill the writer: the blocks are later misses
+                logger.warning("kvforge connector: blocks not stored: %s", e)
             finally:
                 self._queue.task_done()
 
+    def _write(self, blocks: list[tuple[BlockMove, KVSegment]]) -> None:
+        written: list[BlockMove] = []
+        for move, segment in blocks:
+            if move.parent in self._failed:
+                self._fail(move.chain)
+                continue
+            try:
+                self.store.put(move.key, segment, quant=self.quant)
+            except Exception as e:  # the block is a later miss; so is every block after it
+                self._fail(move.chain)
+                logger.warning("kvforge connector: block %s not stored: %s", move.key[:24], e)
+                continue
+            self.num_written += 1
+            self._failed.pop(move.chain, None)
+            written.append(move)
+            if move.listed and self.prefix is not None:
+                self.prefix.list_child(move.parent, move.chain, move.token_ids)
+        touch = getattr(self.store, "touch", None)
+        for move in reversed(written) if touch is not None else ():
+            with contextlib.suppress(OSError, StoreUnavailableError):
+                touch(move.key)
+
+    def _fail(self, chain: str) -> None:
+        self.num_failed += 1
+        self._failed[chain] = None
+        while len(self._failed) > 4096:
+            del self._failed[next(iter(self._failed))]
+
     def flush(self) -> None:
-        """Wait until every queued segment is written (or has failed)."""
+        """Wait until every queued block is written (or has failed)."""
         self._queue.join()
 
     def close(self) -> None:

@@ -151,7 +151,8 @@ class KVForgeConnector(KVConnectorBase_V1):
         prefix = PrefixReuse(self.store, self.model_id, block_size=self.settings.block_size)
         if role == KVConnectorRole.SCHEDULER:
             self.planner = TransferPlanner(
-                prefix.block_keys,
+                prefix.block_chains,
+                prefix.root,
                 self._contains,
                 block_size=vllm_config.cache_config.block_size,
                 store_block_size=self.settings.block_size,
@@ -166,7 +167,7 @@ class KVForgeConnector(KVConnectorBase_V1):
                     logger.warning("kvforge connector: cannot announce the model in the store (%s)", e)
             logger.info("kvforge connector: %s, model %s", self.settings.describe(), self.model_id)
         else:
-            self.writer = BlockWriter(self.store, quant=self.settings.quant)
+            self.writer = BlockWriter(self.store, quant=self.settings.quant, prefix=prefix)
             self._layouts: dict[tuple[Any, ...], BlockLayout] = {}
             self._saving: dict[str, tuple[BlockMove, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
             self._load_errors: set[int] = set()
@@ -305,8 +306,12 @@ class KVForgeConnector(KVConnectorBase_V1):
             return None
         spec = self.spec
         reason = check_block(segment, move, self.model_id, len(spec.layer_index), spec.num_kv_heads, spec.head_size)
-        if reason is not None:
-            logger.warning("kvforge connector: block %s %s; recomputed", move.key[:24], reason)
+        if reason is not None:  # removed, as PrefixReuse removes it, so the recomputed block can be stored
+            logger.warning("kvforge connector: block %s %s; recomputed, and removed", move.key[:24], reason)
+            try:
+                self.store.delete(move.key)
+            except Exception as e:
+                logger.debug("kvforge connector: block %s not removed (%s)", move.key[:24], e)
             return None
         return segment
 
@@ -337,15 +342,16 @@ class KVForgeConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         num_layers = len(self.spec.layer_index)
-        for key, (move, layers) in sorted(self._saving.items(), key=lambda item: -item[1][0].start):  # suffix first
+        blocks = []
+        for key, (move, layers) in self._saving.items():
             if len(layers) != num_layers:
                 logger.warning("kvforge connector: block %s saw %d of %d layers; not stored", key[:24], len(layers),
                                num_layers)  # fmt: skip
                 continue
             ordered = [layers[i] for i in range(num_layers)]
-            segment = block_segment(move, [k for k, _ in ordered], [v for _, v in ordered], self.model_id)
-            self.writer.put(key, segment)
+            blocks.append((move, block_segment(move, [k for k, _ in ordered], [v for _, v in ordered], self.model_id)))
         self._saving.clear()
+        self.writer.put(blocks)  # written head first, touched last to first, as PrefixReuse records
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._load_errors = self._load_errors, set()

@@ -1,9 +1,10 @@
 """The scheduler side of the connector, without vLLM: which stored blocks a request can load, and which of its
 blocks to save at each step.
 
-A prompt is cut in store blocks of ``store_block_size`` tokens (a multiple of vLLM's block size), keyed exactly
-as :class:`kvforge.reuse.prefix.PrefixReuse` keys its blocks (hash-chained over the model fingerprint and every
-token before the block's end). A lookup walks the chain to the first block the store lacks; the hit is cut to a
+A prompt is cut in store blocks of ``store_block_size`` tokens (a multiple of vLLM's block size), named exactly
+as :class:`kvforge.reuse.prefix.PrefixReuse` names its blocks: the chain digest of :mod:`kvforge.reuse.chain`
+(the model fingerprint, the block size and every token to the block's end), its parent's digest, and the tokens
+that follow it in the prompt. A lookup walks the chain to the first block the store lacks; the hit is cut to a
 vLLM block boundary and leaves at least the prompt's last token to compute (its logits start decoding). Only
 whole store blocks of the prompt are saved (decoded tokens are not), each as soon as the step that completes it
 has run, whether its KV was computed, found in vLLM's own prefix cache or loaded.
@@ -15,27 +16,40 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvforge.reuse import chain as ch
+
 
 @dataclass
 class BlockMove:
     """One store block to load into, or save from, vLLM's paged cache.
 
     Args:
-        key: the store key (a prefix-chain key).
+        chain: the block's chain digest (its store key is ``prefix-v2-<chain>``).
+        parent: the chain digest of the block before it (the chain root for the prompt's first block).
         start, end: the block's tokens in the prompt, ``[start, end)``.
         token_ids: the prompt's tokens ``[start, end)`` (checked against a loaded segment, written into a saved one).
         first, last: the tokens actually moved, ``[first, last)`` inside ``[start, end)``: a load skips what vLLM
             already holds and stops where the hit stops; a save moves the whole block.
         block_ids: vLLM's blocks holding tokens ``[first, last)``, in order.
+        next_ids: (saves) the prompt's tokens after the block, at most one block of them: the header's ``next``.
+        listed: (saves) list the block among its parent's children, as ``PrefixReuse`` does for a block whose
+            parent was stored before (a block following one saved for the same prompt is named by its ``next``).
     """
 
-    key: str
+    chain: str
+    parent: str
     start: int
     end: int
     token_ids: list[int]
     first: int
     last: int
     block_ids: list[int]
+    next_ids: list[int] = field(default_factory=list)
+    listed: bool = False
+
+    @property
+    def key(self) -> str:
+        return ch.block_key(self.chain)
 
 
 @dataclass
@@ -51,16 +65,23 @@ class StepMoves:
 @dataclass
 class _Running:
     prompt: list[int]
-    keys: list[str]  # of the prompt's whole store blocks
+    chains: list[str]  # chain digests of the prompt's whole store blocks
     block_ids: list[int]
     saved_blocks: int = 0  # store blocks of the prompt already saved or found stored
+    planned: set[int] = field(default_factory=set)  # store blocks this request planned to save
+
+    @property
+    def keys(self) -> list[str]:
+        return [ch.block_key(c) for c in self.chains]
 
 
 class TransferPlanner:
     """Per-request bookkeeping of the scheduler-side connector.
 
     Args:
-        block_keys: prompt token ids -> the store key of each of its blocks (the last one may be partial).
+        block_chains: prompt token ids -> the chain digest of each of its blocks (the last one may be partial):
+            ``PrefixReuse.block_chains``.
+        root: the chain root (``PrefixReuse.root``): the parent of a prompt's first block.
         contains: whether the store holds a key.
         block_size: vLLM's tokens per paged block.
         store_block_size: tokens per stored block, a multiple of ``block_size``.
@@ -71,7 +92,8 @@ class TransferPlanner:
 
     def __init__(
         self,
-        block_keys: Callable[[Sequence[int]], list[str]],
+        block_chains: Callable[[Sequence[int]], list[str]],
+        root: str,
         contains: Callable[[str], bool],
         block_size: int,
         store_block_size: int,
@@ -84,7 +106,8 @@ class TransferPlanner:
             raise ValueError(
                 f"the store block size ({store_block_size}) must be a multiple of vLLM's block size ({block_size})"
             )
-        self.block_keys = block_keys
+        self.block_chains = block_chains
+        self.root = root
         self.contains = contains
         self.block_size = block_size
         self.store_block_size = store_block_size
@@ -97,8 +120,8 @@ class TransferPlanner:
         self._saving: dict[str, float] = {}  # key -> when its save was planned (written in the background since)
 
     # ------------------------------------------------------------------------------------------ lookup
-    def _full_keys(self, prompt: Sequence[int]) -> list[str]:
-        return self.block_keys(prompt)[: len(prompt) // self.store_block_size]
+    def _full_chains(self, prompt: Sequence[int]) -> list[str]:
+        return self.block_chains(prompt)[: len(prompt) // self.store_block_size]
 
     def stored_tokens(self, prompt: Sequence[int]) -> int:
         """Tokens of ``prompt`` that loading can provide: the stored chain, cut to a vLLM block boundary and to at
@@ -106,8 +129,8 @@ class TransferPlanner:
         if not self.load or len(prompt) < 2:
             return 0
         hit = 0
-        for key in self._full_keys(prompt):
-            if not self.contains(key):
+        for chain in self._full_chains(prompt):
+            if not self.contains(ch.block_key(chain)):
                 break
             hit += self.store_block_size
         usable = min(hit, len(prompt) - 1)
@@ -138,7 +161,7 @@ class TransferPlanner:
         if prompt is None:  # prompt embeddings: no token ids to key blocks by
             self.finish([request_id])
             return
-        self._running[request_id] = _Running(list(prompt), self._full_keys(prompt), [])
+        self._running[request_id] = _Running(list(prompt), self._full_chains(prompt), [])
         self.resume(request_id, block_ids, num_computed, num_scheduled, moves)
 
     def resume(
@@ -183,6 +206,7 @@ class TransferPlanner:
                     state.saved_blocks = min(state.saved_blocks, first)
                     for key in state.keys[first:]:
                         self._saving.pop(key, None)
+                    state.planned = {i for i in state.planned if i < first}
                     break
 
     def finish(self, request_ids: Sequence[str] | set[str]) -> None:
@@ -190,19 +214,20 @@ class TransferPlanner:
             self._running.pop(request_id, None)
             self._pending_loads.pop(request_id, None)
 
-    def _move(self, state: _Running, index: int, key: str, first: int, last: int) -> BlockMove:
+    def _move(self, state: _Running, index: int, first: int, last: int) -> BlockMove:
         start = index * self.store_block_size
         end = start + self.store_block_size
         blocks = state.block_ids[first // self.block_size : last // self.block_size]
-        return BlockMove(key, start, end, state.prompt[start:end], first, last, blocks)
+        parent = state.chains[index - 1] if index else self.root
+        return BlockMove(state.chains[index], parent, start, end, state.prompt[start:end], first, last, blocks)
 
     def _loads(self, state: _Running, first: int, last: int) -> list[BlockMove]:
         out = []
-        for index, key in enumerate(state.keys):
+        for index in range(len(state.chains)):
             start, end = index * self.store_block_size, (index + 1) * self.store_block_size
             lo, hi = max(start, first), min(end, last)
             if lo < hi:
-                out.append(self._move(state, index, key, lo, hi))
+                out.append(self._move(state, index, lo, hi))
         return out
 
     def _saves(self, state: _Running, computed: int, moves: StepMoves) -> None:
@@ -219,6 +244,10 @@ class TransferPlanner:
             if key in self._saving or self.contains(key):  # planned already: maybe still being written
                 continue
             start = index * self.store_block_size
-            moves.saves.append(self._move(state, index, key, start, start + self.store_block_size))
+            move = self._move(state, index, start, start + self.store_block_size)
+            move.next_ids = state.prompt[move.end : move.end + self.store_block_size]
+            move.listed = index - 1 not in state.planned  # else the parent's header names it (its next)
+            moves.saves.append(move)
+            state.planned.add(index)
             self._saving[key] = now
         state.saved_blocks = done
