@@ -13,7 +13,7 @@ right trade for a query-agnostic cache that is stored and reused). Scores equal 
 rounding (<= 7e-6 of the layer's largest score, ``benchmarks/kvzip_crosscheck.py``).
 
 As in the paper (and each switchable so its effect is measured):
-- ``chat_template`` (True): the replay is a chat turn; False = the bare prompt + context (kvforge before issue 13).
+- ``chat_template`` (True): the replay is a chat turn; False = the bare prompt + context (kvforge's earlier behaviour).
 - ``replay_turn``: ``"continue"`` (default, above) or ``"new"``: the request as a later user turn of its own (for a
   context that closed its turn; kvforge's default before the kvpress comparison).
 - ``normalise``: ``"chunk"`` (default) or ``"all"``: softmax over every key in the cache (header, other chunks).
