@@ -108,10 +108,15 @@ def vllm_server(name: str, port: int, model: str, log_dir: Path, store: str | No
     return Server(name, command, port, log_dir, env | VLLM_ENV)
 
 
+# extra environment for kvforge serve; e.g. OMP_NUM_THREADS=1 to give it the one thread vLLM's CPU worker gets on a
+# 2-core machine (vLLM keeps a core for its scheduler), instead of a 2-thread team fighting the other servers
+KVFORGE_ENV: dict[str, str] = {}
+
+
 def kvforge_server(name: str, port: int, model: str, store: str, log_dir: Path, *extra: str) -> Server:
     command = [sys.executable, "-m", "kvforge", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
                "--reuse", "prefix", "--store", store, *extra]  # fmt: skip
-    return Server(name, command, port, log_dir)
+    return Server(name, command, port, log_dir, dict(KVFORGE_ENV))
 
 
 def router(name: str, port: int, upstream: str, store: str, log_dir: Path) -> Server:

@@ -66,6 +66,13 @@ def main() -> int:
         help="environment of every vLLM server, e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=1 (docs/vllm.md)",
     )
     parser.add_argument("--kvforge-args", default="--timeout 3600", help="extra kvforge serve options")
+    parser.add_argument(
+        "--kvforge-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of kvforge serve, e.g. OMP_NUM_THREADS=1 (vLLM's CPU worker thread count on 2 cores)",
+    )
     parser.add_argument("--report", type=Path, default=None, help="print the markdown tables of a results file, only")
     args = parser.parse_args()
     if args.report is not None:
@@ -74,11 +81,13 @@ def main() -> int:
     if not args.model:
         parser.error("--model is required (the fp32 model folder vLLM serves)")
     vllm_servers.VLLM_ARGS[:] = args.vllm_args.split()
-    for item in args.vllm_env:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            parser.error(f"--vllm-env takes KEY=VALUE, got {item!r}")
-        vllm_servers.VLLM_ENV[key] = value
+    for option, items, env in (("--vllm-env", args.vllm_env, vllm_servers.VLLM_ENV),
+                               ("--kvforge-env", args.kvforge_env, vllm_servers.KVFORGE_ENV)):  # fmt: skip
+        for item in items:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                parser.error(f"{option} takes KEY=VALUE, got {item!r}")
+            env[key] = value
 
     from transformers import AutoTokenizer
 
@@ -98,6 +107,7 @@ def main() -> int:
         "model": Path(args.model).name,
         "max_tokens": args.max_tokens,
         "vllm_env": dict(vllm_servers.VLLM_ENV),
+        "kvforge_env": dict(vllm_servers.KVFORGE_ENV),
         "vllm_args": args.vllm_args,
     }
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
