@@ -56,7 +56,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm_side_by_side.jsonl"))
     parser.add_argument("--lock", default=None, help="flock this file exclusively while timing (shared machines)")
     parser.add_argument("--lock-wait", type=float, default=180.0, help="seconds to wait for --lock before going on")
-    parser.add_argument("--skip", default="", help="comma-separated configurations to leave out")
+    parser.add_argument(
+        "--skip", default="", help="comma-separated configurations or phases (throughput, restarts) to leave out"
+    )
     parser.add_argument("--vllm-args", default="", help="extra vLLM server options, e.g. '--enforce-eager'")
     parser.add_argument(
         "--vllm-env",
@@ -158,7 +160,7 @@ def main() -> int:
                             record(name, "warm (store)", (n, i), result)
 
         # throughput: 8 clients, each asking the stored prompts in turn, one server at a time
-        for name, server in servers.items():
+        for name, server in servers.items() if "throughput" not in skip else ():
             with exclusive(args.lock, args.lock_wait):
                 result = throughput(server.url, models[name], list(prompts.values()), args.clients, args.seconds,
                                     args.max_tokens)  # fmt: skip
@@ -174,6 +176,8 @@ def main() -> int:
             ),
             "vllm+disk 2nd server": lambda: vllm_server("vllm-disk-2", args.port + 4, args.model, logs, store=disk),
         }
+        if "restarts" in skip:
+            later = {}
         servers = start_all({name: make for name, make in later.items() if name.split(" ")[0] not in skip})
         for n in lengths:
             with exclusive(args.lock, args.lock_wait):
