@@ -81,14 +81,15 @@ def _coverage(promised: dict[str, str]) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/faults.jsonl"))
-    ap.add_argument("--only", default=None, help="run only the cases whose name contains this text")
+    ap.add_argument("--only", action="append", default=None,
+                    help="run only the cases whose name contains this text (repeatable: any of them)")  # fmt: skip
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     promised = promises()
     rows = []
     for c in CASES:
-        if args.only is not None and args.only not in c.name:
+        if args.only is not None and not any(text in c.name for text in args.only):
             continue
         rows.append(_run(c, promised))
         print(json.dumps(rows[-1]), flush=True)

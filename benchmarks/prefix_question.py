@@ -2,11 +2,13 @@
 
 The document (the first ``--doc-tokens`` tokens of the bundled Moby-Dick excerpt) is stored first, by
 ``POST /v1/kv/documents`` or by a first question; then each further question is sent as a chat completion with
-``max_tokens=1``. One JSON line per question: ``cached_tokens``, ``prompt_tokens``, the server's TTFT (from the start
-of the request's work to its first token) and the request's wall time. Only public APIs are used, so the same file
-measures any kvforge revision (point ``PYTHONPATH`` at its ``src``).
+``max_tokens=1``, and beside each the same question cold (``kvforge.reuse = "none"``: nothing looked up, the whole
+prompt prefilled), alternating, so each warm TTFT has its cold peer measured in the same run. One JSON line per
+answer: ``mode`` (cold | warm), ``cached_tokens``, ``prompt_tokens``, the server's TTFT (from the start of the
+request's work, store lookup and load included, to its first token) and the request's wall time. Only public APIs
+are used, so the same file measures any kvforge revision (point ``PYTHONPATH`` at its ``src``).
 
-    PYTHONPATH=src python benchmarks/prefix_question.py --model smollm2-135m --doc-tokens 3000 --store memory://
+    PYTHONPATH=src python benchmarks/prefix_question.py --model smollm2-135m --doc-tokens 3000 --questions 3
 """
 
 from __future__ import annotations
@@ -65,27 +67,23 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with TestClient(app) as client, args.out.open("a") as out:
 
-        def ask(question: str) -> tuple[dict, float]:
+        def ask(question: str, **kvforge: str) -> tuple[dict, float]:
             body = {
                 "model": args.model,
                 "messages": [{"role": "user", "content": f"{doc}\n\n{question}"}],
                 "max_tokens": 1,
                 "temperature": 0,
-            }
+            } | ({"kvforge": kvforge} if kvforge else {})
             start = time.perf_counter()
             r = client.post("/v1/chat/completions", json=body)
             r.raise_for_status()
             return r.json(), time.perf_counter() - start
 
-        if args.stored_by == "documents":
-            client.post("/v1/kv/documents", json={"documents": [doc]}).raise_for_status()
-        else:
-            ask(QUESTIONS[0])  # its prompt (document + question) is stored
-        for i, question in enumerate(QUESTIONS[1 : args.questions + 1], start=1):
-            reply, wall = ask(question)
+        def report(i: int, question: str, mode: str, reply: dict, wall: float) -> None:
             row = {
                 "bench": "prefix_question",
                 "label": args.label,
+                "mode": mode,
                 "model": args.model,
                 "store": store.split("://")[0],
                 "stored_by": args.stored_by,
@@ -99,6 +97,14 @@ def main(argv: list[str] | None = None) -> int:
             }
             print(json.dumps(row), flush=True)
             out.write(json.dumps(row) + "\n")
+
+        if args.stored_by == "documents":
+            client.post("/v1/kv/documents", json={"documents": [doc]}).raise_for_status()
+        else:
+            ask(QUESTIONS[0])  # its prompt (document + question) is stored
+        for i, question in enumerate(QUESTIONS[1 : args.questions + 1], start=1):
+            report(i, question, "cold", *ask(question, reuse="none"))
+            report(i, question, "warm", *ask(question))
     return 0
 
 

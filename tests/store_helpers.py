@@ -122,7 +122,7 @@ def redis_server(workdir: Path, password: str | None = None) -> Iterator[str]:
             proc.wait()
 
 
-def _wait_until_up(port: int, proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+def _wait_until_up(port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -88,3 +88,21 @@ def test_token_ids_out_of_range_are_400s(client: Any, prompt: Any) -> None:
 def test_documents_with_an_odd_press_name_are_400(client: Any) -> None:
     body = {"documents": ["some text"], "press": "y" * 500}
     _one_line_400(client.post("/v1/kv/documents", json=body), "press")
+
+
+def test_ignore_eos_generates_max_tokens_past_the_end_of_sequence(client: Any) -> None:
+    """vLLM's ``ignore_eos``: the end-of-sequence token does not end the answer (what load tests need). The greedy
+    answer of a prompt that ends at once on </s> is made exactly max_tokens long."""
+    for prompt in (f"{i} {chr(97 + i)}" for i in range(40)):
+        plain = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 40,
+                                                     "temperature": 0})  # fmt: skip
+        assert plain.status_code == 200, plain.text
+        if plain.json()["choices"][0]["finish_reason"] == "stop":
+            break
+    else:
+        pytest.skip("no greedy answer of this tiny model ends on </s> within 40 tokens")
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    forced = client.post("/v1/completions", json=body).json()
+    assert forced["choices"][0]["finish_reason"] == "length"
+    assert forced["usage"]["completion_tokens"] == 40 > plain.json()["usage"]["completion_tokens"]
+    assert client.post("/v1/completions", json=body | {"ignore_eos": "yes"}).status_code == 400

@@ -151,7 +151,7 @@ def server(*args: str, store: str = "memory://", wrap: Callable[[list[str]], lis
     srv = Server(f"http://127.0.0.1:{port}", proc)
     SEEN["servers"] += 1
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # importing torch takes minutes on 2 busy cores
         while True:
             try:
                 if httpx.get(srv.url + "/health", timeout=1).status_code == 200:
@@ -159,14 +159,15 @@ def server(*args: str, store: str = "memory://", wrap: Callable[[list[str]], lis
             except httpx.TransportError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                srv.stop()
-                raise RuntimeError(f"the server did not start: {srv.output[-500:]}")
+                rc = srv.stop()
+                why = "exited" if time.monotonic() <= deadline else "timed out"
+                raise RuntimeError(f"the server did not start ({why}, rc {rc}): {srv.output[-500:]}")
             time.sleep(0.2)
         yield srv
     finally:
         if proc.poll() is None:
             srv.stop()
-        elif not srv.output:
+        elif proc.stdout is not None and not proc.stdout.closed:  # exited by itself: keep what it printed
             srv.output = proc.communicate()[0] or ""
 
 

@@ -3,10 +3,12 @@ promises returns, beside what it saw, the statuses each promise got; the driver 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -140,8 +142,9 @@ def server_redis_stops(tmp: Path) -> tuple[str, dict[str, list[int]]]:
 
 @case(
     "`kvforge serve --store` naming a Redis that is down",
-    "refuses to start: exit 2, one line, before the model loads (< 5 s)",
-    lambda o: o.startswith("exit 2, 1 line, no traceback") and float(o.split()[-2]) < 5,
+    "refuses to start: exit 2, one line, before the model loads (faster than `import torch` alone, timed in the same "
+    "run: a machine's load makes absolute times say little)",
+    lambda o: o.startswith("exit 2, 1 line, no traceback, faster"),
     promise="store-down-at-start",
 )
 def server_store_down_at_start(tmp: Path) -> str:
@@ -157,8 +160,12 @@ def server_store_down_at_start(tmp: Path) -> str:
     start = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True, env=python_env(), timeout=120)
     took = time.monotonic() - start
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import torch"], env=python_env(), timeout=300, check=True)
+    peer = time.monotonic() - start
     traceback = "traceback" if "Traceback" in proc.stderr else "no traceback"
-    return f"exit {proc.returncode}, {proc.stderr.count(chr(10))} line, {traceback}, in {took:.1f} s"
+    return (f"exit {proc.returncode}, {proc.stderr.count(chr(10))} line, {traceback}, "
+            f"{'faster' if took < peer else 'SLOWER'} than import torch: {took:.1f} s vs {peer:.1f} s")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ inputs
@@ -316,8 +323,8 @@ def sigterm(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     with server("--grace-period", "3", "--max-running", "1") as srv:
         answers: dict[int, Any] = {}
 
-        def ask(i: int) -> None:
-            answers[i] = chat(srv, "hello", max_tokens=1900)  # the running one lasts past the grace period
+        def ask(i: int) -> None:  # the running one lasts past the grace period (no early end on </s>)
+            answers[i] = chat(srv, "hello", max_tokens=1900, ignore_eos=True)
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
         for t in threads:
@@ -327,8 +334,11 @@ def sigterm(tmp: Path) -> tuple[str, dict[str, list[int]]]:
             time.sleep(0.02)
         srv.proc.send_signal(signal.SIGTERM)
         start = time.monotonic()
-        time.sleep(0.3)
-        new = [note(httpx.get(srv.url + "/health", timeout=5)), chat(srv, "hi after SIGTERM")]
+        health = httpx.get(srv.url + "/health", timeout=5)
+        while health.status_code == 200 and time.monotonic() < start + 3:  # until the signal is handled
+            time.sleep(0.02)
+            health = httpx.get(srv.url + "/health", timeout=5)
+        new = [note(health), chat(srv, "hi after SIGTERM")]
         rc = srv.proc.wait(30)
         exit_s = time.monotonic() - start
         for t in threads:
@@ -382,52 +392,70 @@ def streaming_disconnects(tmp: Path) -> str:
             + (f"; {failed}" if failed else ""))  # fmt: skip
 
 
+@contextlib.contextmanager
+def _health_probe(srv: Server) -> Iterator[list[float]]:
+    """The worst /health latency while the block runs (probed every 50 ms)."""
+    worst, stop = [0.0], threading.Event()
+
+    def probe() -> None:
+        while not stop.is_set():
+            t = time.monotonic()
+            httpx.get(srv.url + "/health", timeout=60)
+            worst[0] = max(worst[0], time.monotonic() - t)
+            time.sleep(0.05)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        yield worst
+    finally:
+        stop.set()
+        prober.join(60)
+
+
 @case(
     "a 7 MiB document to /v1/kv/documents while a chat is asked and /health probed every 50 ms",
     "/health worst < 1 s, the chat answered < 5 s, the document refused (400, too long)",
     lambda o: o.startswith("ok"),
 )
 def big_document(tmp: Path) -> str:
-    with server("--max-body-bytes", str(16 * 2**20)) as srv:
-        worst, stop = [0.0], threading.Event()
-
-        def probe() -> None:
-            while not stop.is_set():
-                t = time.monotonic()
-                httpx.get(srv.url + "/health", timeout=60)
-                worst[0] = max(worst[0], time.monotonic() - t)
-                time.sleep(0.05)
-
+    with server("--max-body-bytes", str(16 * 2**20)) as srv, _health_probe(srv) as worst:
         doc: dict[str, Any] = {}
-        prober = threading.Thread(target=probe)
         sender = threading.Thread(target=lambda: doc.setdefault(
             "r", post(srv, "/v1/kv/documents", {"documents": ["word " * (7 * 2**20 // 5)]}, timeout=300)))  # fmt: skip
-        prober.start()
         sender.start()
         time.sleep(0.5)
         t = time.monotonic()
         answer = chat(srv, "A short question?")
         chat_s = time.monotonic() - t
         sender.join(300)
-        stop.set()
-        prober.join(60)
     ok = worst[0] < 1.0 and chat_s < 5.0 and answer.status_code == 200 and doc["r"].status_code == 400
     return (f"{'ok' if ok else 'NOT'}: /health worst {worst[0]:.2f} s, chat {answer.status_code} in {chat_s:.2f} s, "
             f"document {doc['r'].status_code}")  # fmt: skip
 
 
 @case(
-    "a 7 MiB token-id body to /v1/completions",
-    "refused (400, longer than the context) within 1 s",
-    lambda o: o.startswith("400 in") and float(o.split()[2]) < 1.0,
+    "a 7 MiB token-id body to /v1/completions while /health is probed every 50 ms",
+    "refused (400, longer than the context) in < 4x the time json.loads takes to read the same bytes here (the "
+    "unavoidable cost, measured in the same run), /health worst < 1 s",
+    lambda o: o.startswith("ok"),
 )
 def big_token_body(tmp: Path) -> str:
     ids = [7] * (7 * 2**20 // 2)  # "7," per id
-    with server("--max-body-bytes", str(16 * 2**20)) as srv:
+    raw = json.dumps({"model": "tiny", "prompt": ids, "max_tokens": 1}).encode()  # encoded once: not timed
+    with server("--max-body-bytes", str(16 * 2**20)) as srv, _health_probe(srv) as worst:
         t = time.monotonic()
-        r = post(srv, "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 1}, timeout=120)
+        r = note(httpx.post(srv.url + "/v1/completions", content=raw, headers={"content-type": "application/json"},
+                            timeout=120))  # fmt: skip
         took = time.monotonic() - t
-    return f"{r.status_code} in {took:.2f} s"
+    t = time.monotonic()
+    json.loads(raw)
+    peer = time.monotonic() - t
+    ok = r.status_code == 400 and took < 4 * peer and worst[0] < 1.0
+    return (
+        f"{'ok' if ok else 'NOT'}: {r.status_code} in {took:.2f} s = {took / peer:.1f}x json.loads ({peer:.2f} s), "
+        f"/health worst {worst[0]:.2f} s"
+    )
 
 
 def _ask_compressed(srv: Server, ratio: float) -> Any:

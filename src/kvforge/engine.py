@@ -293,7 +293,7 @@ class Engine:
         return DecodeState(
             request.max_new_tokens,
             request.sampling,
-            eos_token_ids=self.eos_token_ids,
+            eos_token_ids=() if request.ignore_eos else self.eos_token_ids,
             stop=list(request.stop),
             tokenizer=self.tokenizer,
             on_token=request.on_token,

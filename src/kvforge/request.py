@@ -87,6 +87,8 @@ class Request:
         on_prefill: called with (prompt tokens done, total) after each prefill chunk (progress bars).
         deadline: ``time.monotonic()`` past which the engine stops the request (``Sequence.error``: "timeout").
         processors: logits processors (presence/frequency penalties); logprobs: alternatives per token to report.
+        ignore_eos: keep generating past the end-of-sequence token (exactly ``max_new_tokens`` tokens unless a stop
+            string or the deadline ends it first; what load tests and benchmarks need).
     """
 
     prompt: Prompt
@@ -103,6 +105,7 @@ class Request:
     deadline: float | None = None
     processors: Sequence[Any] = ()
     logprobs: int | None = None
+    ignore_eos: bool = False
     encoded: Encoded | None = None
 
     def __post_init__(self) -> None:

@@ -88,6 +88,7 @@ class _GenerationRequest(BaseModel):
     n: Annotated[StrictInt, Field(ge=1, le=1)] | None = None  # one choice per request
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    ignore_eos: StrictBool = False  # vLLM's extra sampling parameter: generate max_tokens, past the end of sequence
     kvforge: KVForgeOptions | None = None
 
     @field_validator("temperature")

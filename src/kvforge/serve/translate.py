@@ -79,7 +79,8 @@ class Translator:
             with contextlib.suppress(APIError):  # a plain chat: ordinary generation (a miss for context mode)
                 body = Document(*split_context_question(prompt))  # semantic reuse of the document part
         request = Request(body, raw=raw, press=press, query_aware=opts.query_aware is not False, reuse=reuse,
-                          quant=opts.quant, stop=req.stop_list, logprobs=req.num_logprobs)  # fmt: skip
+                          quant=opts.quant, stop=req.stop_list, logprobs=req.num_logprobs,
+                          ignore_eos=req.ignore_eos)  # fmt: skip
         if req.presence_penalty or req.frequency_penalty:
             request.processors = [PresenceFrequencyPenalty(req.presence_penalty or 0.0, req.frequency_penalty or 0.0)]
         self._tokenise(req, request, prompt, "prompt" if raw else "messages", default=16 if raw else None)
@@ -128,7 +129,7 @@ class Translator:
         strategy = self.features.chunk_reuse(opts.rag, opts.recompute_ratio)
         texts = opts.chunks if opts.chunks is not None else self.features.chunk_texts(strategy, opts.chunk_ids or [])
         request = Request(Chunks(list(texts), question, system), reuse=strategy, stop=req.stop_list,
-                          logprobs=req.num_logprobs)  # fmt: skip
+                          logprobs=req.num_logprobs, ignore_eos=req.ignore_eos)  # fmt: skip
         if req.presence_penalty or req.frequency_penalty:
             request.processors = [PresenceFrequencyPenalty(req.presence_penalty or 0.0, req.frequency_penalty or 0.0)]
         self._tokenise(req, request, prompt, "messages", default=None)

@@ -8,8 +8,9 @@ checksum; they are never evicted and do not count against ``max_bytes``.
 One rule for I/O errors, applied here and nowhere else (:meth:`ByteStore._io`): whatever a backend raises for I/O
 (any ``OSError`` — read-only mount, full disk, quota, file-size limit, permissions, EIO... — or an unreachable store)
 makes a read a miss and a write a skipped write, with ONE warning per cause (operation + errno or error type) until
-that operation succeeds again. Only :meth:`ByteStore.clear` reports failures instead: it returns what it could and
-could not remove. :func:`track_writes` tells a caller whether the writes of a block of work were kept.
+that operation succeeds again; a file-size limit (EFBIG) is a limit on an entry's size, which a smaller entry that fits
+does not lift, so it is warned about once per store. Only :meth:`ByteStore.clear` reports failures instead: it returns
+what it could and could not remove. :func:`track_writes` tells a caller whether the writes of a block of work were kept.
 """
 
 from __future__ import annotations
@@ -101,6 +102,10 @@ def describe_error(e: BaseException) -> str:
     if isinstance(e, OSError) and e.errno is not None:
         return f"{e.strerror or 'error'} [{errno.errorcode.get(e.errno, e.errno)}]"
     return redact_text(str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+
+# causes that depend on the entry written, not on the store's state: a write that succeeds does not heal them
+SIZE_CAUSES = frozenset({"EFBIG"})
 
 
 def _cause(e: BaseException) -> str:
@@ -217,14 +222,21 @@ class ByteStore(ABC):
             key,
             describe_error(e),
             outcome,
-            f" (the same failure is not logged again until a {op} succeeds)" if first else "",
+            (
+                ""
+                if not first
+                else " (entries this large are not logged again)"
+                if cause[1] in SIZE_CAUSES
+                else f" (the same failure is not logged again until a {op} succeeds)"
+            ),
         )
 
     def _healthy(self, op: Op) -> None:
         if not self._faults:
             return
         with self.lock:
-            healed = [c for c in self._faults if c[0] == op or c[1] == "StoreUnavailableError"]
+            healed = [c for c in self._faults
+                      if (c[0] == op and c[1] not in SIZE_CAUSES) or c[1] == "StoreUnavailableError"]  # fmt: skip
             for c in healed:
                 del self._faults[c]
             self._down_at = None
