@@ -1,7 +1,7 @@
 """Bounded memory while generating: answers of 1,024 tokens with a fixed KV budget vs the full cache.
 
     PYTHONPATH=src python benchmarks/decoding_budget.py --examples 3 --prompt-tokens 2048 --new-tokens 1024 \
-        --budget 1024 --out docs/presses_results/decoding_budget.jsonl
+        --budget 1024 --data-dir DATA_DIR --out docs/presses_results/decoding_budget.jsonl
 
 Task: LongBench gov_report (reports of the U.S. Government Accountability Office with reference summaries of 500 to
 1,300 tokens; shared data), prompts cut to ``--prompt-tokens`` (LongBench's middle cut), LongBench's prompt, greedy,
@@ -13,7 +13,8 @@ EOS ignored so every answer is ``--new-tokens`` long. Per example and method, on
   the full cache's own answer teacher-forced through both caches in lockstep (the method's cache keeps applying its
   budget on those forwards), per 256-token quarter too (``kl_by_quarter``);
 - ``max_entries``: the most entries any layer's KV head held after a forward; ``final_bytes``: cache bytes at the
-  end; ``decode_tok_s``: generation speed.
+  end; ``decode_tok_s``: generation speed; ``answer``: the whole answer (``--no-full`` in one process and the full
+  cache alone in another compare their answers afterwards).
 
 Methods: ``full`` (no bound), ``decoding`` (kvforge's DecodingPress: attention-scored cut every ``--interval``
 steps to ``--budget``), ``window`` (a StreamingLLM sliding window of ``--budget`` entries with 4 sinks).
@@ -60,10 +61,11 @@ def held(cache: KVCache) -> int:
 
 
 @torch.inference_mode()
-def run_example(model: Any, tok: Any, ids: list[int], ref: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    rows, answers = [], {}
+def run_example(model: Any, tok: Any, ids: list[int], ref: str, args: argparse.Namespace, emit: Any) -> None:
+    """One row per method, handed to ``emit`` as soon as it is measured."""
+    answers: dict[str, str] = {}
     full_answer: list[int] = []
-    for method in ["full", *args.methods]:
+    for method in ([] if args.no_full else ["full"]) + args.methods:
         cache = new_cache(model, method, args)
         logits = prefill(model, torch.tensor([ids]), cache, chunk_size=args.chunk_size)
         start = time.perf_counter()
@@ -75,14 +77,13 @@ def run_example(model: Any, tok: Any, ids: list[int], ref: str, args: argparse.N
             full_answer = list(out.token_ids)
         row = {"method": method, "budget": None if method == "full" else args.budget, "prompt_tokens": len(ids),
                "new_tokens": len(out.token_ids), "rouge_l": score_prediction(text, [ref], "rouge_l"),
-               "rouge_l_vs_full": score_prediction(text, [answers["full"]], "rouge_l"), "max_entries": held(cache),
-               "final_bytes": cache.nbytes(), "decode_tok_s": len(out.token_ids) / seconds,
-               "answer_head": text[:300]}  # fmt: skip
-        if method != "full":
+               "rouge_l_vs_full": score_prediction(text, [answers["full"]], "rouge_l") if "full" in answers else None,
+               "max_entries": held(cache), "final_bytes": cache.nbytes(), "decode_tok_s": len(out.token_ids) / seconds,
+               "answer": text}  # fmt: skip
+        if method != "full" and full_answer and not args.no_lockstep:
             row |= lockstep(model, ids, full_answer, method, args)
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "answer_head"}), file=sys.stderr, flush=True)
-    return rows
+        emit(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "answer"}), file=sys.stderr, flush=True)
 
 
 def lockstep(model: Any, ids: list[int], answer: list[int], method: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -110,28 +111,34 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--interval", type=int, default=16)
     p.add_argument("--chunk-size", type=int, default=64, help="prefill chunk (one step's worth while prefilling)")
-    p.add_argument("--methods", nargs="+", default=["decoding", "window"])
+    p.add_argument("--methods", nargs="*", default=["decoding", "window"])
+    p.add_argument("--no-full", action="store_true", help="skip the full-cache run (run it in another process)")
+    p.add_argument("--no-lockstep", action="store_true", help="skip the teacher-forced KL/top-1 comparison")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--data-dir", type=Path, default=None, help="evaluation data folder (default: as kvforge eval)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2-135m", device="cpu")
     engine = Engine(model, tok)
-    cfg = TaskConfig(default_data_dir(), tokenizer=tok, max_context_size=args.prompt_tokens)
+    cfg = TaskConfig(args.data_dir or default_data_dir(), tokenizer=tok, max_context_size=args.prompt_tokens)
     examples = [e for e in build_task("longbench-summ", cfg) if "gov_report" in e.id][: args.examples]
     done = set()
     if args.out.exists():
         done = {(r["id"], r["method"]) for r in map(json.loads, args.out.read_text().splitlines()) if r.strip()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    methods = ([] if args.no_full else ["full"]) + args.methods
     for ex in examples:
-        if all((ex.id, m) in done for m in ["full", *args.methods]):
+        if all((ex.id, m) in done for m in methods):
             continue
         ctx, question = engine.encode_qa(ex.context, ex.question, system=ex.system, answer_prefix=ex.answer_prefix)
-        rows = run_example(model, tok, ctx + question, ex.answers[0], args)
-        with args.out.open("a") as f:
-            for row in rows:
-                f.write(json.dumps({"id": ex.id, **row, "interval": args.interval}) + "\n")
+
+        def emit(row: dict[str, Any], example_id: str = ex.id) -> None:
+            with args.out.open("a") as f:
+                f.write(json.dumps({"id": example_id, **row, "interval": args.interval}) + "\n")
+
+        run_example(model, tok, ctx + question, ex.answers[0], args, emit)
 
 
 if __name__ == "__main__":

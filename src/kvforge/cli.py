@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default, except secrets (API keys, store URLs that may hold a password) and empty ones."""
 
-    SECRET = frozenset({"api_key", "store"})
+    SECRET = frozenset({"api_key", "upstream_api_key", "store"})
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = (action.help or "").strip()

@@ -128,15 +128,7 @@ def load_model(
     torch_dtype = _parse_dtype(dtype, dev)
     name = str(name_or_path)
     start = time.perf_counter()
-    kind = check_model(name)  # the same check the CLI makes before importing torch
-    if kind == "builtin":
-        folder = _dequantized_folder(BUILTIN_MODELS[name].gguf_path())
-    elif kind == "gguf":
-        folder = _dequantized_folder(Path(name))
-    elif kind == "folder":
-        folder = Path(name)
-    else:
-        folder = None  # hub id
+    folder = model_folder(name)  # None: a hub id
     model, tokenizer = _from_pretrained(str(folder) if folder is not None else name, torch_dtype)
     model.to(dev).eval()
     source = _source_digest(folder, name, model)
@@ -145,6 +137,19 @@ def load_model(
     use_kvforge_attention(model)
     logger.info("loaded %s in %.1fs", name, time.perf_counter() - start)
     return model, tokenizer
+
+
+def model_folder(name_or_path: str | os.PathLike[str]) -> Path | None:
+    """The Hugging Face model folder :func:`load_model` reads for a built-in name, a ``.gguf`` file (dequantized
+    once into kvforge's cache) or a folder; None for a hub id. Another engine serving this folder (vLLM) runs the
+    same weights as kvforge."""
+    name = str(name_or_path)
+    kind = check_model(name)  # the same check the CLI makes before importing torch
+    if kind == "builtin":
+        return _dequantized_folder(BUILTIN_MODELS[name].gguf_path())
+    if kind == "gguf":
+        return _dequantized_folder(Path(name))
+    return Path(name) if kind == "folder" else None
 
 
 def _source_digest(folder: Path | None, name: str, model: Any) -> str | None:
@@ -221,9 +226,41 @@ def model_fingerprint(model: Any, tokenizer: Any, *, hash_tensors: bool | None =
     from_files = not hash_tensors and isinstance(known, tuple) and known[1] == state
     digest = known[0] if from_files else weights_digest(model)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    fingerprint = f"{type(model).__name__}:{digest[:16]}:{tok_digest}:{dtype}"
+    fingerprint = compose_fingerprint(type(model).__name__, digest, tok_digest, dtype)
     model._kvforge_fingerprint = (fingerprint, tok_digest, state, id(tokenizer), hash_tensors)
     return fingerprint
+
+
+def compose_fingerprint(class_name: str, weights_digest: str, tokenizer_digest: str, dtype: str) -> str:
+    """The one format of a model fingerprint (see :func:`model_fingerprint`)."""
+    return f"{class_name}:{weights_digest[:16]}:{tokenizer_digest}:{dtype}"
+
+
+def folder_fingerprint(folder: str | os.PathLike[str], dtype: str = "float32", tokenizer: Any = None) -> str:
+    """What :func:`model_fingerprint` gives for the model :func:`load_model` reads from ``folder`` at ``dtype``,
+    without loading its weights: another engine serving the same files (a vLLM server with kvforge's connector)
+    keys its stored KV exactly as kvforge's own engine does.
+
+    Raises:
+        UserError: the folder has no ``config.json`` naming the architecture, or no weight file.
+    """
+    import json
+
+    from kvforge.digests import folder_digest
+
+    path = Path(folder)
+    try:
+        architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {path / 'config.json'}: {e}") from None
+    digest = folder_digest(path)
+    if not architectures or digest is None:
+        raise UserError(f"{path} is not a model folder with weights and an architecture in config.json")
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return compose_fingerprint(str(architectures[0]), digest, tokenizer_fingerprint(tokenizer), dtype)
 
 
 def weights_state(model: Any) -> tuple[Any, ...]:

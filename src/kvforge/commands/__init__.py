@@ -4,6 +4,6 @@ A parser's ``func(args) -> int`` runs the command. Errors meant for the user are
 :class:`kvforge.errors.UserError` and printed as one line by :func:`kvforge.cli.main`.
 """
 
-from kvforge.commands import cache, demo, eval, generate, models, presses, rag, serve
+from kvforge.commands import cache, demo, eval, generate, models, presses, rag, route, serve
 
-COMMANDS = (generate, demo, cache, serve, presses, eval, rag, models)  # in --help's order
+COMMANDS = (generate, demo, cache, serve, presses, eval, rag, models, route)  # in --help's order

@@ -338,7 +338,7 @@ class PrefixReuse:
 
     def _register(self, chains: list[str], i: int, seg: KVSegment, branch: dict[str, Any] | None) -> None:
         """List block ``i`` among its parent's children; a partial tail it extends is then dropped (list and KV)."""
-        parent, is_root = self._parent(chains, i), i == 0
+        parent = self._parent(chains, i)
         start = seg.meta["block_start"]
         drop = None
         if (
@@ -354,16 +354,25 @@ class PrefixReuse:
             )
         ):
             drop = str(branch["chain"])
+        if self.list_child(parent, chains[i], seg.token_ids, drop=drop) and drop is not None:
+            with contextlib.suppress(OSError, StoreUnavailableError):
+                self.store.delete(ch.block_key(drop))
+
+    def list_child(self, parent: str, chain: str, token_ids: Sequence[int], *, drop: str | None = None) -> bool:
+        """List the stored block ``chain`` (holding ``token_ids``) first among the children of ``parent`` (the chain
+        root for a prompt's first block), removing ``drop`` from the list; True when the store holds that list
+        afterwards. Other engines writing these blocks (the vLLM connector) list them here too."""
+        is_root = parent == self.root
         key = ch.list_key(parent, is_root)
         try:
-            entries = [e for e in self._children(parent, is_root) if e[0] not in (chains[i], drop)]
-            entries.insert(0, (chains[i], list(seg.token_ids)))
+            entries = [e for e in self._children(parent, is_root) if e[0] not in (chain, drop)]
+            entries.insert(0, (chain, [int(t) for t in token_ids]))
             data = ch.encode_list(parent, entries[: self.max_branches])
             self.store.put_blob(key, data)
-            if drop is not None and self.store.get_blob(key) == data:
-                self.store.delete(ch.block_key(drop))
+            return drop is None or self.store.get_blob(key) == data
         except (OSError, StoreUnavailableError) as e:
             logger.debug("prefix reuse: children of a block not listed (%s)", e)
+            return False
 
     def _touch(self, keys: list[str]) -> None:
         """Mark stored blocks as used, in the order given (last = most recent)."""

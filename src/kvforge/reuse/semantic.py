@@ -145,6 +145,7 @@ class SemanticReuse:
         if isinstance(found, str):
             return miss_plan(ids, reason=found)
         similarity, entry, segment = found
+        assert segment is not None
         plan = self._plan(segment, ids, tail, t0, kind="semantic")
         plan.approximate, plan.similarity, plan.donor_prompt = True, similarity, entry.text
         assert plan.cache is not None
@@ -170,8 +171,24 @@ class SemanticReuse:
             info={"load_s": time.perf_counter() - t0, "mode": self.mode},
         )
 
-    def _find(self, query: str, namespace: str) -> tuple[float, IndexEntry, KVSegment] | str:
-        """Top-1 stored entry in ``namespace`` that passes the threshold and guards, with its KV; or why none."""
+    def lookup(self, query: str, namespace: str = "") -> tuple[float, IndexEntry] | str:
+        """The stored entry ``query`` would reuse under this strategy's policy (threshold, guards), without loading
+        its KV: ``(similarity, entry)``, or why there is none. For callers whose KV is loaded by another engine (the
+        router in front of vLLM); entries whose KV the store no longer holds are dropped on the way."""
+        found = self._find(query, namespace, load=False)
+        return found if isinstance(found, str) else found[:2]
+
+    def index_text(self, key: str, text: str, namespace: str = "") -> None:
+        """Index ``text`` for KV that another writer stored under ``key`` (a vLLM server's connector); candidates
+        of a search must share ``namespace``."""
+        if text and not self.index.has(key, text):
+            self._add(self.embedder.embed([text])[0], IndexEntry(key=key, text=text, namespace=namespace))
+
+    def _find(
+        self, query: str, namespace: str, load: bool = True
+    ) -> tuple[float, IndexEntry, KVSegment | None] | str:
+        """Top-1 stored entry in ``namespace`` that passes the threshold and guards, with its KV (``load``); or why
+        none."""
         vector = self.embedder.embed([query])[0]
         self.refresh()  # entries other processes recorded since
         stale = []
@@ -183,6 +200,11 @@ class SemanticReuse:
                     reason = f"documents differ by more than {1 - self.min_text_ratio:.0%} of their words"
                 if reason is not None:
                     return reason  # top-1 only: a worse candidate is never tried after a better one was refused
+                if not load:
+                    if not self.store.contains(entry.key):
+                        stale.append(vid)
+                        continue
+                    return similarity, entry, None
                 segment = self.store.get(entry.key)
                 if segment is None:
                     stale.append(vid)  # evicted: drop it from the index and look further

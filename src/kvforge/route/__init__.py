@@ -1,0 +1,50 @@
+"""ROUTE: semantic prompt normalisation in front of a vLLM server that runs kvforge's KV connector.
+
+``kvforge route --upstream http://127.0.0.1:8000 --store file:///var/cache/kv`` (see :mod:`kvforge.route.app`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvforge.errors import UserError
+from kvforge.route.normalize import PromptNormalizer, RouteDecision
+
+if TYPE_CHECKING:
+    from kvforge.reuse.base import Embedder
+    from kvforge.store.base import KVStore
+
+
+def build_normalizer(
+    store: KVStore,
+    model: str,
+    *,
+    threshold: float | None = None,
+    embedder: Embedder | None = None,
+    store_url: str = "the store",
+) -> PromptNormalizer:
+    """The normaliser for ``model`` (the path vLLM serves) on ``store``: block keys as the connector announced them,
+    kvforge's semantic policy (MiniLM unless ``embedder`` is given) over the store's semantic index."""
+    from kvforge.reuse import MiniLMEmbedder, PrefixReuse, SemanticReuse
+    from kvforge.vllm.identity import find_served
+
+    served = find_served(store, model)
+    if served is None:
+        raise UserError(
+            f"no vLLM server with kvforge's connector has announced {model!r} in {store_url}: start vLLM with "
+            '--kv-transfer-config ... "kv_connector_extra_config": {"store": ...} on this same store'
+        )
+    kwargs: dict[str, Any] = {} if threshold is None else {"threshold": threshold}
+    semantic = SemanticReuse(store, served.model_id, embedder or MiniLMEmbedder(), mode="canonical", **kwargs)
+    prefix = PrefixReuse(store, served.model_id, block_size=served.block_size)
+    return PromptNormalizer(semantic, prefix.block_keys, served.block_size, store.contains)
+
+
+def create_router_app(*args: Any, **kwargs: Any) -> Any:
+    """See :func:`kvforge.route.app.create_router_app` (imported on use: it needs the serve extra)."""
+    from kvforge.route.app import create_router_app as create
+
+    return create(*args, **kwargs)
+
+
+__all__ = ["PromptNormalizer", "RouteDecision", "build_normalizer", "create_router_app"]
