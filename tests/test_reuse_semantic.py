@@ -13,7 +13,7 @@ from test_reuse_prefix import DictStore
 from kvforge.cache import KVCache
 from kvforge.prefill import prefill
 from kvforge.reuse import FakeEmbedder, PromptContext, ReuseStrategy, SemanticReuse
-from kvforge.reuse.guards import check, entities, negations, numbers, wh_word
+from kvforge.reuse.guards import check, negations, numbers, tokens
 from kvforge.reuse.index import IndexEntry, SemanticIndex
 from kvforge.testing import tiny_model, tiny_tokenizer
 
@@ -51,19 +51,17 @@ def make(store, mode="canonical", threshold=0.6, **kw):
 
 
 def test_guards():
-    assert numbers("born in 1,990 and two sons") == {"1990": 1, "two": 1}
+    assert numbers("born in 1,990 and two sons, ping 10.0.0.1 at -40") == {"1990": 1, "2": 1, "10.0.0.1": 1, "-40": 1}
     assert negations("he didn't go, not now") == 2
-    assert entities("What did Tesla sell to IBM in Paris?") == ["tesla", "ibm", "paris"]
-    assert wh_word("How many bits are used?") == "how many"
+    assert tokens("Which city's the capital of France?") == ["what", "city", "capital", "of", "france"]
     assert check("what year was it built in 1990", "what year was it built in 1999").startswith("numbers")
     assert check("who was not elected", "who was elected").startswith("negation")
-    assert check("When did Tesla arrive", "When did Edison arrive").startswith("entities")
-    assert check("The Tabaci River flows into the Leurda", "The Leurda River flows into the Tabaci").startswith(
-        "entity_order"
-    )
-    assert check("when was it built?", "where was it built?").startswith("wh")
-    assert check("flights from new york to florida", "flights from florida to new york").startswith("word_order")
+    assert check("When did Tesla arrive", "When did Edison arrive").startswith("substitution")
+    assert check("the tabaci river flows into the leurda", "the leurda river flows into the tabaci").startswith("order")
+    assert check("when was it built?", "where was it built?").startswith("substitution")
+    assert check("How do I encrypt a file?", "How do I decrypt a file?").startswith("substitution")
     assert check(Q_ORIG, Q_PARA) is None  # lower-casing is not a difference
+    assert check("Which city is the capital of France?", "What is the capital of France?") is None  # an added word
     with pytest.raises(ValueError, match="unknown guard"):
         check("a", "b", ["nope"])
 
@@ -138,7 +136,7 @@ def test_context_mode_reuses_document_and_prefills_question(model, tok):
     assert plan.kind == "prefix" and plan.reused_tokens == len(ctx_ids) and plan.prefill_ids == q2
     torch.testing.assert_close(run(model, plan)[1], full(model, ctx_ids + q2)[1], atol=1e-4, rtol=1e-4)
     # a document with a typo fixed: semantic reuse of the donor document, the question still exact
-    doc2 = DOC.replace("people who", "people that")
+    doc2 = DOC.replace("gave their name", "also gave their name")
     ctx2 = encode(tok, doc2 + "\n")
     plan = reuse.plan(ctx2 + q2, context=PromptContext(doc2, len(ctx2)))
     assert plan.kind == "semantic" and plan.approximate and plan.prefill_ids == q2

@@ -226,8 +226,12 @@ class Engine:
         :data:`PRESS_WITH_REUSE`): compressed KV is reused through :meth:`answer` with ``query_aware=False``.
         """
         ids = self.encode_chat(prompt, raw=raw)
-        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=True)
-        return self._execute(ids, max_new_tokens, sampling, stop, on_token, press, len(ids), text=text, context=None)
+        text, context = None, None
+        if self.reuse is not None and press is None:  # what the user wrote, and the template/history before it
+            from kvforge.reuse.query import user_query
+
+            text, context = user_query(self.tokenizer, prompt, ids, raw=raw)
+        return self._execute(ids, max_new_tokens, sampling, stop, on_token, press, len(ids), text=text, context=context)
 
     def answer(
         self,

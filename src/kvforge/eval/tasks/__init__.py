@@ -16,6 +16,7 @@ from kvforge.eval.tasks.longbench import QA_SETS, SUMM_SETS, leval_task, longben
 from kvforge.eval.tasks.musique import musique_task
 from kvforge.eval.tasks.needle import multi_needle_task, needle_docs_task, needle_task
 from kvforge.eval.tasks.ruler import common_words_task, ruler_mix, variable_tracking_task
+from kvforge.eval.tasks.semantic import semantic_long_task, semantic_task
 from kvforge.eval.tasks.squad import squad_task
 from kvforge.names import check_task
 from kvforge.paths import task_data_folder
@@ -36,6 +37,8 @@ TASKS: dict[str, Callable[[TaskConfig], list[Example]]] = {
     "leval": leval_task,
     "squad": squad_task,
     "musique": musique_task,
+    "semantic": semantic_task,
+    "semantic-long": semantic_long_task,
 }
 
 
@@ -47,6 +50,8 @@ TASK_DATA: dict[str, str] = {
     "leval": "leval_multiquestion",
     "squad": "squad_v2_dev",
     "musique": "musique_rag",
+    "semantic": "squad_paraphrase",
+    "semantic-long": "squad_paraphrase",
 }
 
 
