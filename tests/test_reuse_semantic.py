@@ -198,3 +198,126 @@ def test_minilm_embedder_offline():
     vecs = emb.embed([Q_ORIG, Q_PARA, "Zebras graze on savanna grass at dawn.", " ".join(["word"] * 600)])
     assert vecs.shape == (4, 384) and np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-5)
     assert vecs[0] @ vecs[1] > 0.9 > vecs[0] @ vecs[2]
+
+
+def test_records_follow_the_store_byte_budget(model, tok, tmp_path):
+    """A store that keeps room for a few segments: after many writes, no index record outlives its segment."""
+    from kvforge.store import open_store
+
+    store = open_store(f"file://{tmp_path}/kv?max_bytes=400KB")
+    reuse = make(store)
+    for i in range(40):
+        text = f"question number {i} about the sea and ships {i % 3}"
+        ids = encode(tok, text)
+        reuse.record(ids, full(model, ids)[0], text=text)
+    segments = {k for k in store.keys() if k.startswith("semantic-v1-canonical-")}  # noqa: SIM118 (a store)
+    records = [k for k in store.blob_keys() if k.startswith(reuse.record_prefix)]
+    assert 0 < len(segments) < 40  # the budget evicted most of them
+    assert len(records) == len(segments) == len(reuse.index)
+    assert {e.key for e in reuse.index.entries.values()} == segments
+
+
+class Agreeing:
+    """A verifier stub: says whether reuse agreed (records the calls)."""
+
+    def __init__(self, answer: bool) -> None:
+        self.answer, self.calls = answer, []
+
+    def agree(self, asked, donor, tail=()):
+        self.calls.append((list(asked), list(donor.token_ids), list(tail)))
+        return self.answer
+
+
+def test_sampled_lookups_are_verified_and_every_instance_learns(model, tok):
+    store = DictStore()
+    verifier = Agreeing(False)
+    first = make(store, threshold=None, max_error=0.05, verifier=verifier, verify_ratio=1.0, stats_refresh_s=0)
+    from kvforge.reuse.policy import BoundedErrorPolicy, Prior
+
+    first.policy = BoundedErrorPolicy(0.05, prior=Prior("fake", {(1, "substitution", 600): 2000}), min_similarity=0.6)
+    donor_ids = encode(tok, Q_ORIG)
+    first.record(donor_ids, full(model, donor_ids)[0], text=Q_ORIG)
+    para_ids = encode(tok, Q_PARA)
+    plan = first.plan(para_ids, text=Q_PARA)
+    assert plan.kind == "semantic"
+    first.record(para_ids, run(model, plan)[0], text=Q_PARA)  # after the answer: verified, found wrong
+    assert verifier.calls == [(para_ids, donor_ids, [])]
+    # another process on the same store: the same entry is now refused at that similarity
+    second = make(store, threshold=None, stats_refresh_s=0)
+    second.policy = first.policy
+    assert second.threshold_for(first.entry_key(donor_ids)) > plan.similarity
+    again = second.plan(para_ids, text=Q_PARA)
+    assert again.kind == "miss" and "threshold" in again.info["reason"]
+
+
+def test_agreement_verifier_on_a_tiny_model(model, tok):
+    from kvforge.reuse.verify import AgreementVerifier
+
+    verifier = AgreementVerifier(model, tok, num_tokens=4)
+
+    def segment(ids):
+        cache = full(model, ids)[0]
+        out = cache.to_segment("tiny", ids)
+        out.meta["layer_windows"] = list(cache.native_windows)  # as SemanticReuse.record stores it
+        return out
+
+    ids = encode(tok, DOC + " " + Q_ORIG)
+    donor = segment(ids)
+    assert verifier.agree(ids, donor)  # the same prompt: the same continuation
+    other = encode(tok, "Zebras graze on savanna grass at dawn, far from any sea.")
+    assert not verifier.agree(other, donor)  # another prompt: another continuation (random weights differ)
+    ctx, q = encode(tok, DOC + "\n"), encode(tok, Q_ORIG)
+    doc = segment(ctx)
+    assert verifier.agree(ctx + q, doc, tail=q)  # context mode: the document's KV, the question on top
+
+
+def test_user_query_embeds_the_message_not_the_template(tok):
+    from kvforge.reuse.query import user_query
+
+    chat = copy_with_template(tok)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital?"}]
+    text = chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = chat(text, add_special_tokens=False).input_ids
+    query, context = user_query(chat, messages, ids)
+    assert query == "What is the capital?" and context is not None
+    assert chat.decode(ids[context.num_tokens :]).startswith("What is the capital?")
+    assert "Be brief." in context.text
+    # a second turn: the earlier turns are the context, only the last user message is embedded
+    turns = [*messages, {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Spain?"}]
+    ids2 = chat(chat.apply_chat_template(turns, add_generation_prompt=True, tokenize=False),
+                add_special_tokens=False).input_ids  # fmt: skip
+    query2, context2 = user_query(chat, turns, ids2)
+    assert query2 == "And of Spain?" and "Paris." in context2.text
+    assert user_query(chat, [1, 2, 3], [1, 2, 3]) == (None, None)  # token ids: nothing to embed
+    assert user_query(chat, "raw text", [5], raw=True) == ("raw text", None)
+    assert user_query(chat, messages, ids[:-1]) == (None, None)  # not the engine's tokenisation: no guess
+
+
+def copy_with_template(tok):
+    import copy
+
+    chat = copy.deepcopy(tok)
+    chat.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}"
+        "<assistant>{% endif %}"
+    )
+    return chat
+
+
+def test_engine_generate_embeds_the_user_message(model, tok):
+    """Through the engine: two prompts differing in one word after a long shared template are a miss."""
+    from kvforge.engine import Engine
+
+    chat = copy_with_template(tok)
+    engine = Engine(model, chat)
+    engine.reuse = make(DictStore(), threshold=0.6)
+    system = {"role": "system", "content": "You are a helpful assistant who answers questions about geography. " * 3}
+    engine.generate([system, {"role": "user", "content": "What is the capital of austria?"}], max_new_tokens=2)
+    gen = engine.generate([system, {"role": "user", "content": "What is the capital of australia?"}],
+                          max_new_tokens=2)  # fmt: skip
+    assert gen.info["reuse"]["kind"] == "miss"
+    gen = engine.generate([system, {"role": "user", "content": "what is the capital of austria"}], max_new_tokens=2)
+    assert gen.info["reuse"]["kind"] == "semantic"
+    other = {"role": "system", "content": "Answer in French."}  # another system prompt: never a candidate
+    gen = engine.generate([other, {"role": "user", "content": "what is the capital of austria"}], max_new_tokens=2)
+    assert gen.info["reuse"]["kind"] == "miss"

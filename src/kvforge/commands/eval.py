@@ -208,11 +208,12 @@ def _semantic_pairs(args: argparse.Namespace) -> None:
     """Hit and false-hit rates of each policy on the labelled pairs (shared data when present, shipped pairs)."""
     import json
 
+    from kvforge.eval.semantic import default_embedder
     from kvforge.eval.semantic_report import pair_rates
     from kvforge.paths import cache_dir, default_data_dir
-    from kvforge.reuse import MiniLMEmbedder
 
-    rates = pair_rates(args.semantic, args.data_dir or default_data_dir(), MiniLMEmbedder(), cache_dir() / "semantic")
+    embedder = default_embedder()
+    rates = pair_rates(args.semantic, args.data_dir or default_data_dir(), embedder, cache_dir() / "semantic")
     (args.out / "semantic_pairs.json").write_text(json.dumps(rates, indent=2) + "\n")
 
 

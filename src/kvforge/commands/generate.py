@@ -48,7 +48,7 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--semantic-mode", choices=["canonical", "context"], default="canonical",
                    help="canonical: answer a similar stored prompt; context: reuse the document (--prompt-file), "
                    "prefill the question (--prompt) exactly")
-    p.add_argument("--threshold", type=float, default=None, help="semantic reuse: minimum cosine similarity")
+    add_semantic_args(p)
     p.set_defaults(func=run_generate)
 
     b = bench_sub.add_parser("decode", help="decode tokens/s: cached vs uncached vs transformers' generate")
@@ -58,6 +58,16 @@ def register(sub: Any, bench_sub: Any) -> None:
     b.add_argument("--uncached-tokens", type=positive_int, default=None, help="steps for the slow baseline")
     b.add_argument("--repeats", type=positive_int, default=1)
     b.set_defaults(func=run_bench_decode)
+
+
+def add_semantic_args(p: Any) -> None:
+    """Semantic reuse's policy options (``kvforge generate`` and ``kvforge serve``)."""
+    p.add_argument("--max-error", type=float, default=None, help="semantic reuse: the tolerated share of wrong "
+                   "candidates served (default 0.01; the threshold is learned per entry, docs/reuse.md)")
+    p.add_argument("--threshold", type=float, default=None, help="semantic reuse: a fixed minimum cosine similarity "
+                   "instead of --max-error")
+    p.add_argument("--verify-ratio", type=float, default=None, help="semantic reuse: share of lookups also answered "
+                   "the other way after the answer, to learn from (default 0.05; 0 = never)")
 
 
 def _prompt(args: argparse.Namespace) -> str:
@@ -97,6 +107,9 @@ def run_generate(args: argparse.Namespace) -> int:
 
         store = check_reuse_args(args)
     else:
+        from kvforge.commands.bench_reuse import check_semantic_args
+
+        check_semantic_args(args)
         check_store_url(args.store)
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer, chunk_size=args.chunk_size, window=args.window, num_sink=args.num_sink)

@@ -69,6 +69,15 @@ _MEMOS: weakref.WeakKeyDictionary[Any, _Memo] = weakref.WeakKeyDictionary()
 _EMBEDDERS: dict[str, Any] = {}
 
 
+def default_embedder() -> Any:
+    """The embedder of the semantic rows and pair rates: MiniLM, loaded once per process."""
+    if "minilm" not in _EMBEDDERS:
+        from kvforge.reuse import MiniLMEmbedder
+
+        _EMBEDDERS["minilm"] = MiniLMEmbedder()
+    return _EMBEDDERS["minilm"]
+
+
 def _memo(engine: Any, example: Example) -> _Memo:
     memo = _MEMOS.get(engine)
     if memo is None or memo.example_id != example.id:  # one example at a time: memory stays bounded
@@ -113,13 +122,13 @@ def semantic_trial(spec: str, embedder: Any = None) -> Trial:
     options = check_spec(spec)
 
     def strategy(engine: Any, memo: _Memo) -> Any:
-        from kvforge.reuse import MiniLMEmbedder, SemanticReuse
+        from kvforge.reuse import SemanticReuse
         from kvforge.store import open_store
 
         if memo.store is None:
             memo.store = open_store("memory://")
         if spec not in memo.strategies:
-            emb = embedder if embedder is not None else _EMBEDDERS.setdefault("minilm", MiniLMEmbedder())
+            emb = embedder if embedder is not None else default_embedder()
             memo.strategies[spec] = SemanticReuse(memo.store, engine.model_id, emb, device=engine.model.device,
                                                   stats_refresh_s=0.0, **options)  # fmt: skip
         return memo.strategies[spec]

@@ -27,15 +27,22 @@ def build_reuse(
     device: Any = None,
     verifier: Any = None,
     verify_ratio: float | None = None,
+    model: Any = None,
+    tokenizer: Any = None,
 ) -> ReuseStrategy:
     """A strategy from its registry name (what the CLI and benchmarks call); the MiniLM embedder by default.
 
     Semantic reuse: ``threshold`` (a fixed cosine) or ``max_error`` (the bounded error rate, the default 0.01);
-    ``verifier`` (e.g. ``AgreementVerifier(model, tokenizer)``) checks ``verify_ratio`` of the lookups."""
+    ``verifier`` checks ``verify_ratio`` of the lookups (with ``model``: an :class:`AgreementVerifier` on it)."""
     if name == "prefix":
         return PrefixReuse(store, model_id, block_size=block_size, device=device)
     if name == "semantic":
+        check_semantic_options(threshold, max_error, verify_ratio)
         kwargs: dict[str, Any] = {} if verify_ratio is None else {"verify_ratio": verify_ratio}
+        if verifier is None and model is not None and verify_ratio != 0:
+            from kvforge.reuse.verify import AgreementVerifier
+
+            verifier = AgreementVerifier(model, tokenizer)
         return SemanticReuse(
             store,
             model_id,
@@ -50,6 +57,18 @@ def build_reuse(
     raise ValueError(f"unknown reuse strategy {name!r}; choose from {sorted(REUSE)}")
 
 
+def check_semantic_options(threshold: float | None, max_error: float | None, verify_ratio: float | None) -> None:
+    """ValueError for semantic options out of range or given together (checked before any model loads)."""
+    if threshold is not None and max_error is not None:
+        raise ValueError("give a similarity threshold or a max error rate, not both")
+    if threshold is not None and not -1.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold is a cosine similarity in [-1, 1], got {threshold}")
+    if max_error is not None and not 0.0 < max_error < 1.0:
+        raise ValueError(f"max error is a rate in (0, 1), got {max_error}")
+    if verify_ratio is not None and not 0.0 <= verify_ratio <= 1.0:
+        raise ValueError(f"verify ratio is a share in [0, 1], got {verify_ratio}")
+
+
 __all__ = [
     "EMBEDDERS",
     "REUSE",
@@ -62,5 +81,6 @@ __all__ = [
     "ReuseStrategy",
     "SemanticReuse",
     "build_reuse",
+    "check_semantic_options",
     "miss_plan",
 ]

@@ -37,6 +37,7 @@ _CONTRACTIONS = (
     (re.compile(r"'s\b"), ""),  # possessive or "is": dropped either way
 )
 IGNORED = frozenset(("a", "an", "the"))
+_ARTICLE_USE = re.compile(r"\s+[\w$€£(\"']")  # what follows an article: a space, then a word
 SAME_WORD = {"which": "what"}  # "which city is..." asks what "what ... city" asks
 _SMALL_NUMBERS = (
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen "
@@ -78,7 +79,9 @@ def tokens(text: str) -> list[str]:
     out = []
     for match in _TOKEN.finditer(lowered):
         word = match.group(0).strip("'")
-        if word and word not in IGNORED:
+        if word in IGNORED and _ARTICLE_USE.match(lowered, match.end()):
+            continue  # an article before a word ("a dog"), not a name or a letter ("Server A, ...", "option a")
+        if word:
             out.append(_normal(word))
     return out
 

@@ -244,7 +244,7 @@ class SemanticReuse:
         return self.policy.threshold_for(entry_key, self.guards, stats)
 
     def _find(
-        self, query: str, namespace: str, ids: list[int], tail: list[int]
+        self, query: str, namespace: str, ids: list[int] | None = None, tail: list[int] | None = None
     ) -> tuple[float, IndexEntry, KVSegment] | str:
         """Top-1 stored entry in ``namespace`` if the policy serves it, with its KV; or why not."""
         vector = self.embedder.embed([query])[0]
@@ -256,7 +256,8 @@ class SemanticReuse:
                 reason, refused = decide(query, entry.text, similarity, self.threshold_for(entry.key), self.guards)
                 if reason is None and self.mode == "context" and text_ratio(query, entry.text) < self.min_text_ratio:
                     reason = f"documents differ by more than {1 - self.min_text_ratio:.0%} of their words"
-                self._sample(ids, entry, similarity, refused, tail)
+                if ids is not None:
+                    self._sample(ids, entry, similarity, refused, tail or [])
                 if reason is not None:
                     return reason  # top-1 only: a worse candidate is never tried after a better one was refused
                 segment = self.store.get(entry.key)

@@ -41,10 +41,13 @@ class Features:
         engine: the :class:`~kvforge.engine.Engine` (its model id keys the store).
         store_url: ``kvforge.store.open_store`` URL; None = an in-memory store, opened when reuse first needs it.
         embedder: the semantic strategies' embedder (None = the reuse package's MiniLM one).
+        semantic: options of the semantic strategies (``threshold``, ``max_error``, ``verify_ratio``).
     """
 
-    def __init__(self, engine: Any, store_url: str | None = None, embedder: Any = None) -> None:
+    def __init__(self, engine: Any, store_url: str | None = None, embedder: Any = None,
+                 semantic: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.engine = engine
+        self.semantic = {k: v for k, v in (semantic or {}).items() if v is not None}
         self.store_url = store_url
         self.embedder = embedder
         self._store: Any = None
@@ -119,9 +122,11 @@ class Features:
         device = getattr(self.engine.model, "device", None)
         try:
             if hasattr(reuse_mod, "build_reuse"):
+                extra = {"model": self.engine.model, "tokenizer": self.engine.tokenizer, **self.semantic}
                 strategy = reuse_mod.build_reuse(
-                    kind, store, self.engine.model_id, semantic_mode=mode, embedder=self.embedder, device=device
-                )
+                    kind, store, self.engine.model_id, semantic_mode=mode, embedder=self.embedder, device=device,
+                    **(extra if kind == "semantic" else {}),
+                )  # fmt: skip
             elif kind == "semantic":
                 embedder = self.embedder if self.embedder is not None else reuse_mod.EMBEDDERS["minilm"]()
                 strategy = registry[kind](store, self.engine.model_id, embedder, mode=mode, device=device)

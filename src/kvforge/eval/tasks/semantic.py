@@ -67,16 +67,19 @@ def semantic_task(cfg: TaskConfig) -> list[Example]:
 
 
 def semantic_long_task(cfg: TaskConfig) -> list[Example]:
-    """``num_samples`` paraphrase pairs per length of ``cfg.lengths``: haystack text, then the paragraph."""
+    """``num_samples`` paraphrase pairs per length of ``cfg.lengths``: haystack text, then the paragraph (pairs whose
+    paragraph alone is longer than the length are passed over)."""
     measure = Measure(cfg.tokenizer)
-    rows = [r for r in _rows(cfg) if r["kind"] != "adversarial"][: cfg.num_samples]
+    rows = [r for r in _rows(cfg) if r["kind"] != "adversarial"]
     filler = "\n\n".join(_read_text(p) for p in haystack_files(cfg.data_dir)[:2])
     out = []
     for length in cfg.lengths:
-        for r in rows:
+        taken = 0
+        for r in rows:  # the first num_samples pairs whose paragraph fits the length
             room = length - measure.size(r["context"]) - measure.size(r["paraphrase"]) - 64  # template, system
-            if room <= 0:
+            if room <= 0 or taken == cfg.num_samples:
                 continue
+            taken += 1
             start = cfg.rng("semantic-long", length, r["id"]).randrange(max(1, len(filler) // 2))
             context = measure.head(filler[start:], room) + "\n\n" + r["context"]
             out.append(_example(r, f"semantic-long-{length}", r["paraphrase"], r["answers"], context, f"-{length}"))
