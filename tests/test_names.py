@@ -65,7 +65,7 @@ def test_known_names_pass(tmp_path):
         ["eval", "--model", "smollm2-135m", "--task", "needl", "--out", "/nonexistent"],
         ["eval", "--model", "smollm2-135m", "--task", "needle", "--methods", "full,snapk", "--out", "/nonexistent"],
         ["eval", "--model", "smollm2-135m", "--task", "needle", "--rag", "naiv", "--out", "/nonexistent"],
-        ["rag", "--docs", "a.txt", "--question", "q", "--aux-model", "smollm2-136m"],
+        ["rag", "--docs", __file__, "--question", "q", "--aux-model", "smollm2-136m"],
     ],
 )
 def test_cli_name_mistakes_fail_without_importing_torch(argv):

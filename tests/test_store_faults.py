@@ -50,8 +50,7 @@ def test_cache_commands_never_print_the_password(command: str, capsys: pytest.Ca
 
 def test_help_never_shows_the_password_of_the_default_store(monkeypatch, capsys) -> None:
     monkeypatch.setenv("KVFORGE_STORE", _down_redis())
-    with pytest.raises(SystemExit):
-        main(["cache", "ls", "--help"])
+    assert main(["cache", "ls", "--help"]) == 0
     assert SECRET not in capsys.readouterr().out
 
 

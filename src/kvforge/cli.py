@@ -8,16 +8,24 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kvforge import __version__
 from kvforge.commands import COMMAND_MODULES
-from kvforge.commands._common import check_names
+from kvforge.commands._common import check_names, preflight
 from kvforge.errors import UserError
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``kvforge generate: error: argument --compression-ratio: must be in [0, 1),
+    got 1.2 (see kvforge generate --help)`` instead of the whole usage block above the message."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvforge", description="Compress, store and reuse LLM KV caches.")
+    parser = _Parser(prog="kvforge", description="Compress, store and reuse LLM KV caches.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages to stderr")
     parser.add_argument("--version", action="version", version=f"kvforge {__version__}")
     parser.add_argument("--config", default=None, help=f"TOML file of option defaults (default: ${CONFIG_ENV}); "
@@ -51,7 +59,7 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 CONFIG_ENV = "KVFORGE_CONFIG"
 ENV_PREFIX = "KVFORGE_"
-_NOT_SETTINGS = {"help", "version", "config", "command", "bench_command", "cache_command", "func"}
+_NOT_SETTINGS = {"help", "version", "config", "command", "bench_command", "cache_command", "models_command", "func"}
 
 
 def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
@@ -102,6 +110,10 @@ def _setting(action: argparse.Action, value: Any, source: str) -> Any:
 
 
 def _setting_one(action: argparse.Action, value: Any, source: str) -> Any:
+    if not isinstance(value, str | int | float) or isinstance(value, bool):  # a table, list, date or boolean
+        raise UserError(f"{source}: expected {_expected(action)}, got {value!r} ({_toml_kind(value)})")
+    if action.type is None and not isinstance(value, str):  # options read as text (URLs, names, paths)
+        raise UserError(f"{source}: expected {_expected(action)}, got {value!r} ({_toml_kind(value)}): quote it")
     if action.type is not None and isinstance(value, str | int | float) and not isinstance(value, bool):
         try:
             value = action.type(str(value)) if isinstance(value, str) or action.type is not str else value
@@ -114,12 +126,57 @@ def _setting_one(action: argparse.Action, value: Any, source: str) -> Any:
     return value
 
 
+def _expected(action: argparse.Action) -> str:
+    kind = getattr(action.type, "__name__", None)
+    names = {"int": "an integer", "float": "a number", "positive_int": "an integer >= 1",
+             "ratio": "a fraction in [0, 1)", "non_negative_float": "a number >= 0", None: "a string"}
+    return names.get(kind, "a value")
+
+
+def _toml_kind(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "a table"}.get(type(value), type(value).__name__)
+
+
+def _check_config_names(config: dict[str, Any], parser: argparse.ArgumentParser) -> None:
+    """Every table of the config names a command and every key an option of it (top level: of any command), with a
+    "did you mean" for typos: ``[generat]`` and ``[generate] max-new-token = 3`` are errors, never ignored."""
+    import difflib
+
+    commands = dict(_commands(parser))
+
+    def options(command: Any) -> set[str]:
+        return {a.dest.replace("_", "-") for a in command._actions if a.option_strings and a.dest not in _NOT_SETTINGS}
+
+    every = set().union(*(options(c) for c in commands.values()))
+
+    def refuse(what: str, name: str, where: str, choices: set[str]) -> UserError:
+        close = difflib.get_close_matches(name, sorted(choices), n=2, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        listing = f" choose from: {', '.join(sorted(choices))}" if choices else " it has none"
+        return UserError(f"unknown config {what} {name!r}{where}{hint}{listing}")
+
+    def walk(table: dict[str, Any], path: tuple[str, ...]) -> None:
+        known = options(commands[path]) if path else every
+        tables = {p[len(path)] for p in commands if len(p) == len(path) + 1 and p[: len(path)] == path}
+        where = f" in [{'.'.join(path)}]" if path else ""
+        for key, value in table.items():
+            if isinstance(value, dict):
+                if key not in tables:
+                    raise refuse("table", key, where, tables)
+                walk(value, (*path, key))
+            elif key.replace("_", "-") not in known:
+                raise refuse("key", key, where, known)
+
+    walk(config, ())
+
+
 def apply_settings(parser: argparse.ArgumentParser, argv: list[str], environ: Any = None) -> None:
     """Make the config file and ``KVFORGE_<OPTION>`` variables the defaults of every command that takes the option."""
     environ = os.environ if environ is None else environ
     config = _read_config(_config_path(argv, environ))
+    _check_config_names(config, parser)
     top = {k: v for k, v in config.items() if not isinstance(v, dict)}
-    known = set()
     for path, command in _commands(parser):
         table: Any = config
         for part in path:
@@ -129,7 +186,6 @@ def apply_settings(parser: argparse.ArgumentParser, argv: list[str], environ: An
         for action in command._actions:
             if not action.option_strings or action.dest in _NOT_SETTINGS:
                 continue
-            known.add(action.dest)
             env_name = ENV_PREFIX + action.dest.upper()
             key = action.dest.replace("_", "-")
             if environ.get(env_name, "") != "":  # an empty variable (VAR= kvforge ...) counts as unset
@@ -140,11 +196,6 @@ def apply_settings(parser: argparse.ArgumentParser, argv: list[str], environ: An
                 defaults[action.dest] = _setting(action, top.get(key, top.get(action.dest)), f"config {key}")
         if defaults:
             command.set_defaults(**defaults)
-    unknown = [k for k in top if k.replace("-", "_") not in known]
-    if unknown:
-        from kvforge.errors import unknown_name
-
-        raise unknown_name("config key", unknown[0], sorted(k.replace("_", "-") for k in known))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,10 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"kvforge: error: {e}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a one-line argument error (already printed)
+        return e.code if isinstance(e.code, int) else 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         check_names(args)  # typos in press/task/model/... names fail here, before torch is imported
+        preflight(args)  # an unreachable store or hub, also before torch
         return int(args.func(args) or 0)
     except UserError as e:
         print(f"kvforge: error: {e}", file=sys.stderr)

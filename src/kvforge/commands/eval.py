@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvforge.commands._common import input_file
 from kvforge.errors import UserError
 
 
@@ -32,7 +33,7 @@ def _names(text: str) -> list[str]:
 def register(sub: Any, bench_sub: Any) -> None:
     p = sub.add_parser("eval", help="evaluate KV-cache methods x budgets on a JSONL file or a built-in task")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--data", type=Path, help="JSONL examples (see docs/eval.md for the format)")
+    src.add_argument("--data", type=input_file, help="JSONL examples (see docs/eval.md for the format)")
     src.add_argument("--task", help="built-in task(s), comma-separated and interleaved: needle, needle-docs (RAG), "
                      "ruler, ruler-mk|mv|mq|vt|cwe, longbench-qa, longbench-summ, longbench, leval, squad, musique, "
                      "hub:<name>")  # fmt: skip
@@ -49,7 +50,7 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096], help="needle/RULER context sizes (tokens)")
     p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
     p.add_argument("--num-samples", type=int, default=1, help="needle/RULER samples per length x depth")
-    p.add_argument("--haystack", type=Path, action="append", help="haystack text/JSONL file (repeatable)")
+    p.add_argument("--haystack", type=input_file, action="append", help="haystack text/JSONL file (repeatable)")
     p.add_argument("--max-context", type=int, help="converted tasks: cut the middle of longer contexts (tokens)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--dtype", help="float32, bfloat16, float16")

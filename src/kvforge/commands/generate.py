@@ -9,6 +9,7 @@ from typing import Any
 from kvforge.commands._common import (
     add_model_args,
     check_store_url,
+    input_file,
     load,
     non_negative_float,
     positive_int,
@@ -24,7 +25,8 @@ def register(sub: Any, bench_sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text (stdout) with timings (stderr)")
     add_model_args(p)
     p.add_argument("--prompt", help="prompt text")
-    p.add_argument("--prompt-file", help="read the prompt from a file (appended after --prompt if both)")
+    p.add_argument("--prompt-file", type=input_file,
+                   help="read the prompt from a file (appended after --prompt if both)")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence at every step (baseline)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvforge.errors import StoreUnavailableError
+from kvforge.errors import StoreUnavailableError, redis_unavailable
 from kvforge.redact import redact_url
 from kvforge.store import codec
 from kvforge.store.base import ByteStore, Kind
@@ -128,10 +128,7 @@ class RedisStore(ByteStore):
         try:
             yield
         except self._errors as e:
-            raise StoreUnavailableError(
-                f"Redis store {self.display_url} is unavailable ({self._scrub(str(e))}); start redis-server or use "
-                "another --store"
-            ) from e
+            raise redis_unavailable(self.display_url, self._scrub(str(e))) from e
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         with self._guard():
