@@ -255,9 +255,7 @@ class Scheduler:
             reuse_context: Any = PromptContext(context, len(ctx_ids)) if ctx_ids and q_ids else None
         else:
             ids = engine.encode_chat(spec.prompt, raw=spec.raw)
-            from kvforge.reuse.query import user_query  # the user's words, not the chat template
-
-            text, reuse_context = user_query(engine.tokenizer, spec.prompt, ids, raw=spec.raw)
+            text, reuse_context = None, None
         engine.check_length(len(ids), spec.max_tokens)
         active.prompt_tokens = len(ids)
         if strategy is None or spec.press is not None:
@@ -265,6 +263,10 @@ class Scheduler:
             return active
         if engine.window is not None:
             raise UserError("KV reuse does not support a sliding-window cache (--window)")
+        if spec.qa is None:
+            from kvforge.reuse.query import user_query  # the user's words, not the chat template
+
+            text, reuse_context = user_query(engine.tokenizer, spec.prompt, ids, raw=spec.raw)
         plan = engine.plan(ids, text=text, context=reuse_context, reuse=strategy)
         engine.check_length(len(plan.token_ids), spec.max_tokens)
         active.plan, active.cache, active.parts = plan, plan.cache, [(list(plan.prefill_ids), None)]
