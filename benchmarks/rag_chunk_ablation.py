@@ -20,9 +20,19 @@ from kvforge.engine import Engine
 from kvforge.eval.data import read_examples
 from kvforge.model import load_model
 from kvforge.prefill import forward
-from kvforge.rag import make_strategy
-from kvforge.rag.strategies import FixedSelection
-from kvforge.reuse.rag import ChunkReuse
+from kvforge.request import Chunks, Encoded, Request
+from kvforge.reuse.rag import ChunkReuse, RagPrompt, make_strategy
+from kvforge.reuse.rag.methods import FixedSelection
+
+
+def prefilled(engine: Engine, rag: ChunkReuse, prompt: RagPrompt) -> tuple[KVCache, torch.Tensor]:
+    """The engine's cache and last logits for ``prompt`` planned by ``rag`` (a request that generates nothing)."""
+    chunks = Chunks(prompt.chunk_texts, prompt.question, prompt.system, prompt.separator)
+    encoded = Encoded(prompt.ids(), prompt.question, prompt)
+    seq = engine.add(Request(chunks, 0, reuse=rag, encoded=encoded))
+    engine.complete(seq)
+    assert seq.logits is not None
+    return seq.cache, seq.logits
 
 
 def main() -> int:
@@ -59,7 +69,7 @@ def main() -> int:
 
     def run(method: object) -> tuple[KVCache, torch.Tensor]:
         rag.method = method  # type: ignore[assignment]
-        return engine.prefill_plan(rag.plan(prompt.ids(), context=prompt))
+        return prefilled(engine, rag, prompt)
 
     for name in ("full", "naive", "ape"):
         report(name, *run(make_strategy(name)))

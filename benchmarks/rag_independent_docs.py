@@ -22,8 +22,7 @@ from kvforge.eval.tasks.base import Measure, TaskConfig
 from kvforge.eval.tasks.needle import filler_text, insert_needles, load_haystack, needle_task
 from kvforge.model import load_model
 from kvforge.paths import default_data_dir
-from kvforge.rag import make_strategy
-from kvforge.reuse.rag import ChunkReuse
+from kvforge.reuse.rag import ChunkReuse, make_strategy
 
 NUM_DOCS = 10
 
@@ -60,8 +59,9 @@ def main() -> int:
         row: dict[str, object] = {"id": ex.id, "context_tokens": prompt.num_context_tokens}
         for name, ratio in runs:
             rag.method = make_strategy(name, ratio)
-            gen = engine.answer_chunks(docs, ex.question, rag=rag, answer_prefix=ex.answer_prefix,
-                                       max_new_tokens=args.max_new_tokens)
+            gen = engine.answer_chunks(
+                docs, ex.question, rag=rag, answer_prefix=ex.answer_prefix, max_new_tokens=args.max_new_tokens
+            )
             text = gen.text
             key = name if ratio is None else f"{name}@{ratio:g}"
             row[key] = any(a in text for a in ex.answers)

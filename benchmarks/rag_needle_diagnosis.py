@@ -32,10 +32,21 @@ from kvforge.engine import Engine
 from kvforge.eval.data import read_examples
 from kvforge.model import load_model
 from kvforge.prefill import forward, prefill
-from kvforge.rag.attend import AttentionCapture
-from kvforge.rag.aux import AuxScorer, select_top
-from kvforge.rag.strategies import FixedSelection
-from kvforge.reuse.rag import ChunkReuse
+from kvforge.request import Chunks, Encoded, Request
+from kvforge.reuse.rag import ChunkReuse, RagPrompt
+from kvforge.reuse.rag.attend import AttentionCapture
+from kvforge.reuse.rag.aux import AuxScorer, select_top
+from kvforge.reuse.rag.methods import FixedSelection
+
+
+def prefilled(engine: Engine, rag: ChunkReuse, prompt: RagPrompt) -> tuple[KVCache, torch.Tensor]:
+    """The engine's cache and last logits for ``prompt`` planned by ``rag`` (a request that generates nothing)."""
+    chunks = Chunks(prompt.chunk_texts, prompt.question, prompt.system, prompt.separator)
+    encoded = Encoded(prompt.ids(), prompt.question, prompt)
+    seq = engine.add(Request(chunks, 0, reuse=rag, encoded=encoded))
+    engine.complete(seq)
+    assert seq.logits is not None
+    return seq.cache, seq.logits
 
 
 def main() -> int:
@@ -108,7 +119,7 @@ def main() -> int:
             }
             for name, sel in selections.items():
                 rag.method = FixedSelection(sel)
-                answers[f"{name}@{r:g}"] = greedy(*engine.prefill_plan(rag.plan(prompt.ids(), context=prompt)))
+                answers[f"{name}@{r:g}"] = greedy(*prefilled(engine, rag, prompt))
         correct = {k: any(a in v for a in ex.answers) for k, v in answers.items()}
         totals.update(k for k, ok in correct.items() if ok)
         percentile = float((scores < scores[needle].mean()).float().mean())

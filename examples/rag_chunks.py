@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from kvforge.engine import Engine
-from kvforge.model import load_model
+from kvforge import Chunks, Engine, Request, load_model
 from kvforge.reuse.rag import ChunkReuse
 from kvforge.store import open_store
 
@@ -20,7 +19,7 @@ def main(model_name: str = "smollm2-135m", store_url: str = "memory://") -> None
     docs = [f"Lighthouse {i} stands on cape {i} and has {i + 3} lamps." for i in range(6)]
     # the second question gets the documents in another order: every chunk is still found stored
     for question, order in (("How many lamps on cape 2?", docs), ("How many lamps on cape 4?", docs[::-1])):
-        gen = engine.answer_chunks(order, question, max_new_tokens=12)
+        gen = engine.run(Request(Chunks(order, question), max_new_tokens=12))
         reuse = gen.info["reuse"]
         print(
             f"{question} -> {gen.text!r} | reused {gen.reused_tokens} of {gen.prompt_tokens} tokens, "

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from kvforge.engine import Engine
-from kvforge.model import load_model
+from kvforge import Document, Engine, Request, load_model
 from kvforge.reuse import build_reuse
 from kvforge.store import open_store
 
@@ -19,7 +18,7 @@ def main(model_name: str = "smollm2-135m", store_url: str = "memory://") -> None
     engine.reuse = build_reuse("prefix", open_store(store_url), engine.model_id)
     document = " ".join(f"Paragraph {i}: the lighthouse at cape {i} has {i + 3} lamps." for i in range(20))
     for question in ("How many lamps at cape 5?", "How many lamps at cape 9?"):
-        gen = engine.answer(document, question, max_new_tokens=12)
+        gen = engine.run(Request(Document(document, question), max_new_tokens=12))
         reuse = gen.info.get("reuse", {})
         print(f"{question} -> {gen.text!r} | reused {reuse.get('reused_tokens', 0)} of {gen.prompt_tokens} tokens, "
               f"TTFT {gen.ttft_s:.3f}s")

@@ -10,6 +10,9 @@ import torch
 from kvforge.testing import ARCHS, tiny_model, tiny_tokenizer
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# a kvzap press met without a trained scorer trains one on first use: on tiny models, a small one (seconds)
+os.environ.setdefault("KVFORGE_KVZAP_WINDOW", "128")
+os.environ.setdefault("KVFORGE_KVZAP_WINDOWS", "3")
 
 
 @pytest.fixture(scope="session", params=sorted(ARCHS))

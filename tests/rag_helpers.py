@@ -1,4 +1,4 @@
-"""RAG tests drive chunk reuse the way every caller does: ``ChunkReuse.plan`` -> ``Engine.prefill_plan``."""
+"""RAG tests drive chunk reuse the way every caller does: a ``Request`` over chunks that the engine plans and steps."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from torch import Tensor
 
 from kvforge.cache import KVCache
 from kvforge.engine import Engine
-from kvforge.rag import RagPrompt, make_strategy
-from kvforge.reuse.rag import ChunkReuse
+from kvforge.request import Chunks, Encoded, Request
+from kvforge.reuse.rag import ChunkReuse, RagPrompt, make_strategy
 
 
 @dataclass
@@ -44,8 +44,11 @@ class RagRunner:
 
     def prefill(self, prompt: RagPrompt, method: Any) -> Prefilled:
         self.reuse.method = make_strategy(method) if isinstance(method, str) else method
-        plan = self.reuse.plan(prompt.ids(), context=prompt)
-        cache, logits = self.engine.prefill_plan(plan)
+        chunks = Chunks(prompt.chunk_texts, prompt.question, prompt.system, prompt.separator)
+        encoded = Encoded(prompt.ids(), prompt.question, prompt)  # the test's own pieces, tokenised already
+        seq = self.engine.add(Request(chunks, max_new_tokens=0, reuse=self.reuse, encoded=encoded))
+        self.engine.complete(seq)  # plan -> recompute -> (nothing to decode)
+        plan, cache, logits = seq.plan, seq.cache, seq.logits
         if plan.kind == "miss":  # full: every prefix/chunk token computed
             n_cached = len(prompt.prefix_ids) + prompt.num_context_tokens
             return Prefilled(cache, logits, len(plan.token_ids), 0, n_cached, len(plan.token_ids) - n_cached, plan)

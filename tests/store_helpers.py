@@ -94,16 +94,19 @@ def free_port() -> int:
 
 
 @contextmanager
-def redis_server(workdir: Path) -> Iterator[str]:
-    """Run ``redis-server`` on 127.0.0.1 on a free port (no persistence); yields its URL."""
+def redis_server(workdir: Path, password: str | None = None) -> Iterator[str]:
+    """Run ``redis-server`` on 127.0.0.1 on a free port (no persistence; with ``password``: ``requirepass``); yields
+    its URL (without the password)."""
     exe = shutil.which("redis-server")
     if exe is None:
         import pytest
 
         pytest.skip("redis-server is not on PATH (apt-get install redis-server); Redis tests skipped")
     port = free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)]
+        + (["--requirepass", password] if password else []),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -127,7 +130,7 @@ def _wait_until_up(port: int, proc: subprocess.Popen, timeout_s: float = 10.0) -
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
                 s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
+                if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):
                     return
         except OSError:
             time.sleep(0.05)

@@ -1,16 +1,20 @@
-"""Continuous batching gives every sequence exactly what it gets alone (mixed lengths, compressed, reused caches)."""
+"""Continuous batching gives every sequence exactly what it gets alone (mixed lengths, compressed, reused caches):
+the packed forward itself, and the engine's steps that build it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvforge.batch import Sequence, decode_step, forward_batch, forward_packed, mixed_step
+from kvforge.batch import forward_batch, forward_packed
 from kvforge.cache import KVCache
 from kvforge.decode import DecodeState, SamplingParams, decode
+from kvforge.engine import Engine
 from kvforge.prefill import prefill
 from kvforge.presses import build_press, compress_prefill
-from kvforge.testing import tiny_model
+from kvforge.request import Request
+from kvforge.reuse.base import GivenCache
+from kvforge.testing import tiny_model, tiny_tokenizer
 
 ARCHS = ["gemma3", "llama", "qwen2"]
 NEW_TOKENS = 12
@@ -35,6 +39,18 @@ def _caches(model, how: str, ids: list[int]) -> tuple[KVCache, torch.Tensor]:
     return reused, prefill(model, x[:, len(ids) // 2 :], reused)
 
 
+def _engine(model, **kwargs) -> Engine:
+    engine = Engine(model, tiny_tokenizer(), **kwargs)
+    engine.eos_token_ids = []  # every sequence runs to its own budget
+    return engine
+
+
+def _given(model, how: str, ids: list[int], max_new_tokens: int, **kwargs) -> Request:
+    """A request whose prompt the caller prefilled already (its cache and last logits)."""
+    cache, logits = _caches(model, how, ids)
+    return Request(list(ids), max_new_tokens, reuse=GivenCache(cache, logits), **kwargs)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batched_decode_equals_alone(arch):
     model = tiny_model(arch)
@@ -45,14 +61,10 @@ def test_batched_decode_equals_alone(arch):
         result = decode(model, cache, logits, NEW_TOKENS)
         alone.append(result.token_ids)
         alone_logits.append(cache)
-    seqs = []
-    for i, (how, n) in enumerate(specs):
-        cache, logits = _caches(model, how, _ids(i, n))
-        seqs.append(Sequence(cache, logits, DecodeState(NEW_TOKENS), tag=i))
-    running = list(seqs)
-    while running:
-        running = decode_step(model, running)
-    assert [s.state.tokens for s in seqs] == alone
+    engine = _engine(model)
+    seqs = [engine.add(_given(model, how, _ids(i, n), NEW_TOKENS)) for i, (how, n) in enumerate(specs)]
+    gens = [engine.complete(s) for s in seqs]
+    assert [g.token_ids for g in gens] == alone
     for seq, ref in zip(seqs, alone_logits, strict=True):  # same cache contents afterwards
         assert seq.cache.next_position == ref.next_position
         assert seq.cache.lengths() == ref.lengths()
@@ -68,18 +80,15 @@ def test_join_and_leave_at_any_step(arch):
         cache, logits = _caches(model, "plain", _ids(10 + i, 20 + 9 * i))
         refs.append(decode(model, cache, logits, n).token_ids)
     assert [len(r) for r in refs] == budgets  # no EOS in a tiny model: each runs to its own budget
-    seqs = []
-    for i, n in enumerate(budgets):
-        cache, logits = _caches(model, "plain", _ids(10 + i, 20 + 9 * i))
-        seqs.append(Sequence(cache, logits, DecodeState(n)))
-    running, waiting = [], list(seqs)
-    step = 0
-    while waiting or running:
+    engine = _engine(model)
+    waiting = [_given(model, "plain", _ids(10 + i, 20 + 9 * i), n) for i, n in enumerate(budgets)]
+    seqs, step = [], 0
+    while waiting or engine.has_work:
         if waiting and step % 3 == 1:
-            running.append(waiting.pop(0))
-        running = decode_step(model, running)
+            seqs.append(engine.add(waiting.pop(0)))
+        engine.step()
         step += 1
-    assert [s.state.tokens for s in seqs] == refs
+    assert [s.result().token_ids for s in seqs] == refs
 
 
 def test_forward_batch_logits_match_single_forward():
@@ -101,16 +110,14 @@ def test_forward_batch_logits_match_single_forward():
 def test_sampling_seed_and_stop_stay_per_sequence(tokenizer):
     model = tiny_model("qwen2")
     params = [SamplingParams(temperature=0.8, seed=7), SamplingParams(), SamplingParams(temperature=1.0, seed=3)]
-    refs, seqs = [], []
+    refs, requests = [], []
     for i, p in enumerate(params):
         cache, logits = _caches(model, "plain", _ids(30 + i, 16))
-        refs.append(decode(model, cache, logits, 10, sampling=p, stop=["a"], tokenizer=tokenizer).token_ids)
-        cache, logits = _caches(model, "plain", _ids(30 + i, 16))
-        seqs.append(Sequence(cache, logits, DecodeState(10, p, stop=["a"], tokenizer=tokenizer)))
-    running = list(seqs)
-    while running:
-        running = decode_step(model, running)
-    assert [s.state.tokens for s in seqs] == refs
+        refs.append(decode(model, cache, logits, DecodeState(10, p, stop=["a"], tokenizer=tokenizer)).token_ids)
+        requests.append(_given(model, "plain", _ids(30 + i, 16), 10, sampling=p, stop=["a"]))
+    engine = Engine(model, tokenizer)
+    engine.eos_token_ids = []
+    assert [g.token_ids for g in engine.run_many(requests)] == refs
 
 
 def test_failed_forward_rolls_back_every_cache():
@@ -147,35 +154,28 @@ def test_packed_forward_equals_each_chunk_alone(arch):
 
 @pytest.mark.parametrize("arch", ["gemma3", "llama"])
 def test_prompts_prefilled_in_chunks_beside_decoding_sequences_get_their_lone_tokens(arch):
-    """mixed_step: two sequences decode while two prompts are prefilled in chunks of 7 in the same forwards; then all
-    four decode together. Every sequence gets exactly its lone greedy tokens."""
+    """Two sequences decode while two prompts are prefilled 7 tokens per step in the same forwards; then all four
+    decode together. Every sequence gets exactly its lone greedy tokens."""
     model = tiny_model(arch)
     prompts = [_ids(60 + i, n) for i, n in enumerate([12, 30, 45, 19])]
     refs = []
     for ids in prompts:
         cache = KVCache.for_model(model)
         refs.append(decode(model, cache, prefill(model, torch.tensor([ids]), cache), NEW_TOKENS).token_ids)
-    running = []
-    for ids in prompts[:2]:
-        cache = KVCache.for_model(model)
-        running.append(Sequence(cache, prefill(model, torch.tensor([ids]), cache), DecodeState(NEW_TOKENS)))
-    seqs = list(running)
-    pending = [(ids, KVCache.for_model(model), 0) for ids in prompts[2:]]
-    order = {id(cache): 2 + i for i, (_, cache, _) in enumerate(pending)} | {id(s.cache): i for i, s in enumerate(seqs)}
-    while pending:
-        chunks = [(ids[done : done + 7], cache) for ids, cache, done in pending]
-        running, logits = mixed_step(model, running, chunks)
-        still = []
-        for (ids, cache, done), row in zip(pending, logits, strict=True):
-            if done + 7 >= len(ids):
-                seqs.append(Sequence(cache, row, DecodeState(NEW_TOKENS)))
-                running.append(seqs[-1])
-            else:
-                still.append((ids, cache, done + 7))
-        pending = still
-    while running:
-        running = decode_step(model, running)
-    assert [s.state.tokens for s in sorted(seqs, key=lambda s: order[id(s.cache)])] == refs
+    engine = _engine(model, prefill_budget=7)
+    seqs = [engine.add(_given(model, "plain", ids, NEW_TOKENS)) for ids in prompts[:2]]
+    seqs += [engine.add(Request(ids, NEW_TOKENS)) for ids in prompts[2:]]
+    budgets: list[int] = []
+    real = engine.schedule
+
+    def spy(*args):
+        chosen = real(*args)
+        budgets.append(sum(n for _, n in chosen))
+        return chosen
+
+    engine.schedule = spy
+    assert [engine.complete(s).token_ids for s in seqs] == refs
+    assert max(budgets) == 7 and sum(budgets) == 45 + 19  # both prompts went through budgeted steps
 
 
 def test_packed_forward_checks_its_input():

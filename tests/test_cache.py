@@ -7,7 +7,7 @@ import torch
 
 from kvforge import compat
 from kvforge.cache import KVCache, KVLayer
-from kvforge.decode import SamplingParams, decode, decode_uncached
+from kvforge.decode import DecodeState, SamplingParams, decode, decode_uncached
 from kvforge.prefill import forward, prefill
 
 
@@ -23,7 +23,7 @@ def test_cached_greedy_equals_uncached_tokens_and_logits(model):
     cache = KVCache.for_model(model)
     logits = prefill(model, prompt, cache, chunk_size=None)
     seen = [logits[0].clone()]
-    result = decode(model, cache, logits, 20, on_token=lambda t: None)
+    result = decode(model, cache, logits, DecodeState(20, on_token=lambda t: None))
     # replay to collect the logits at each step with the cache
     cache2 = KVCache.for_model(model)
     logits = prefill(model, prompt, cache2, chunk_size=None)
@@ -137,11 +137,11 @@ def test_sampling_with_seed_is_reproducible(model):
     runs = []
     for _ in range(2):
         cache = KVCache.for_model(model)
-        runs.append(decode(model, cache, prefill(model, _ids(12), cache), 25, sampling=params).token_ids)
+        runs.append(decode(model, cache, prefill(model, _ids(12), cache), DecodeState(25, params)).token_ids)
     assert runs[0] == runs[1]
     other = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=124)
     cache = KVCache.for_model(model)
-    assert decode(model, cache, prefill(model, _ids(12), cache), 25, sampling=other).token_ids != runs[0]
+    assert decode(model, cache, prefill(model, _ids(12), cache), DecodeState(25, other)).token_ids != runs[0]
 
 
 def test_failed_forward_rolls_back(model):

@@ -100,19 +100,19 @@ def test_prefill_progress_bar_on_long_prompts_or_terminals(tokenizer):
     from kvforge.commands._common import prefill_progress
     from kvforge.engine import Engine
     from kvforge.presses import build_press
+    from kvforge.request import Request
     from kvforge.testing import tiny_model
 
     engine = Engine(tiny_model("llama"), tokenizer, chunk_size=8)
+    ids = list(range(3, 40))
     quiet, tty = _Stream(False), _Stream(True)
-    engine.on_prefill_chunk = prefill_progress(stream=quiet)
-    engine.prefill(list(range(3, 40)))
+    engine.run(Request(ids, 0, on_prefill=prefill_progress(stream=quiet)))
     assert quiet.text == ""  # short prompt, not a terminal
-    engine.on_prefill_chunk = prefill_progress(stream=tty)
-    engine.prefill(list(range(3, 40)))
+    engine.run(Request(ids, 0, on_prefill=prefill_progress(stream=tty)))
     assert "prefill" in tty.text and "/37 " in tty.text
     long = _Stream(False)
-    engine.on_prefill_chunk = prefill_progress(min_tokens=30, stream=long)
-    engine.prefill(list(range(3, 40)), press=build_press("snapkv", 0.5, window_size=4))
+    press = build_press("snapkv", 0.5, window_size=4)
+    engine.run(Request(ids, 0, press=press, on_prefill=prefill_progress(min_tokens=30, stream=long)))
     assert "prefill" in long.text and "/37 " in long.text  # through a press's prefill too
 
 
@@ -122,7 +122,7 @@ def test_prefill_progress_bar_on_long_prompts_or_terminals(tokenizer):
         ("[generate]\nmax-new-token = 3\n",
          "unknown config key 'max-new-token' in [generate]; did you mean 'max-new-tokens'"),
         ('[generat]\nmodel = "x"\n', "unknown config table 'generat'; did you mean 'generate'"),
-        ("[bench.reus]\nrepeats = 2\n", "unknown config table 'reus' in [bench]; did you mean 'reuse'"),
+        ("[bench.decod]\nrepeats = 2\n", "unknown config table 'decod' in [bench]; did you mean 'decode'"),
         ("[cache.ls]\nstore = 'memory://'\n[cache.ls.x]\na = 1\n", "unknown config table 'x' in [cache.ls]"),
         ("store = 5\n", "config store: expected a string, got 5 (an integer)"),
         ("[generate]\nmax-new-tokens = true\n", "config max-new-tokens: expected an integer >= 1, got True"),
@@ -153,7 +153,7 @@ def test_number_out_of_range_is_one_line(capsys, no_load):
         (["rag", "--docs", "/no/such/doc.txt", "--question", "q"], "file not found: /no/such/doc.txt"),
         (["eval", "--model", "smollm2-135m", "--data", "/no/such.jsonl", "--out", "/tmp/x"], "file not found"),
         (["generate", "--prompt", "hi", "--reuse", "prefix", "--store", "redis://:s3cret@127.0.0.1:1/0"],
-         "Redis store redis://:***@127.0.0.1:1/0 is unavailable"),
+         "Redis store redis://***@127.0.0.1:1/0 is unavailable"),
     ],
 )
 def test_missing_files_and_unreachable_stores_fail_before_torch(argv, message):

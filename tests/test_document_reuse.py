@@ -8,7 +8,8 @@ import torch
 from kvforge.engine import PRESS_WITH_REUSE, Engine
 from kvforge.errors import UserError
 from kvforge.presses import build_press
-from kvforge.reuse import PrefixReuse, SemanticReuse
+from kvforge.request import Document, Request
+from kvforge.reuse import DocumentReuse, SemanticReuse
 from kvforge.reuse.base import PromptContext
 from kvforge.store import open_store
 
@@ -20,7 +21,7 @@ PRESSES = [("kvzip", {}), ("knorm", {}), ("snapkv", {}), ("adakv", {})]  # adakv
 def _engine(model, tokenizer, store=None):
     engine = Engine(model, tokenizer, chunk_size=None)
     if store is not None:
-        engine.reuse = PrefixReuse(store, engine.model_id, block_size=16)
+        engine.reuse = DocumentReuse(store, engine.model_id)
     return engine
 
 
@@ -32,13 +33,20 @@ def _logits_in_process(engine, press, question):
     return logits
 
 
+def _prefilled(engine, press, question, quant=None, doc=DOC):
+    """The engine's sequence for the question on the document, prefilled (plan, cache, last logits)."""
+    request = Request(Document(doc, question), max_new_tokens=0, press=press, query_aware=False, quant=quant)
+    seq = engine.add(request)
+    engine.complete(seq)
+    return seq
+
+
 def _logits_from_store(engine, press, question, quant=None):
-    ctx_ids, q_ids = engine.encode_qa(DOC, question)
-    context = PromptContext(DOC, len(ctx_ids), press=press, quant=quant)
-    plan = engine.plan(ctx_ids + q_ids, press, context=context)
+    _, q_ids = engine.encode_qa(DOC, question)
+    seq = _prefilled(engine, press, question, quant)
+    plan = seq.plan
     assert plan.is_hit and plan.prefill_ids == q_ids and plan.press_size == 0
-    _, logits = engine.prefill(plan.prefill_ids, plan.cache)
-    return logits, plan
+    return seq.logits, plan
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -68,11 +76,9 @@ def test_other_press_ratio_or_quant_is_a_miss(model, tokenizer):
     engine = _engine(model, tokenizer, store)
     stored = build_press("knorm", compression_ratio=0.5)
     engine.answer(DOC, QUESTIONS[0], press=stored, query_aware=False, max_new_tokens=1, quant="int4")
-    ctx_ids, q_ids = engine.encode_qa(DOC, QUESTIONS[1])
 
     def kind(press, quant):
-        context = PromptContext(DOC, len(ctx_ids), press=press, quant=quant)
-        return engine.plan(ctx_ids + q_ids, press, context=context).kind
+        return _prefilled(engine, press, QUESTIONS[1], quant).plan.kind
 
     assert kind(build_press("knorm", compression_ratio=0.5), "int4") == "prefix"
     assert kind(build_press("knorm", compression_ratio=0.75), "int4") == "miss"  # ratio
@@ -93,9 +99,7 @@ def test_segment_whose_meta_disagrees_with_its_key_is_refused(model, tokenizer):
     segment = store.get(key)
     segment.meta["press"]["compression_ratio"] = 0.25  # a writer that lied about what it stored
     store.put(key, segment)
-    ctx_ids, q_ids = engine.encode_qa(DOC, QUESTIONS[1])
-    plan = engine.plan(ctx_ids + q_ids, press, context=PromptContext(DOC, len(ctx_ids), press=press))
-    assert plan.kind == "miss"
+    assert _prefilled(engine, press, QUESTIONS[1]).plan.kind == "miss"
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -111,7 +115,7 @@ def test_quantised_document_equals_its_roundtrip(model, tokenizer):
     cache, _ = _engine(model, tokenizer).prefill(ctx_ids, press=press)
     expected = quant_roundtrip(cache.to_segment(engine.model_id, ctx_ids), "int4")
     context = PromptContext(DOC, len(ctx_ids), press=press, quant="int4")
-    plan = engine.plan(ctx_ids + q_ids, press, context=context)
+    plan = engine.reuse.plan(ctx_ids + q_ids, context=context)  # the strategy's plan alone: the cache as loaded
     loaded = plan.cache.to_segment(engine.model_id, ctx_ids)
     assert all(torch.equal(a, b) for a, b in zip(loaded.keys, expected.keys, strict=True))
     assert plan.info["quant"] == "int4"
@@ -140,7 +144,7 @@ def test_cli_second_call_reuses_the_compressed_document(tiny_llama_dir, tmp_path
     doc = tmp_path / "doc.txt"
     doc.write_text(DOC)
     base = ["generate", "--model", str(tiny_llama_dir), "--prompt-file", str(doc), "--max-new-tokens", "4",
-            "--press", "kvzip", "--compression-ratio", "0.75", "--query-agnostic", "--reuse", "prefix",
+            "--press", "kvzip", "--compression-ratio", "0.75", "--query-agnostic", "--reuse", "document",
             "--store", f"file://{tmp_path}/kv"]  # fmt: skip
     assert main([*base, "--prompt", QUESTIONS[0]]) == 0
     assert "compressed document stored" in capsys.readouterr().err
@@ -163,15 +167,15 @@ def test_stored_document_gives_in_process_logits_on_smollm2(smollm2, tmp_path):
            "reading room in a cedar box. Visitors may read on Tuesdays only. ") * 6  # fmt: skip
     press = build_press("knorm", compression_ratio=0.5)
     engine = Engine(model, tokenizer)
-    engine.reuse = PrefixReuse(open_store(f"file://{tmp_path}"), engine.model_id)
+    engine.reuse = DocumentReuse(open_store(f"file://{tmp_path}"), engine.model_id)
     engine.answer(doc, "Who keeps the key?", press=press, query_aware=False, max_new_tokens=2)
     fresh = Engine(model, tokenizer)
-    fresh.reuse = PrefixReuse(open_store(f"file://{tmp_path}"), fresh.model_id)
+    fresh.reuse = DocumentReuse(open_store(f"file://{tmp_path}"), fresh.model_id)
     question = "How many scrolls are there?"
     ctx_ids, q_ids = fresh.encode_qa(doc, question)
-    plan = fresh.plan(ctx_ids + q_ids, press, context=PromptContext(doc, len(ctx_ids), press=press))
-    assert plan.is_hit and plan.info["compressed"]
-    _, stored = fresh.prefill(plan.prefill_ids, plan.cache)
+    seq = _prefilled(fresh, press, question, doc=doc)
+    assert seq.plan.is_hit and seq.plan.info["compressed"]
+    stored = seq.logits
     cache, _ = Engine(model, tokenizer).prefill(ctx_ids, press=press)
     _, expected = Engine(model, tokenizer).prefill(q_ids, cache)
     assert torch.equal(stored, expected)

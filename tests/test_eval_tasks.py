@@ -189,3 +189,40 @@ def test_needle_docs_split_the_needle_context_into_whole_documents(tok, depth):
     assert len(holder) == 1 and abs(holder[0] - depth * 9) <= 1.5
     assert (ex.question, ex.answers, ex.answer_prefix) == (base.question, base.answers, base.answer_prefix)
     assert example_from_json(json.loads(json.dumps(ex.to_json()))).chunks == ex.chunks
+
+
+def test_narrative_needles_are_plain_statements_at_sentence_ends_in_their_own_words(tok):
+    """needle-narrative: each cell its own wording (none RULER's template), the needle whole and at a sentence end,
+    the question names its key, the answer is in the needle; deterministic for a seed."""
+    from kvforge.eval.tasks.needle import WORDINGS
+
+    cfg = _cfg(tok, lengths=(1500,), depths=(0.0, 0.25, 0.5, 0.75, 1.0), num_samples=2)
+    examples = build_task("needle-narrative", cfg)
+    assert examples == build_task("needle-narrative", cfg) and len(examples) == 10
+    assert len({e.id.split("-")[2] for e in examples}) == len(WORDINGS)  # every wording is used
+    for ex in examples:
+        (needle,) = ex.needles
+        assert "magic number" not in needle and ex.answers[0] in needle and needle in ex.context
+        start = ex.context.index(needle)
+        assert start == 0 or ex.context[:start].rstrip()[-1] in ".!?\"'\u201d\u2019"  # after a sentence end
+        who = needle.split(" ")[:2] if needle.split(" ")[0] in ("Mr.", "Mrs.", "Miss", "Captain", "Doctor") else None
+        assert who is None or " ".join(who) in ex.question
+        assert abs(Measure(tok).size(ex.context) - 1500) <= 4
+
+
+def test_narrative_multi_needles_share_one_document(tok):
+    examples = build_task("needle-multi-narrative", _cfg(tok, lengths=(2000,)))
+    assert len(examples) == 4 and len({e.context for e in examples}) == 1
+    assert len({e.question for e in examples}) == 4 and all(e.needles[0] in e.context for e in examples)
+
+
+def test_haystack_row_of_a_jsonl_file(tmp_path, tok):
+    books = tmp_path / "books.jsonl"
+    books.write_text("\n".join(json.dumps({"id": i, "text": f"Book {i}. " * 300}) for i in ("a", "b")))
+    assert "Book b" in read_haystack((tmp_path / "books.jsonl#b",)) and "Book a" not in read_haystack(
+        (tmp_path / "books.jsonl#b",))  # fmt: skip
+    with pytest.raises(UserError, match="no row with id 'c'"):
+        read_haystack((tmp_path / "books.jsonl#c",))
+    (ex,) = build_task("needle-narrative", TaskConfig(tmp_path, tokenizer=tok, lengths=(300,), depths=(0.5,),
+                                                      haystack=(tmp_path / "books.jsonl#a",)))  # fmt: skip
+    assert "Book a" in ex.context and "Book b" not in ex.context

@@ -24,6 +24,8 @@ def test_example_runs(script, tiny_llama_dir):
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 2
+    if script.stem == "quickstart":  # the first question stores the compressed document, the second loads it
+        assert " 0 of " in lines[0] and " 0 of " not in lines[1]
     if script.stem == "store_reuse":  # the second question reuses the stored document
         assert "reused 0 of" in lines[0] and "reused 0 of" not in lines[1]
     if script.stem == "serve_client":  # greedy: the streamed answer is the plain one

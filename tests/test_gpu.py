@@ -134,7 +134,7 @@ def test_store_round_trips_of_a_cuda_cache(tmp_path, quant):
 def test_rag_chunk_reuse_on_cuda(strategy):
     from rag_helpers import RagRunner  # the path every caller takes: ChunkReuse.plan -> Engine.prefill_plan
 
-    from kvforge.rag import make_strategy
+    from kvforge.reuse.rag import make_strategy
 
     rag = RagRunner(_model(), tiny_tokenizer())
     prompt = rag.build_prompt(["The cat sat on the mat.", "The code is 7731, remember it."], "What is the code?")

@@ -16,8 +16,8 @@ def test_name_lists_equal_the_registries():
     from kvforge.eval.tasks.longbench import PROMPTS
     from kvforge.model import BUILTIN_MODELS
     from kvforge.presses import _SPECS, DESCRIPTIONS
-    from kvforge.rag import STRATEGIES
     from kvforge.reuse import REUSE
+    from kvforge.reuse.rag import STRATEGIES
 
     assert list(names.PRESS_NAMES) == list(_SPECS) and DESCRIPTIONS is names.PRESS_DESCRIPTIONS
     assert list(names.TASK_NAMES) == list(TASKS)

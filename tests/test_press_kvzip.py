@@ -315,3 +315,21 @@ def test_fused_replay_scores_equal_the_textbook_attention(tok, arch, path, norma
     for name in kept:
         for a, b in zip(kept[name], ref_kept[name], strict=True):
             assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_pool_keeps_the_neighbours_of_a_high_score():
+    """pool=5: each entry scores the max of the 5 around it, so a needle's key words next to its surprising value
+    are kept with it; pool=0 leaves the replay's scores as they are."""
+    from kvforge.presses.base import LayerContext
+    from kvforge.presses.kvzip import KVzipPress
+
+    keys = torch.zeros(1, 2, 100, 8)
+    scores = torch.full((1, 2, 100), 0.01)
+    scores[0, :, 50] = 0.9
+    ctx = LayerContext(keys=keys, values=keys, positions=torch.arange(100)[None], reconstruction_scores=scores)
+    plain = KVzipPress(0.9, keep_first=0, keep_header=False).score(ctx)
+    pooled = KVzipPress(0.9, keep_first=0, keep_header=False, pool=5).score(ctx)
+    assert (plain[0, 0] > 0.5).nonzero().flatten().tolist() == [50]
+    assert (pooled[0, 0] > 0.5).nonzero().flatten().tolist() == [48, 49, 50, 51, 52]
+    with pytest.raises(ValueError, match="odd"):
+        KVzipPress(0.5, pool=4)

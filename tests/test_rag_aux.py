@@ -6,8 +6,7 @@ from rag_helpers import RagRunner
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from kvforge.rag import AuxScorer, CacheClipStrategy, make_strategy, map_scores, select_top
-from kvforge.reuse.rag import ChunkReuse
+from kvforge.reuse.rag import AuxScorer, CacheClipStrategy, ChunkReuse, make_strategy, map_scores, select_top
 from kvforge.testing import tiny_model, tiny_tokenizer
 
 DOCS = ["The cat sat on the mat, then it slept.", "Paris is the capital of France.", "The code is 7731, remember it."]
@@ -80,7 +79,7 @@ def test_aux_scores_cover_main_tokens_through_offsets(main_rag, word_aux):
     assert bool((scores >= 0).all()) and float(scores.max()) > 0
     # every character of one aux word gets that word's score; spaces between words get none
     offs = prompt.chunk_offsets[2]
-    part = scores[-len(prompt.chunk_ids[2]):]
+    part = scores[-len(prompt.chunk_ids[2]) :]
     code = DOCS[2].index("7731")
     word_span = [j for j, (a, _) in enumerate(offs) if code <= a < code + 4]
     assert len(word_span) == 4 and len({float(part[j]) for j in word_span}) == 1 and float(part[word_span[0]]) > 0
@@ -110,7 +109,7 @@ def test_attention_capture_over_several_layers_is_the_mean_of_single_layers():
     """The capture used by CacheClip (one layer) and by the needle diagnosis (every layer) agree."""
     from kvforge.cache import KVCache
     from kvforge.prefill import forward, prefill
-    from kvforge.rag.attend import AttentionCapture
+    from kvforge.reuse.rag.attend import AttentionCapture
 
     model = tiny_model("llama", num_hidden_layers=3)
     ids = torch.randint(0, 50, (1, 24))

@@ -4,8 +4,8 @@ import torch
 
 from kvforge.cache import KVCache
 from kvforge.prefill import prefill
-from kvforge.rag import ChunkCache, DictStore, build_prompt, chunk_key
-from kvforge.reuse.rag import ChunkReuse
+from kvforge.reuse.rag import ChunkCache, ChunkReuse, build_prompt, chunk_key
+from kvforge.store.memory import MemoryStore
 from kvforge.testing import tiny_model, tiny_tokenizer
 
 DOCS = ["The cat sat on the mat.", "Paris is the capital of France.", "Numbers: 1234 5678."]
@@ -16,7 +16,9 @@ def test_prompt_pieces_concatenate_to_the_prompt():
     p = build_prompt(tok, DOCS, "Where?", system="Be brief.")
     text = tok.apply_chat_template(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "\n\n".join(DOCS) + "\n\nWhere?"}],
-        tokenize=False, add_generation_prompt=True)
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert p.ids() == tok(text, add_special_tokens=False)["input_ids"]  # char tokenizer: pieces == joined text
     assert p.prefix_ids == tok("<s>Be brief.\n<u>", add_special_tokens=False)["input_ids"]
     assert [len(o) for o in p.chunk_offsets] == [len(c) for c in p.chunk_ids]
@@ -26,9 +28,14 @@ def test_prompt_pieces_concatenate_to_the_prompt():
 def test_chunk_key_depends_on_model_prefix_and_chunk():
     base = chunk_key("m", [1, 2], [5, 6])
     assert base == chunk_key("m", [1, 2], [5, 6])  # deterministic (no Python hash)
-    assert len(base) == 64 and int(base, 16) >= 0
-    others = {chunk_key("n", [1, 2], [5, 6]), chunk_key("m", [1], [2, 5, 6]), chunk_key("m", [1, 2], [5, 7]),
-              chunk_key("m", [1, 2], None), chunk_key("m", [1, 2], [])}
+    assert base.startswith("rag-v2-") and len(base) == 7 + 64 and int(base[7:], 16) >= 0
+    others = {
+        chunk_key("n", [1, 2], [5, 6]),
+        chunk_key("m", [1], [2, 5, 6]),
+        chunk_key("m", [1, 2], [5, 7]),
+        chunk_key("m", [1, 2], None),
+        chunk_key("m", [1, 2], []),
+    }
     assert base not in others and len(others) == 5
 
 
@@ -51,19 +58,19 @@ def test_chunk_segment_is_the_chunk_part_of_prefix_plus_chunk():
 
 def test_store_hit_reuses_and_checks_ids():
     model, tok = tiny_model("qwen2"), tiny_tokenizer()
-    store = DictStore()
+    store = MemoryStore()
     chunks = ChunkCache(model, "model-a", store)
     p = build_prompt(tok, DOCS, "Where?")
     chunks.warm(p)
     assert (chunks.num_misses, chunks.num_hits) == (3, 0)
-    assert len(store.segments) == 4  # prefix + 3 chunks
+    assert len(store.keys()) == 4  # prefix + 3 chunks
     first = chunks.chunk(p.prefix_ids, p.chunk_ids[0])
     assert chunks.num_hits == 1
     # a segment holding other tokens under the key is not trusted: recomputed and overwritten
     key = chunk_key("model-a", p.prefix_ids, p.chunk_ids[0])
-    bad = store.segments[key].to()
+    bad = store.get(key)
     bad.token_ids = list(reversed(bad.token_ids))
-    store.segments[key] = bad
+    store.put(key, bad)
     again = chunks.chunk(p.prefix_ids, p.chunk_ids[0])
     assert chunks.num_misses == 4 and again.token_ids == p.chunk_ids[0]
     torch.testing.assert_close(again.keys[1], first.keys[1])

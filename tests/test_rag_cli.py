@@ -29,8 +29,21 @@ def run(argv):
 
 def test_registered_in_the_cli(tiny_llama_dir, docs, tmp_path, capsys):
     store = f"file://{tmp_path / 'kv'}"
-    argv = ["rag", "--model", str(tiny_llama_dir), "--docs", *docs, "--question", "Code?", "--strategy", "cacheclip",
-            "--store", store, "--max-new-tokens", "2"]
+    argv = [
+        "rag",
+        "--model",
+        str(tiny_llama_dir),
+        "--docs",
+        *docs,
+        "--question",
+        "Code?",
+        "--strategy",
+        "cacheclip",
+        "--store",
+        store,
+        "--max-new-tokens",
+        "2",
+    ]
     assert main(argv) == 0
     assert "chunk_misses=3" in capsys.readouterr().err
     assert main(argv) == 0  # second run: chunks come from the disk store
@@ -41,8 +54,20 @@ def test_registered_in_the_cli(tiny_llama_dir, docs, tmp_path, capsys):
 
 @pytest.mark.parametrize("strategy", ["full", "naive", "ape", "cacheblend", "cacheclip"])
 def test_rag_command_answers_and_reports(tiny_llama_dir, docs, strategy, capsys):
-    argv = ["--model", str(tiny_llama_dir), "--docs", *docs, "--question", "What is the code?", "--strategy", strategy,
-            "--recompute-ratio", "0.5", "--max-new-tokens", "4"]
+    argv = [
+        "--model",
+        str(tiny_llama_dir),
+        "--docs",
+        *docs,
+        "--question",
+        "What is the code?",
+        "--strategy",
+        strategy,
+        "--recompute-ratio",
+        "0.5",
+        "--max-new-tokens",
+        "4",
+    ]
     assert run(argv) == 0
     err = capsys.readouterr().err
     assert f"strategy={strategy}" in err and "ttft=" in err and "reused=" in err and "recomputed=" in err
@@ -56,5 +81,17 @@ def test_rag_command_errors(tiny_llama_dir, docs, tmp_path):
     with pytest.raises(UserError, match="recompute-ratio"):
         run(["--model", str(tiny_llama_dir), "--docs", *docs, "--question", "q", "--recompute-ratio", "2"])
     with pytest.raises(UserError, match="aux-model"):
-        run(["--model", str(tiny_llama_dir), "--docs", *docs, "--question", "q", "--strategy", "naive",
-             "--aux-model", str(tiny_llama_dir)])
+        run(
+            [
+                "--model",
+                str(tiny_llama_dir),
+                "--docs",
+                *docs,
+                "--question",
+                "q",
+                "--strategy",
+                "naive",
+                "--aux-model",
+                str(tiny_llama_dir),
+            ]
+        )

@@ -5,7 +5,7 @@ import torch
 
 from kvforge.cache import KVCache
 from kvforge.prefill import forward
-from kvforge.rag import UnsupportedRopeError, rope_spec, rotate_keys
+from kvforge.reuse.rag import UnsupportedRopeError, rope_spec, rotate_keys
 from kvforge.testing import tiny_model
 
 ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
@@ -20,16 +20,21 @@ def test_rotate_there_and_back_is_identity():
     torch.testing.assert_close(rotate_keys(moved, -1234, inv_freq), keys, atol=1e-5, rtol=1e-5)
     # per-token deltas compose the same way
     delta = torch.arange(7) * 37 - 100
-    torch.testing.assert_close(rotate_keys(rotate_keys(keys, delta, inv_freq), -delta, inv_freq), keys, atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(
+        rotate_keys(rotate_keys(keys, delta, inv_freq), -delta, inv_freq), keys, atol=1e-5, rtol=1e-5
+    )
 
 
 def test_rotation_composes():
     torch.manual_seed(1)
     keys = torch.randn(3, 5, 8)
     inv_freq = 1.0 / (500 ** (torch.arange(0, 8, 2).float() / 8))
-    torch.testing.assert_close(rotate_keys(rotate_keys(keys, 10, inv_freq), 25, inv_freq),
-                               rotate_keys(keys, 35, inv_freq), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        rotate_keys(rotate_keys(keys, 10, inv_freq), 25, inv_freq),
+        rotate_keys(keys, 35, inv_freq),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def _layer_keys(model, ids, offset):
@@ -43,8 +48,12 @@ def test_rotated_keys_match_fresh_computation_at_new_positions(arch):
     """Shifting a whole sequence by d only rotates every layer's keys by d (attention is relative)."""
     overrides = {}
     if arch == "gemma3":  # local and global layers with different theta: per-layer frequencies
-        overrides = dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+        overrides = dict(
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            }
+        )
     model = tiny_model(arch, **overrides)
     spec = rope_spec(model)
     ids = torch.arange(3, 14).tolist()  # fewer tokens than Gemma3's window: the shift changes nothing else
@@ -60,8 +69,14 @@ def test_rotated_keys_match_fresh_computation_at_new_positions(arch):
     "rope_parameters",
     [
         {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
-        {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 2.0, "short_factor": [1.0] * 8,
-         "long_factor": [2.0] * 8, "original_max_position_embeddings": 256},
+        {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "factor": 2.0,
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 256,
+        },
     ],
 )
 def test_length_dependent_rope_is_refused(rope_parameters):

@@ -8,9 +8,8 @@ from rag_helpers import RagRunner
 
 from kvforge.cache import KVCache
 from kvforge.prefill import forward, prefill_at
-from kvforge.rag import STRATEGIES, APEStrategy, CacheBlendStrategy, CacheClipStrategy, make_strategy
-from kvforge.rag.attend import APEAttention
-from kvforge.reuse.rag import ChunkReuse
+from kvforge.reuse.rag import STRATEGIES, APEStrategy, CacheBlendStrategy, CacheClipStrategy, ChunkReuse, make_strategy
+from kvforge.reuse.rag.attend import APEAttention
 from kvforge.testing import tiny_model, tiny_tokenizer
 
 ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
@@ -25,9 +24,15 @@ QUESTION = "What is the code?"
 @pytest.fixture(scope="module", params=ARCHS)
 def rag(request):
     # 3 layers so CacheBlend's check layer 1 is not the last one (later layers really reuse)
-    model = tiny_model(request.param, num_hidden_layers=3,
-                       **({"layer_types": ["sliding_attention", "full_attention", "full_attention"]}
-                          if request.param == "gemma3" else {}))
+    model = tiny_model(
+        request.param,
+        num_hidden_layers=3,
+        **(
+            {"layer_types": ["sliding_attention", "full_attention", "full_attention"]}
+            if request.param == "gemma3"
+            else {}
+        ),
+    )
     return RagRunner(model, tiny_tokenizer())
 
 
@@ -85,8 +90,9 @@ def test_recompute_budget_is_exact(rag, prompt, ratio):
 
 
 def test_more_recompute_gets_closer_to_full(rag, prompt, full):
-    errs = [float((_run(rag, prompt, "cacheblend", recompute_ratio=r).logits - full.logits).abs().max())
-            for r in (0.0, 1.0)]
+    errs = [
+        float((_run(rag, prompt, "cacheblend", recompute_ratio=r).logits - full.logits).abs().max()) for r in (0.0, 1.0)
+    ]
     assert errs[1] < 1e-4 < errs[0]
 
 
@@ -102,7 +108,7 @@ def test_ape_with_unit_temperature_and_scale_is_plain_attention(rag, prompt):
     """T = S = 1 leaves attention unchanged: same logits as the APE layout with the standard attention."""
     one = _run(rag, prompt, "ape", temperature=1.0, scale=1.0)
     asm = rag.load(prompt, ape=True)
-    from kvforge.rag.assemble import build_cache
+    from kvforge.reuse.rag.assemble import build_cache
 
     cache = build_cache(rag.model, asm, torch.zeros(asm.num_tokens, dtype=torch.bool))
     plain = prefill_at(rag.model, asm.ids[asm.fresh_idx], asm.positions[asm.fresh_idx], cache)
@@ -113,7 +119,8 @@ def test_ape_with_unit_temperature_and_scale_is_plain_attention(rag, prompt):
     p = len(prompt.prefix_ids)
     assert int(asm.positions[p]) == p and int(asm.positions[p + len(prompt.chunk_ids[0])]) == p
     assert int(asm.positions.max()) + 1 == p + max(map(len, prompt.chunk_ids)) + len(prompt.sep_ids) + len(
-        prompt.question_ids)
+        prompt.question_ids
+    )
 
 
 def test_ape_merge_formula():
@@ -161,7 +168,7 @@ def test_engine_answers_over_chunks_and_reports_reuse(rag):
 
 
 def test_engine_chunk_answer_at_full_recompute_equals_plain_generation(rag):
-    """r = 1 through the whole engine path (plan -> prefill_plan -> decode) answers like a plain prefill."""
+    """r = 1 through the whole engine loop (plan -> recompute unit -> decode) answers like a plain prefill."""
     reuse = ChunkReuse(rag.model, rag.tokenizer, method="cacheclip", recompute_ratio=1.0)
     prompt = reuse.build_prompt(DOCS, QUESTION)
     gen = rag.engine.answer_chunks(DOCS, QUESTION, rag=reuse, max_new_tokens=5)
@@ -178,5 +185,5 @@ def test_chunk_reuse_needs_chunks(rag):
         reuse.plan([1, 2, 3])
     with pytest.raises(UserError, match="chunk reuse"):
         rag.engine.answer_chunks(DOCS, QUESTION)  # the engine has no chunk strategy
-    with pytest.raises(UserError, match="answer_chunks"):  # a chunk strategy cannot answer a plain prompt
+    with pytest.raises(UserError, match="Chunks"):  # a chunk strategy cannot answer a plain prompt
         Engine(rag.model, rag.tokenizer, reuse=reuse).generate("Hello there", max_new_tokens=2)

@@ -1,11 +1,15 @@
-"""Engine + reuse: generate/answer plan -> prefill the rest -> decode -> record; the CLI flags; bench reuse."""
+"""Engine + reuse: plan -> prefill the rest -> decode -> record; the CLI flags; the reuse TTFT benchmark runs."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from test_reuse_prefix import DictStore
+from test_reuse_prefix import SRC, DictStore, common_prefix
 
 from kvforge.engine import Engine
 from kvforge.reuse import FakeEmbedder, PrefixReuse, SemanticReuse
@@ -35,8 +39,35 @@ def test_generate_reuses_prefix_and_gives_the_same_answer(engine):
     assert first.token_ids == second.token_ids == baseline.token_ids
     a, b = engine.encode_chat(PROMPT), engine.encode_chat(PROMPT + "And then?")
     common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)  # template end differs
-    assert longer.reused_tokens == (common // 16) * 16
+    assert longer.reused_tokens == common  # to the last shared token, not a block end
     assert second.ttft_s > 0 and "plan_s" in second.info["reuse"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
+def test_second_question_on_a_stored_document_prefills_only_the_question(arch):
+    """Prompts through the chat template: the reused prefix ends where the two prompts diverge, which is the end of
+    the document part (``encode_qa``'s context), and the answer is the one computed without reuse."""
+    engine = Engine(tiny_model(arch), tiny_tokenizer(), chunk_size=64)
+    doc = "".join(f"Fact {i}: room {i} holds {chr(97 + i % 26) * 3}. " for i in range(14))  # ~350 tokens
+    questions = ["Which room holds ddd?", "What does room 7 hold?", "List every room."]
+    plain = [engine.answer(doc, q, max_new_tokens=4) for q in questions]
+    store = DictStore()
+    engine.reuse = PrefixReuse(store, engine.model_id, block_size=64)
+    try:
+        answers = [engine.answer(doc, q, max_new_tokens=4) for q in questions]
+    finally:
+        engine.reuse = None
+    for q, answer, expected in zip(questions, answers, plain, strict=True):
+        assert answer.token_ids == expected.token_ids
+        ctx_ids, q_ids = engine.encode_qa(doc, q)
+        assert answer.prompt_tokens == len(ctx_ids) + len(q_ids)
+    prompts = [[*ctx, *q_ids] for ctx, q_ids in (engine.encode_qa(doc, q) for q in questions)]
+    shared = [max((common_prefix(p, q) for q in prompts[:i]), default=0) for i, p in enumerate(prompts)]
+    assert [a.reused_tokens for a in answers] == shared  # to the last token shared with a stored prompt
+    ctx_ids, q_ids = engine.encode_qa(doc, questions[2])  # "List..." shares no question token with the others
+    assert answers[2].reused_tokens == len(ctx_ids)
+    assert answers[2].prompt_tokens - answers[2].reused_tokens == len(q_ids)
+    assert shared[1] == len(ctx_ids) + 2  # "What..." after "Which...": "Wh" is reused too
 
 
 def test_answer_context_mode_prefills_the_question(engine):
@@ -58,8 +89,6 @@ def test_reuse_rejects_sliding_window_engine():
     engine = Engine(tiny_model("llama"), tiny_tokenizer(), window=16, reuse=PrefixReuse(DictStore(), "x"))
     with pytest.raises(UserError, match="sliding-window"):
         engine.generate(PROMPT, max_new_tokens=2)
-
-
 
 
 def test_cli_generate_reuse_across_processes(tiny_llama_dir, tmp_path, capsys):
@@ -91,13 +120,13 @@ def test_cli_generate_reuse_across_processes(tiny_llama_dir, tmp_path, capsys):
     assert "query-agnostic on a document" in capsys.readouterr().err  # the engine's and the server's message
 
 
-def test_cli_bench_reuse(tiny_llama_dir, tmp_path, capsys):
-    pytest.importorskip("kvforge.store")
-    from kvforge.cli import main
-
+def test_reuse_ttft_benchmark_runs_through_the_engine(tiny_llama_dir, tmp_path):
+    """benchmarks/reuse_ttft.py on a tiny model: a warm run reuses all but the last token, with the cold logits."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "reuse_ttft.py"
+    out = tmp_path / "rows.jsonl"
     argv = [
-        "bench",
-        "reuse",
+        sys.executable,
+        str(script),
         "--model",
         str(tiny_llama_dir),
         "--lengths",
@@ -110,9 +139,12 @@ def test_cli_bench_reuse(tiny_llama_dir, tmp_path, capsys):
         "memory://",
         "--store",
         f"file://{tmp_path}/kv",
+        "--out",
+        str(out),
     ]
-    assert main(argv) == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    env = {**os.environ, "PYTHONPATH": SRC}
+    subprocess.run(argv, check=True, env=env, capture_output=True, timeout=600)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["prompt_tokens"], r["store"].split(":")[0]) for r in rows] == [
         (40, "memory"),
         (40, "file"),
@@ -122,7 +154,6 @@ def test_cli_bench_reuse(tiny_llama_dir, tmp_path, capsys):
     for r in rows:
         assert r["reused_tokens"] == r["prompt_tokens"] - 1 and r["max_abs_logit_diff"] < 1e-4
         assert r["cold_ttft_s"] > 0 and r["warm_ttft_s"] > 0 and r["ttft_reduction"] < 1
-    assert main([*argv[:4], "--lengths", "1"]) == 2
 
 
 def test_stored_kv_of_another_shape_is_a_miss_not_a_wrong_answer(engine, caplog):

@@ -97,7 +97,14 @@ def reuse_prefill(model, reuse, ids):
     return plan, cache, logits
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3"])
+def common_prefix(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "gemma3"])
 def model(request):
     return tiny_model(request.param)
 
@@ -117,22 +124,39 @@ def test_miss_on_empty_store():
     assert plan.kind == "miss" and plan.cache is None and plan.reused_tokens == 0 and len(plan.prefill_ids) == 20
 
 
-@pytest.mark.parametrize("num_shared", [50, 37, 16, 15])
+@pytest.mark.parametrize("num_shared", [50, 37, 33, 32, 31, 17, 16, 15, 5, 1])
 def test_prefix_reuse_gives_full_prefill_logits(model, num_shared):
-    """Record a 50-token prompt, then ask a prompt sharing its first ``num_shared`` tokens."""
+    """Record a 50-token prompt, then ask a prompt sharing its first ``num_shared`` tokens: reused to the last one."""
     reuse = PrefixReuse(DictStore(), "tiny", block_size=16)
     first = ids_of(50, seed=1)
     cache, _ = full_prefill(model, first)
     reuse.record(first, cache)
     second = first[:num_shared] + ids_of(60 - num_shared, seed=2) if num_shared < 50 else first
     plan, cache2, logits = reuse_prefill(model, reuse, second)
-    expected_reused = 49 if num_shared == 50 else (num_shared // 16) * 16
-    assert plan.reused_tokens == expected_reused
-    assert plan.kind == ("miss" if expected_reused == 0 else "prefix")
+    assert common_prefix(first, second) >= num_shared
+    assert plan.reused_tokens == min(common_prefix(first, second), len(second) - 1)
+    assert plan.kind == "prefix"
     assert plan.token_ids == second
     _, ref = full_prefill(model, second)
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
     assert cache2.next_position == len(second) and cache2.token_ids == second
+
+
+def test_reuse_at_every_token_boundary(model):
+    """Whatever token the prompts diverge at (inside a block, on a block end, in the root block), the reused prefix
+    ends there and the logits are those of a full prefill."""
+    reuse = PrefixReuse(DictStore(), "tiny", block_size=8)
+    first = ids_of(40, seed=21)
+    cache, _ = full_prefill(model, first)
+    reuse.record(first, cache)
+    for split in range(1, 41):
+        tail = [t if t != first[split] else t % 90 + 4 for t in ids_of(7, seed=split)] if split < 40 else [5]
+        second = first[:split] + tail
+        assert common_prefix(first, second) == split
+        plan, _, logits = reuse_prefill(model, reuse, second)
+        assert plan.reused_tokens == split, split
+        _, ref = full_prefill(model, second)
+        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_full_hit_block_aligned_recomputes_last_token(model):
@@ -146,20 +170,25 @@ def test_full_hit_block_aligned_recomputes_last_token(model):
 
 
 def test_window_layers_that_dropped_entries_still_give_exact_logits():
-    """Gemma3 sliding layers (window 16) compact old entries during a chunked prefill: reuse must stay exact."""
+    """Gemma3 sliding layers (window 16) compact old entries during a chunked prefill: a prefix end is reused only
+    where those layers still hold the window before it, and reuse stays exact at any such token."""
     model = tiny_model("gemma3")
     reuse = PrefixReuse(DictStore(), "tiny", block_size=8)
     ids = ids_of(64, seed=4)
     cache, _ = full_prefill(model, ids, chunk_size=8, block_size=8)
     assert min(cache.lengths()) < 64  # the sliding layers did drop entries
+    oldest = max(int(layer.view()[2][0, 0].min()) for layer in cache.layers)  # oldest entry the sliding layers hold
     reuse.record(ids, cache)
-    # the sliding layers still hold positions > 40: prefixes ending at 56 or 64 are complete, shorter ones are not
-    for n, expected in ((64, 64), (56, 56), (40, 0)):
-        query = ids[:n] + ids_of(10, seed=5)
+    window = 16
+    reused = []
+    for n in (64, 61, 57, 56, 50, 45, 40):
+        query = ids[:n] + [t if t != [*ids, 0][n] else t % 90 + 4 for t in ids_of(10, seed=5)]
         plan, _, logits = reuse_prefill(model, reuse, query)
-        assert plan.reused_tokens == expected
+        assert plan.reused_tokens == (n if n - window + 1 >= oldest else 0), n
+        reused.append(plan.reused_tokens)
         _, ref = full_prefill(model, query)
         torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+    assert 61 in reused and 0 in reused  # reused inside a block, refused where the window was dropped
 
 
 def test_foreign_or_compressed_cache_is_not_recorded(model):
@@ -242,3 +271,82 @@ def test_restart_keeps_hits_with_file_store(tmp_path, model):
     plan, _, logits = reuse_prefill(model, reopened, ids)
     assert plan.reused_tokens == 39
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+def stored_tokens(store: DictStore) -> int:
+    return sum(seg.num_tokens for seg in store.data.values())
+
+
+def test_tail_is_stored_once_and_dropped_when_a_prompt_extends_it(model):
+    """A document alone ends in a partial tail; a question on it reuses the tail, and once the question's block
+    (tail + question) is stored and listed, the tail is deleted: every token's KV is stored once."""
+    store = DictStore()
+    reuse = PrefixReuse(store, "tiny", block_size=16)
+    doc, q1, q2 = ids_of(40, seed=40), ids_of(20, seed=41), ids_of(12, seed=42)
+    q2[0] = q1[0] % 90 + 4  # the questions differ from their first token
+    cache, _ = full_prefill(model, doc)
+    reuse.record(doc, cache)
+    tail_key = reuse.block_keys(doc)[-1]
+    assert stored_tokens(store) == 40 and tail_key in store.data
+
+    plan, cache1, logits = reuse_prefill(model, reuse, doc + q1)
+    assert plan.reused_tokens == 40 and plan.info["branch_tokens"] == 8
+    reuse.record(doc + q1, cache1)
+    assert tail_key not in store.data and stored_tokens(store) == 60  # the tail's KV now lives in one block only
+
+    for query, expected in ((doc + q2, 40), (doc, 39), (doc[:35], 34)):
+        plan, cache2, logits = reuse_prefill(model, reuse, query)
+        assert plan.reused_tokens == expected
+        _, ref = full_prefill(model, query)
+        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+    before = set(store.data)
+    reuse.record(doc[:35], cache2)  # its tail is the head of a stored block: not stored again
+    assert set(store.data) == before
+
+
+def test_prompts_sharing_less_than_a_block(model):
+    """Two chats with the same short system prompt share no whole block: the second reuses the system prompt."""
+    reuse = PrefixReuse(DictStore(), "tiny", block_size=32)
+    system = ids_of(11, seed=43)
+    first, second = system + ids_of(50, seed=44), system + ids_of(30, seed=45)
+    second[11] = first[11] % 90 + 4
+    cache, _ = full_prefill(model, first)
+    reuse.record(first, cache)
+    plan, _, logits = reuse_prefill(model, reuse, second)
+    assert plan.reused_tokens == 11
+    _, ref = full_prefill(model, second)
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_best_branch_among_several_children(model):
+    """A block with several stored children: the one sharing the most tokens is used (not only the first one)."""
+    store = DictStore()
+    reuse = PrefixReuse(store, "tiny", block_size=16)
+    head = ids_of(16, seed=46)
+    children = [ids_of(16, seed=47 + i) for i in range(4)]
+    for child in children:
+        child[0] = 5  # all children share their first token
+        ids = head + child + ids_of(3, seed=60)
+        cache, _ = full_prefill(model, ids)
+        reuse.record(ids, cache)
+    query = head + children[2][:9] + [children[2][9] % 90 + 4] + ids_of(6, seed=61)
+    plan, _, logits = reuse_prefill(model, reuse, query)
+    assert plan.reused_tokens == 16 + 9
+    _, ref = full_prefill(model, query)
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+    assert len(store.blobs) == 2  # the root's list and the head block's (children after the first)
+
+
+def test_prune_removes_lists_of_evicted_blocks(model):
+    store = DictStore()
+    reuse = PrefixReuse(store, "tiny", block_size=8)
+    a = ids_of(20, seed=62)
+    b = a[:8] + ids_of(12, seed=63)
+    for ids in (a, b):
+        cache, _ = full_prefill(model, ids)
+        reuse.record(ids, cache)
+    lists = [k for k in store.blobs if k.startswith("prefix-v2-branches-")]
+    assert len(lists) == 1
+    assert reuse.prune() == 0
+    store.delete(reuse.block_keys(a)[0])  # evicted
+    assert reuse.prune() == 1 and not [k for k in store.blobs if k.startswith("prefix-v2-branches-")]

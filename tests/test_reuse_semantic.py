@@ -217,80 +217,85 @@ def test_records_follow_the_store_byte_budget(model, tok, tmp_path):
     assert {e.key for e in reuse.index.entries.values()} == segments
 
 
-class Agreeing:
-    """A verifier stub: says whether reuse agreed (records the calls)."""
-
-    def __init__(self, answer: bool) -> None:
-        self.answer, self.calls = answer, []
-
-    def agree(self, asked, donor, tail=()):
-        self.calls.append((list(asked), list(donor.token_ids), list(tail)))
-        return self.answer
-
-
-def test_sampled_lookups_are_verified_and_every_instance_learns(model, tok):
-    store = DictStore()
-    verifier = Agreeing(False)
-    first = make(store, threshold=None, max_error=0.05, verifier=verifier, verify_ratio=1.0, stats_refresh_s=0)
+def test_sampled_lookups_carry_a_check_and_every_instance_learns(model, tok):
+    """A sampled lookup's plan carries a check; its outcome goes to the shared statistics, which another instance on
+    the same store reads: the entry is then refused at that similarity."""
     from kvforge.reuse.policy import BoundedErrorPolicy, Prior
 
+    store = DictStore()
+    first = make(store, threshold=None, max_error=0.05, verify_ratio=1.0, stats_refresh_s=0)
     first.policy = BoundedErrorPolicy(0.05, prior=Prior("fake", {(1, "substitution", 600): 2000}), min_similarity=0.6)
     donor_ids = encode(tok, Q_ORIG)
     first.record(donor_ids, full(model, donor_ids)[0], text=Q_ORIG)
     para_ids = encode(tok, Q_PARA)
     plan = first.plan(para_ids, text=Q_PARA)
-    assert plan.kind == "semantic"
-    first.record(para_ids, run(model, plan)[0], text=Q_PARA)  # after the answer: verified, found wrong
-    assert verifier.calls == [(para_ids, donor_ids, [])]
-    # another process on the same store: the same entry is now refused at that similarity
+    assert plan.kind == "semantic" and plan.check is not None
+    assert plan.check.asked_ids == para_ids
+    cache, ids = plan.check.load()  # a fresh cache of the donor's KV, its last token left to run (canonical)
+    assert ids == donor_ids and cache.token_ids == donor_ids[:-1] and cache is not plan.cache
+    plan.check.report(False)  # what the engine reports once both sides disagreed
     second = make(store, threshold=None, stats_refresh_s=0)
     second.policy = first.policy
     assert second.threshold_for(first.entry_key(donor_ids)) > plan.similarity
     again = second.plan(para_ids, text=Q_PARA)
-    assert again.kind == "miss" and "threshold" in again.info["reason"]
+    assert again.kind == "miss" and "threshold" in again.info["reason"] and again.check is None
+    assert make(store, verify_ratio=0.0).plan(para_ids, text=Q_PARA).check is None  # 0: never sampled
 
 
-def test_agreement_verifier_on_a_tiny_model(model, tok):
-    from kvforge.reuse.verify import AgreementVerifier
-
-    verifier = AgreementVerifier(model, tok, num_tokens=4)
-
-    def segment(ids):
-        cache = full(model, ids)[0]
-        out = cache.to_segment("tiny", ids)
-        out.meta["layer_windows"] = list(cache.native_windows)  # as SemanticReuse.record stores it
-        return out
-
-    ids = encode(tok, DOC + " " + Q_ORIG)
-    donor = segment(ids)
-    assert verifier.agree(ids, donor)  # the same prompt: the same continuation
-    other = encode(tok, "Zebras graze on savanna grass at dawn, far from any sea.")
-    assert not verifier.agree(other, donor)  # another prompt: another continuation (random weights differ)
-    ctx, q = encode(tok, DOC + "\n"), encode(tok, Q_ORIG)
-    doc = segment(ctx)
-    assert verifier.agree(ctx + q, doc, tail=q)  # context mode: the document's KV, the question on top
+def test_context_mode_check_runs_the_question_on_the_donor_document(model, tok):
+    reuse = make(DictStore(), mode="context", threshold=0.5, verify_ratio=1.0)
+    ctx = encode(tok, DOC + "\n")
+    reuse.record(ctx + encode(tok, Q_ORIG), full(model, ctx)[0], context=PromptContext(DOC, len(ctx)))
+    doc2 = DOC.replace("10th", "tenth")
+    ctx2, q = encode(tok, doc2 + "\n"), encode(tok, "Who were the Normans?")
+    plan = reuse.plan(ctx2 + q, context=PromptContext(doc2, len(ctx2)))
+    assert plan.check is not None
+    cache, ids = plan.check.load()
+    assert ids == ctx + q and cache.token_ids == ctx  # the donor's document, the question asked on top
 
 
-def test_user_query_embeds_the_message_not_the_template(tok):
-    from kvforge.reuse.query import user_query
+def test_the_engine_runs_a_check_through_its_loop_after_the_answer(model, tok):
+    """The check's two sides are greedy requests the engine steps after the answer; the outcome is whether the
+    prompt asked (full prefill) and the donor's prompt (its stored KV) continue alike."""
+    from kvforge.engine import Engine
+    from kvforge.request import Request
+
+    engine = Engine(model, tok)
+    reuse = engine.reuse = make(DictStore(), threshold=0.6, verify_ratio=1.0, stats_refresh_s=0)
+    engine.run(Request(Q_ORIG, 2, raw=True))
+    gen = engine.run(Request(Q_PARA, 2, raw=True))
+    assert gen.info["reuse"]["kind"] == "semantic"
+    assert len(engine.running) == 2  # the check's two sides, queued after the answer
+    engine.run_pending()
+    assert not engine.running
+    expected = [engine.run(Request(ids, reuse.check_tokens, reuse=False)) for ids in (engine.encode_chat(Q_PARA,
+                raw=True), engine.encode_chat(Q_ORIG, raw=True))]  # fmt: skip
+    agree = expected[0].token_ids == expected[1].token_ids and expected[0].finish_reason == expected[1].finish_reason
+    view = reuse.stats.view(force=True)
+    assert view.num_observations == 1 and sum(c for (w, _, _), c in view.counts.items() if w) == int(not agree)
+
+
+def test_the_user_message_is_embedded_not_the_template(tok):
+    from kvforge.request import Request, encode
 
     chat = copy_with_template(tok)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital?"}]
+    enc = encode(chat, Request(messages))
     text = chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = chat(text, add_special_tokens=False).input_ids
-    query, context = user_query(chat, messages, ids)
-    assert query == "What is the capital?" and context is not None
-    assert chat.decode(ids[context.num_tokens :]).startswith("What is the capital?")
-    assert "Be brief." in context.text
+    assert enc.ids == chat(text, add_special_tokens=False).input_ids  # tokenised once, as the chat prompt is
+    assert enc.text == "What is the capital?" and enc.context is not None
+    assert chat.decode(enc.ids[enc.context.num_tokens :]).startswith("What is the capital?")
+    assert "Be brief." in enc.context.text
     # a second turn: the earlier turns are the context, only the last user message is embedded
     turns = [*messages, {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Spain?"}]
-    ids2 = chat(chat.apply_chat_template(turns, add_generation_prompt=True, tokenize=False),
-                add_special_tokens=False).input_ids  # fmt: skip
-    query2, context2 = user_query(chat, turns, ids2)
-    assert query2 == "And of Spain?" and "Paris." in context2.text
-    assert user_query(chat, [1, 2, 3], [1, 2, 3]) == (None, None)  # token ids: nothing to embed
-    assert user_query(chat, "raw text", [5], raw=True) == ("raw text", None)
-    assert user_query(chat, messages, ids[:-1]) == (None, None)  # not the engine's tokenisation: no guess
+    enc2 = encode(chat, Request(turns))
+    assert enc2.text == "And of Spain?" and "Paris." in enc2.context.text
+    ids = encode(chat, Request([1, 2, 3]))
+    assert ids.text == chat.decode([1, 2, 3], skip_special_tokens=True) and ids.context is None  # what was sent
+    raw = encode(chat, Request("raw text", raw=True))
+    assert raw.text == "raw text" and raw.context is None
+    ends_with_assistant = encode(chat, Request([*messages, {"role": "assistant", "content": "Paris."}]))
+    assert ends_with_assistant.text is None  # nothing the user wrote last: a miss, never a guess
 
 
 def copy_with_template(tok):

@@ -79,12 +79,11 @@ class SlowEngine(Engine):
         super().__init__(tiny_model("llama"), tiny_tokenizer())
         self.eos_token_ids = []
         self.delay_s = delay_s
-        self.emitted: list[int] = []  # tokens produced per generate call
-        self.finished = threading.Event()
+        self.emitted: list[int] = []  # tokens produced per request
+        self.finished = threading.Event()  # set when a request ends, in any way
 
-    def generate(self, prompt: Any, max_new_tokens: int = 128, **kwargs: Any) -> Any:
-        on_token = kwargs.pop("on_token", None)
-        count = len(self.emitted)
+    def add(self, request: Any, tag: Any = None) -> Any:
+        on_token, count = request.on_token, len(self.emitted)
         self.emitted.append(0)
 
         def slow(token: int) -> None:
@@ -93,10 +92,18 @@ class SlowEngine(Engine):
             if on_token is not None:
                 on_token(token)
 
-        try:
-            return super().generate(prompt, max_new_tokens, on_token=slow, **kwargs)
-        finally:
+        request.on_token = slow
+        return super().add(request, tag)
+
+    def step(self) -> Any:
+        done = super().step()
+        if done:
             self.finished.set()
+        return done
+
+    def abort(self, seq: Any, error: BaseException) -> None:
+        super().abort(seq, error)
+        self.finished.set()
 
 
 @pytest.fixture(scope="module")
@@ -415,7 +422,8 @@ def test_semantic_hit_reports_approximate_and_similarity() -> None:
 
 
 @pytest.mark.skipif(
-    not (_have("kvforge.rag") and _have("kvforge.store")), reason="kvforge.rag / kvforge.store not importable"
+    not (_have("kvforge.reuse.rag") and _have("kvforge.store")),
+    reason="kvforge.reuse.rag / kvforge.store not importable",
 )
 def test_documents_endpoint_stores_rag_chunks(server: LiveServer) -> None:
     chunks = ["The red door opens at noon.", "The blue door opens at dusk."]
@@ -461,9 +469,9 @@ def test_health_answers_while_a_big_request_is_processed(server: LiveServer) -> 
 class SlowTokenizingEngine(Engine):
     """Tokenising takes seconds (as a 7 MiB message does with a real tokenizer)."""
 
-    def encode_chat(self, prompt: Any, raw: bool = False) -> list[int]:
+    def encode(self, request: Any) -> Any:
         time.sleep(3.0)
-        return super().encode_chat(prompt, raw)
+        return super().encode(request)
 
 
 def test_health_answers_while_a_prompt_is_tokenised() -> None:

@@ -25,8 +25,8 @@ PROMPTS = ["hello there", "abc " * 30, "x", "The quick brown fox jumps over the 
 class SpyEngine(Engine):
     """The tiny model with no EOS: every answer runs to max_tokens."""
 
-    def __init__(self, arch: str = "llama") -> None:
-        super().__init__(tiny_model(arch), tiny_tokenizer())
+    def __init__(self, arch: str = "llama", chunk_size: int = 512) -> None:
+        super().__init__(tiny_model(arch), tiny_tokenizer(), chunk_size=chunk_size)
         self.eos_token_ids = []
 
 
@@ -35,17 +35,17 @@ def _slow_forward(model: Any, delay_s: float) -> None:
 
 
 def _spy_chunks(live: LiveServer) -> list[tuple[float, int]]:
-    """(time, tokens) of every prompt chunk the scheduler puts into a step from now on."""
-    worker = live.server.config.app.state.worker  # type: ignore[union-attr]
+    """(time, tokens) of every prompt chunk the engine puts into a step from now on."""
+    engine = live.server.config.app.state.engine  # type: ignore[union-attr]
     seen: list[tuple[float, int]] = []
-    real = worker._chunks
+    real = engine.schedule
 
-    def spy() -> Any:
-        chosen = real()
+    def spy(*args: Any) -> Any:
+        chosen = real(*args)
         seen.extend((time.monotonic(), n) for _, n in chosen)
         return chosen
 
-    worker._chunks = spy
+    engine.schedule = spy
     return seen
 
 
@@ -126,7 +126,7 @@ def test_streaming_continues_while_a_long_prompt_is_prefilled() -> None:
 
 
 def test_client_that_leaves_stops_its_prefill_at_the_next_chunk() -> None:
-    engine = SpyEngine()
+    engine = SpyEngine(chunk_size=4)  # alone, a prompt runs in the engine's chunks
     _slow_forward(engine.model, 0.1)
     live = LiveServer(create_app(engine, model_name=MODEL, prefill_budget=4))
     try:
@@ -171,19 +171,17 @@ def test_batch_refuses_what_would_time_out() -> None:
     """A 429 at once beats a 504 later: a request whose deadline is shorter than the expected time is refused."""
     import asyncio
 
-    from kvforge.decode import SamplingParams
-    from kvforge.serve.runner import GenerationSpec
+    from kvforge.request import Request
+    from kvforge.serve.jobs import QueueFullError
     from kvforge.serve.scheduler import Scheduler
-    from kvforge.serve.worker import QueueFullError
 
     scheduler = Scheduler(SpyEngine(), max_queue=4, max_running=1)
     loop = asyncio.new_event_loop()
     try:
         scheduler.num_done, scheduler.avg_job_s, scheduler.finish_rate = 5, 10.0, 0.1  # 10 s per request measured
-        spec = GenerationSpec("a", True, 2, SamplingParams())
         with pytest.raises(QueueFullError):
-            scheduler.submit_generation(spec, loop, timeout_s=5.0)
-        job = scheduler.submit_generation(spec, loop, timeout_s=100.0)
+            scheduler.submit_request(Request("a", max_new_tokens=2, raw=True), loop, timeout_s=5.0)
+        job = scheduler.submit_request(Request("a", max_new_tokens=2, raw=True), loop, timeout_s=100.0)
         assert job.deadline > time.monotonic()
     finally:
         scheduler.close()

@@ -129,7 +129,7 @@ def test_sigterm_cancels_waiting_requests_and_exits(tiny_llama_dir: Path) -> Non
         proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(120)
-        assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down
+        assert proc.wait(60) == 0  # the signal is handled (drain), not re-raised
         assert {a.status_code for a in answers} <= {200, 503} and len(answers) == 4
         refused = [a.json()["error"] for a in answers if a.status_code == 503]
         assert len(refused) >= 2 and all(e["code"] == "shutting_down" for e in refused)

@@ -13,9 +13,9 @@ openai = pytest.importorskip("openai")
 
 from test_serve import MODEL, LiveServer  # noqa: E402
 
-from kvforge.batch import Sequence, decode_step  # noqa: E402
-from kvforge.decode import DecodeState, PresenceFrequencyPenalty  # noqa: E402
+from kvforge.decode import PresenceFrequencyPenalty  # noqa: E402
 from kvforge.engine import Engine  # noqa: E402
+from kvforge.request import Request  # noqa: E402
 from kvforge.serve import create_app  # noqa: E402
 from kvforge.testing import tiny_model, tiny_tokenizer  # noqa: E402
 
@@ -27,6 +27,13 @@ def engine() -> Engine:
     engine = Engine(tiny_model("llama"), tiny_tokenizer())
     engine.eos_token_ids = []  # answers run to their budget
     return engine
+
+
+def _twin(engine: Engine) -> Engine:
+    """Another engine on the same model (an engine is stepped by one thread at a time)."""
+    twin = Engine(engine.model, engine.tokenizer)
+    twin.eos_token_ids = engine.eos_token_ids
+    return twin
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +77,9 @@ def test_penalties_are_the_logits_processor_applied_per_token(live: LiveServer, 
     penalised = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=24, temperature=0, frequency_penalty=2.0, presence_penalty=1.0
     )
-    # the same penalties applied by the library, alone
-    cache, logits = engine.prefill(engine.encode_chat(CHAT))
-    state = DecodeState(24, processors=[PresenceFrequencyPenalty(1.0, 2.0)])
-    running = [Sequence(cache, logits, state)]
-    while running:
-        running = decode_step(engine.model, running)
-    assert penalised.choices[0].message.content == engine.tokenizer.decode(state.tokens, skip_special_tokens=True)
+    # the same penalties applied by the library, alone (another engine: the server's is its model thread's)
+    alone = _twin(engine).run(Request(CHAT, 24, processors=[PresenceFrequencyPenalty(1.0, 2.0)]))
+    assert penalised.choices[0].message.content == alone.text
     assert penalised.choices[0].message.content != plain.choices[0].message.content
 
 
@@ -116,12 +119,14 @@ def test_logprobs_with_stream_is_a_400(live: LiveServer) -> None:
     assert "logprobs" in e.value.message
 
 
-def test_serial_scheduler_refuses_penalties(engine: Engine) -> None:
-    server = LiveServer(create_app(engine, model_name=MODEL, scheduler="serial"))
+def test_serial_scheduler_applies_penalties_as_the_batched_one(live: LiveServer, engine: Engine) -> None:
+    server = LiveServer(create_app(_twin(engine), model_name=MODEL, scheduler="serial"))
     try:
-        with pytest.raises(openai.BadRequestError) as e:
-            server.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, presence_penalty=1.0)
-        assert "presence_penalty" in e.value.message
+        ask = {"model": MODEL, "messages": CHAT, "max_tokens": 8, "temperature": 0, "presence_penalty": 1.0}
+        serial = server.client().chat.completions.create(**ask)
+        assert (
+            serial.choices[0].message.content == live.client().chat.completions.create(**ask).choices[0].message.content
+        )
     finally:
         server.close()
 

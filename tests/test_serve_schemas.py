@@ -1,9 +1,8 @@
-"""Request validation, error bodies and the worker, through FastAPI's TestClient (no network)."""
+"""Request validation, error bodies and the scheduler's queue, through FastAPI's TestClient (no network)."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import threading
 import time
@@ -15,23 +14,19 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient
 
 from kvforge.engine import Engine
-from kvforge.errors import UserError
+from kvforge.errors import Aborted, UserError
+from kvforge.request import Request
 from kvforge.serve import create_app
 from kvforge.serve.errors import APIError
+from kvforge.serve.jobs import QueueFullError
 from kvforge.serve.metrics import store_tiers
-from kvforge.serve.runner import DeltaStream, split_context_question
-from kvforge.serve.worker import Aborted, QueueFullError, Worker
+from kvforge.serve.scheduler import Scheduler
+from kvforge.serve.stream import DeltaStream
+from kvforge.serve.translate import split_context_question
 from kvforge.testing import tiny_model, tiny_tokenizer
 
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "hi"}]
-
-
-def _have(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -138,19 +133,6 @@ def test_body_limit_applies_to_chunked_bodies(client: Any) -> None:
     assert _err(r, 413)["code"] == "request_too_large"
 
 
-@pytest.mark.skipif(_have("kvforge.presses"), reason="checks the answer when kvforge.presses is absent")
-def test_missing_press_module_is_400(client: Any) -> None:
-    body = {"model": MODEL, "messages": CHAT, "kvforge": {"press": "snapkv"}}
-    assert _err(client.post("/v1/chat/completions", json=body), 400)["code"] == "feature_unavailable"
-
-
-@pytest.mark.skipif(_have("kvforge.reuse"), reason="checks the answer when kvforge.reuse is absent")
-def test_missing_reuse_module_is_400(client: Any) -> None:
-    body = {"model": MODEL, "messages": CHAT, "kvforge": {"reuse": "prefix"}}
-    assert _err(client.post("/v1/chat/completions", json=body), 400)["code"] == "feature_unavailable"
-    assert _err(client.post("/v1/kv/documents", json={"documents": ["doc"]}), 400)["code"] == "feature_unavailable"
-
-
 def test_documents_validation(client: Any) -> None:
     assert _err(client.post("/v1/kv/documents", json={"documents": []}), 400)["param"] == "documents"
     assert _err(client.post("/v1/kv/documents", json={"documents": ["  "]}), 400)["param"] == "documents"
@@ -222,53 +204,52 @@ def test_store_tiers_labels() -> None:
     assert [label for label, _ in store_tiers(tiered)] == ["0:memory", "1:file"]
 
 
-def test_worker_queue_bound_and_cancelled_jobs_never_run() -> None:
+def test_queue_bound_and_cancelled_jobs_never_run(engine: Engine) -> None:
     loop = asyncio.new_event_loop()
-    worker = Worker(max_queue=1)
+    scheduler = Scheduler(engine, max_queue=1, max_running=1)
     gate, ran = threading.Event(), []
     try:
-        first = worker.submit(lambda job: gate.wait(5), loop, None)
-        while not worker.busy:
+        first = scheduler.submit(lambda job: gate.wait(5), loop, None)
+        while not scheduler.busy:
             time.sleep(0.005)
-        second = worker.submit(lambda job: ran.append("second"), loop, None)
+        second = scheduler.submit(lambda job: ran.append("second"), loop, None)
         with pytest.raises(QueueFullError):
-            worker.submit(lambda job: ran.append("third"), loop, None)
+            scheduler.submit(lambda job: ran.append("third"), loop, None)
         second.cancel()
         gate.set()
         loop.run_until_complete(asyncio.wait({first.future, second.future}, timeout=5))
-        third = worker.submit(lambda job: ran.append("third"), loop, None)
+        third = scheduler.submit(lambda job: ran.append("third"), loop, None)
         for job in (first, second, third):
             loop.run_until_complete(asyncio.wait({job.future}, timeout=5))
         assert ran == ["third"]
         assert isinstance(second.future.exception(), Aborted)
         assert first.future.result() is True
     finally:
-        worker.close()
+        scheduler.close()
         loop.close()
 
 
-def test_worker_refuses_jobs_that_would_time_out_in_the_queue() -> None:
+def test_scheduler_refuses_requests_that_would_time_out(engine: Engine) -> None:
     loop = asyncio.new_event_loop()
-    worker = Worker(max_queue=8)
-    ran: list[str] = []
+    scheduler = Scheduler(engine, max_queue=8, max_running=1)
     try:
-        job = worker.submit(lambda job: None, loop, None)
-        loop.run_until_complete(asyncio.wait({job.future}, timeout=5))
-        worker.avg_job_s = 2.0  # as if each job took 2 s
-        assert worker.expected_wait_s() == 0.0  # idle: nothing ahead
+        assert scheduler.expected_wait_s() == 0.0  # nothing measured yet
+        scheduler.num_done, scheduler.finish_rate, scheduler.avg_job_s = 4, 0.5, 2.0  # as if each took 2 s
         gate = threading.Event()
-        worker.submit(lambda job: gate.wait(5), loop, 3.0)  # its own 2 s fit in 3 s
+        first = scheduler.submit(lambda job: gate.wait(5), loop, 4.0)  # its own 3 s (1.5 x 2 s) fit in 4 s
+        while not scheduler.busy:
+            time.sleep(0.005)
         with pytest.raises(QueueFullError) as e:
-            worker.submit(lambda job: None, loop, 3.0)  # 2 s ahead + its own 2 s do not
+            scheduler.submit(lambda job: None, loop, 4.0)  # 2 s ahead + its own 3 s do not
         assert e.value.retry_after_s >= 1
-        worker.avg_job_s = 0.1  # admitted on a low estimate...
-        late = worker.submit(lambda job: ran.append("late"), loop, 0.5)
-        worker.avg_job_s = 2.0  # ...but by the time it could start, 0.5 s no longer covers a job: refused, not run
+        scheduler.finish_rate, scheduler.avg_job_s = 1000.0, 0.1  # admitted on a low estimate...
+        late = scheduler.submit_request(Request("hi", max_new_tokens=2), loop, 0.5)
+        scheduler.avg_job_s = 2.0  # ...but by the time it could start, 0.5 s no longer covers a job: refused, not run
         gate.set()
-        loop.run_until_complete(asyncio.wait({late.future}, timeout=5))
-        assert isinstance(late.future.exception(), QueueFullError) and not ran
+        loop.run_until_complete(asyncio.wait({first.future, late.future}, timeout=5))
+        assert isinstance(late.future.exception(), QueueFullError) and not engine.running
     finally:
-        worker.close()
+        scheduler.close()
         loop.close()
 
 

@@ -53,7 +53,8 @@ def _check_sharing(a: str, b: str) -> None:
     prompt = LONG_DOC + "\n\nWhich room has the code word ccc?"
     first = _chat(a, prompt)
     second = _chat(b, prompt)
-    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    shared = len("<u>" + os.path.commonprefix([doc, LONG_DOC]))  # the chat template's opening + "Fact 0: the "
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == shared  # reused to the last matching token
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
 
@@ -193,14 +194,25 @@ def test_two_server_processes_add_to_one_semantic_index_on_redis(model_dir: Path
 
 # ---------------------------------------------------------------------------------------------- learned statistics
 class _AlwaysWrong:
-    """A verifier stub: every verified lookup disagrees with the full prefill (deterministic, model-free)."""
+    """Wraps a strategy's sampling: every check runs through the server's engine as usual, and its outcome is reported
+    as a disagreement (deterministic whatever the tiny model's continuations)."""
 
-    def __init__(self) -> None:
-        self.calls = 0
+    def __init__(self, reuse: Any) -> None:
+        self.calls, self.reuse = 0, reuse
+        self.sample = reuse._sample
+        reuse._sample = self
 
-    def agree(self, asked: Any, donor: Any, tail: Any = ()) -> bool:
-        self.calls += 1
-        return False
+    def __call__(self, *args: Any) -> Any:
+        check = self.sample(*args)
+        if check is not None:
+            report = check.report
+
+            def wrong(agree: bool) -> None:
+                report(False)
+                self.calls += 1
+
+            check.report = wrong
+        return check
 
 
 def _learning_app(store_url: str) -> tuple[LiveServer, Any]:
@@ -211,9 +223,9 @@ def _learning_app(store_url: str) -> tuple[LiveServer, Any]:
     app = create_app(engine, model_name=MODEL, store_url=store_url, reuse="semantic", embedder=FakeEmbedder(),
                      semantic={"max_error": 0.05, "verify_ratio": 1.0})  # fmt: skip
     reuse = engine.reuse
-    reuse.verifier, reuse.stats.refresh_s = _AlwaysWrong(), 0.0
+    reuse.stats.refresh_s = 0.0
     reuse.policy = BoundedErrorPolicy(0.05, prior=Prior("fake", {(1, "substitution", 600): 5000}), min_similarity=0.6)
-    return LiveServer(app), reuse
+    return LiveServer(app), _AlwaysWrong(reuse)
 
 
 def _check_learning_is_shared(store_url: str) -> None:
@@ -227,19 +239,19 @@ def _check_learning_is_shared(store_url: str) -> None:
         hits = [_chat(a.url, p + " please")["kvforge"] for p in prompts]  # served by A, then verified by A
         assert all(h["reuse"] == "semantic" for h in hits), hits
         deadline = time.monotonic() + 30  # verification runs after the answer
-        while reuse_a.verifier.calls < len(prompts) and time.monotonic() < deadline:
+        while reuse_a.calls < len(prompts) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert reuse_a.verifier.calls >= len(prompts)
+        assert reuse_a.calls >= len(prompts)
         again = [_chat(b.url, p + " please")["kvforge"] for p in prompts]
         assert all(g["reuse"] == "miss" for g in again), again  # B learned from A's verifications
         deadline = time.monotonic() + 30
-        while reuse_a.verifier.calls + reuse_b.verifier.calls < 2 * len(prompts) and time.monotonic() < deadline:
+        while reuse_a.calls + reuse_b.calls < 2 * len(prompts) and time.monotonic() < deadline:
             time.sleep(0.05)
         from kvforge.reuse.stats import SharedStats
         from kvforge.store import open_store
 
-        merged = SharedStats(open_store(store_url), reuse_a.stats.prefix, refresh_s=0).view()
-        assert merged.num_observations == reuse_a.verifier.calls + reuse_b.verifier.calls
+        merged = SharedStats(open_store(store_url), reuse_a.reuse.stats.prefix, refresh_s=0).view()
+        assert merged.num_observations == reuse_a.calls + reuse_b.calls
     finally:
         a.close()
         b.close()

@@ -35,7 +35,7 @@ def test_cache_ls_stats_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert stats["by_press"] == {"snapkv": 1, "none": 1} and stats["bytes"] == stats["stored_bytes"]
 
     assert cli.main(["cache", "clear", "--store", url]) == 0
-    assert "cleared 2 entries" in capsys.readouterr().out
+    assert "cleared 3 entries" in capsys.readouterr().out  # 2 segments + 1 blob
     assert open_store(url).keys() == [] and open_store(url).get_blob("index") is None
 
 

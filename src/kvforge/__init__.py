@@ -12,13 +12,31 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
+    "Chunks": "kvforge.request",
+    "Document": "kvforge.request",
+    "Engine": "kvforge.engine",
+    "Generation": "kvforge.types",
     "KVCache": "kvforge.cache",
     "KVLayer": "kvforge.cache",
-    "Generation": "kvforge.types",
     "KVSegment": "kvforge.types",
+    "Request": "kvforge.request",
+    "SamplingParams": "kvforge.decode",
+    "load_model": "kvforge.model",
 }
 
-__all__ = ["Generation", "KVCache", "KVLayer", "KVSegment", "__version__"]
+__all__ = [
+    "Chunks",
+    "Document",
+    "Engine",
+    "Generation",
+    "KVCache",
+    "KVLayer",
+    "KVSegment",
+    "Request",
+    "SamplingParams",
+    "__version__",
+    "load_model",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -59,6 +59,9 @@ def kvforge_attention(
     else:
         mask = _plain_mask(query, key, sliding_window, attention_mask)
         is_causal = mask is None and q_len > 1 and q_len == key.shape[2]
+    policy = kv_cache.policy if kv_cache is not None else None  # a decoding budget scores entries by attention
+    if policy is not None and layer is not None:
+        policy.observe(layer, module.layer_idx, query, key, mask, scaling, is_causal)
     hook = kv_cache.attention_hook if kv_cache is not None else None  # declared AttentionHook (APE, aux scoring)
     if hook is not None:
         return hook(module, query, key, value, per_query_head(mask, num_heads), is_causal, scaling, softcap), None

@@ -6,19 +6,14 @@ model's linear layers and MLP run on all packed tokens at once (on a small model
 reading the weights, which a lone decode row pays for one token); inside attention each row attends to its own cache
 (its length, positions, compression, per-head validity, window), through exactly the code a single-sequence forward
 runs. So a sequence gets the same logits, and greedy tokens, batched or alone, whatever else shares its step.
-Sequences join and leave at any step: a batch is just the list handed to :func:`decode_step`.
-
-    states = [DecodeState(32, eos_token_ids=eos) for _ in prompts]
-    running = [Sequence(cache, logits, state) for (cache, logits), state in zip(prefilled, states)]
-    while running:
-        running = decode_step(model, running)
+Sequences join and leave at any step: a step's batch is just the rows handed to :func:`forward_packed`
+(:meth:`kvforge.engine.Engine.step` builds them).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,10 +21,9 @@ from torch import Tensor
 
 from kvforge.attention import kvforge_attention
 from kvforge.cache import KVCache
-from kvforge.decode import DecodeState
 from kvforge.prefill import call_model
 
-__all__ = ["BatchedCache", "Sequence", "decode_step", "forward_batch", "forward_packed", "mixed_step"]
+__all__ = ["BatchedCache", "forward_batch", "forward_packed"]
 
 
 class BatchedCache:
@@ -122,43 +116,3 @@ def forward_batch(model: Any, token_ids: Seq[int], caches: Seq[KVCache]) -> Tens
     if len(token_ids) != len(caches):
         raise ValueError(f"need one token per cache, got {len(token_ids)} tokens for {len(caches)} caches")
     return forward_packed(model, [[t] for t in token_ids], caches)
-
-
-@dataclass
-class Sequence:
-    """One running request: its cache, the logits its next token is picked from, and its :class:`DecodeState`."""
-
-    cache: KVCache
-    logits: Tensor  # (1, V)
-    state: DecodeState
-    tag: Any = None  # the caller's handle (the server's job)
-
-
-def decode_step(model: Any, running: Seq[Sequence]) -> list[Sequence]:
-    """Pick each sequence's next token, then run one forward for those that go on; returns them (the others ended).
-
-    Per sequence this is one iteration of :func:`kvforge.decode.decode`: same picks, same stopping rules.
-    """
-    return mixed_step(model, running, [])[0]
-
-
-def mixed_step(
-    model: Any, running: Seq[Sequence], chunks: Seq[tuple[Seq[int], KVCache]]
-) -> tuple[list[Sequence], list[Tensor]]:
-    """:func:`decode_step` with prompt chunks in the same forward: ``chunks`` are ``(token ids, cache)`` to prefill.
-
-    Returns (the sequences that go on, each chunk's last-token logits ``(1, V)``). A cache appears once per step.
-    """
-    going: list[tuple[Sequence, int]] = []
-    for seq in running:
-        token = seq.state.pick(seq.logits)
-        if token is not None:
-            going.append((seq, token))
-    if not going and not chunks:
-        return [], []
-    rows = [list(ids) for ids, _ in chunks] + [[t] for _, t in going]
-    logits = forward_packed(model, rows, [c for _, c in chunks] + [s.cache for s, _ in going])
-    n = len(chunks)
-    for i, (seq, _) in enumerate(going):
-        seq.logits = logits[n + i : n + i + 1]
-    return [s for s, _ in going], [logits[i : i + 1] for i in range(n)]

@@ -149,6 +149,11 @@ class KVLayer:
             keep &= self.valid[:, :, : self.length]
         self._keep(keep)
 
+    def keep(self, keep: Tensor) -> None:
+        """Keep the entries where ``keep`` ``(B, H_kv, length)`` is True, in order, packed to the front (heads that
+        keep different counts are padded to the longest, the padding masked)."""
+        self._keep(keep)
+
     def _keep(self, keep: Tensor) -> None:
         """Keep the entries where ``keep`` ``(B, H_kv, length)`` is True, in order, packed to the front."""
         assert self.keys is not None and self.values is not None and self.positions is not None
@@ -165,7 +170,9 @@ class KVLayer:
             )
         else:
             self.replace_masked(
-                self.keys[:, :, : self.length], self.values[:, :, : self.length], self.positions[:, :, : self.length],
+                self.keys[:, :, : self.length],
+                self.values[:, :, : self.length],
+                self.positions[:, :, : self.length],
                 keep,
             )
 
@@ -218,10 +225,12 @@ class KVLayer:
         order = (~keep).to(torch.int8).argsort(dim=-1, stable=True)[..., :width]  # kept first, in position order
         slot = torch.arange(width, device=keys.device)
         valid = slot[None, None, :] < counts[..., None]
+        # padding slots hold zeros (keys, values and positions): they are masked, and a stored head-wise layer is
+        # written without them (its bytes then read back equal to this cache's)
         self.replace(
-            keys.gather(2, order[..., None].expand(-1, -1, -1, d)),
-            values.gather(2, order[..., None].expand(-1, -1, -1, values.shape[3])),
-            positions.gather(2, order),
+            keys.gather(2, order[..., None].expand(-1, -1, -1, d)).masked_fill_(~valid[..., None], 0),
+            values.gather(2, order[..., None].expand(-1, -1, -1, values.shape[3])).masked_fill_(~valid[..., None], 0),
+            positions.gather(2, order).masked_fill_(~valid, 0),
             valid,
         )
 
@@ -265,8 +274,10 @@ class KVLayer:
         """Bytes of the used key/value slots (padding of head-wise layers included: it is really held)."""
         if self.keys is None or self.values is None:
             return 0
-        per_slot = self.keys.shape[0] * self.keys.shape[1] * (
-            self.keys.shape[3] * self.keys.element_size() + self.values.shape[3] * self.values.element_size()
+        per_slot = (
+            self.keys.shape[0]
+            * self.keys.shape[1]
+            * (self.keys.shape[3] * self.keys.element_size() + self.values.shape[3] * self.values.element_size())
         )
         return per_slot * self.length
 
@@ -327,7 +338,7 @@ class AttentionHook(Protocol):
     def __call__(
         self, module: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool,
         scaling: float | None, softcap: float | None,
-    ) -> Tensor: ...
+    ) -> Tensor: ...  # fmt: skip
 
 
 class KVCache(Cache):
@@ -376,6 +387,8 @@ class KVCache(Cache):
         self.token_ids: list[int] = []  # tokens processed, in order (single-sequence caches)
         self.info: dict[str, Any] = {}  # facts about how the cache was built (press, reuse), for reports
         self.attention_hook: AttentionHook | None = None  # replaces the softmax in kvforge_attention (RAG)
+        # a decoding-time budget (kvforge.presses.decoding.BudgetPolicy): sees attention, cuts layers when forwards end
+        self.policy: Any = None
         self._hf_layer: int | None = None  # last layer appended by a forward of the model's own attention
 
     @classmethod
@@ -482,6 +495,8 @@ class KVCache(Cache):
             self.query_positions, self._hf_layer = None, None
             for layer in self.layers:
                 layer.num_new = 0
+            if self.policy is not None:
+                self.policy.after_forward(self)  # the returned views stay valid: a cut installs new buffers
         return out
 
     # ------------------------------------------------------------------------ forward bookkeeping
@@ -500,6 +515,8 @@ class KVCache(Cache):
         self.query_positions = None
         for layer in self.layers:
             layer.num_new = 0
+        if self.policy is not None:
+            self.policy.after_forward(self)
 
     def abort(self) -> None:
         """Undo a forward that failed half-way: drop what it appended."""
@@ -531,39 +548,96 @@ class KVCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
     # ------------------------------------------------------------------------ segments
-    def to_segment(self, model_id: str = "", token_ids: list[int] | None = None, batch: int = 0) -> KVSegment:
-        """Copy this cache (one batch row) out as a :class:`KVSegment`."""
+    def to_segment(
+        self,
+        model_id: str = "",
+        token_ids: list[int] | None = None,
+        batch: int = 0,
+        *,
+        start: int | None = None,
+        end: int | None = None,
+    ) -> KVSegment:
+        """Copy this cache (one batch row) out as a :class:`KVSegment`: the one cache -> segment conversion.
+
+        ``start``/``end``: only the entries at positions ``[start, end)`` (a prefix block, a RAG chunk after its shared
+        prefix); the segment's ``next_position`` is then ``end``. Slicing needs every head of a layer to hold the same
+        positions: a head-wise compressed cache raises ValueError.
+        """
+        sliced = start is not None or end is not None
+        lo, hi = start or 0, self.next_position if end is None else end
         keys, values, positions, valid = [], [], [], []
         for layer in self.layers:
             k, v, p, m = layer.view()
-            keys.append(k[batch].clone())
-            values.append(v[batch].clone())
-            positions.append(p[batch].clone())
-            valid.append(None if m is None else m[batch].clone())
+            k, v, p, m = k[batch], v[batch], p[batch], None if m is None else m[batch]
+            if sliced:
+                if m is not None or layer.is_headwise:
+                    raise ValueError("head-wise compressed caches cannot be cut into position ranges")
+                sel = (p[0] >= lo) & (p[0] < hi)  # (S,) heads share positions
+                k, v, p = k[:, sel], v[:, sel], p[:, sel]
+            keys.append(k.clone())
+            values.append(v.clone())
+            positions.append(p.clone())
+            valid.append(None if m is None else m.clone())
         return KVSegment(
             token_ids=list(self.token_ids if token_ids is None else token_ids),
             keys=keys,
             values=values,
             positions=positions,
             valid=valid,
-            next_position=self.next_position,
+            next_position=hi if sliced else self.next_position,
             model_id=model_id,
-            meta=dict(self.info),
+            meta={} if sliced else dict(self.info),
         )
 
     @classmethod
     def from_segment(cls, segment: KVSegment, model: Any = None, **kwargs: Any) -> KVCache:
         """A cache holding ``segment``'s entries (batch 1), ready to prefill more tokens on top."""
-        cache = cls.for_model(model, **kwargs) if model is not None else cls(segment.num_layers, **kwargs)
-        if cache.num_layers != segment.num_layers:
-            raise ValueError(f"segment has {segment.num_layers} layers, model has {cache.num_layers}")
-        for layer, k, v, p, m in zip(
-            cache.layers, segment.keys, segment.values, segment.positions, segment.valid, strict=True
-        ):
-            layer.replace(k[None], v[None], p[None], None if m is None else m[None])
-        cache.next_position = segment.next_position
-        cache.token_ids = list(segment.token_ids)
+        cache = cls.from_segments([segment], model, **kwargs)
         cache.info = dict(segment.meta)
+        return cache
+
+    @classmethod
+    def from_segments(
+        cls,
+        segments: Sequence[KVSegment],
+        model: Any = None,
+        *,
+        end: int | None = None,
+        device: torch.device | str | None = None,
+        **kwargs: Any,
+    ) -> KVCache:
+        """A cache holding the entries of ``segments`` (in position order) at positions ``< end`` (default: all):
+        the one segment -> cache conversion. Tokens and ``next_position`` follow the segments, cut at ``end``."""
+        first = segments[0]
+        cache = cls.for_model(model, **kwargs) if model is not None else cls(first.num_layers, **kwargs)
+        if cache.num_layers != first.num_layers:
+            raise ValueError(f"segment has {first.num_layers} layers, model has {cache.num_layers}")
+        token_ids = [t for s in segments for t in s.token_ids]
+        if end is not None:  # a cut: the segments cover the prompt from position 0
+            token_ids = token_ids[:end]
+        end = segments[-1].next_position if end is None else end
+        for i, layer in enumerate(cache.layers):
+            k = torch.cat([s.keys[i] for s in segments], dim=1)  # (H_kv, S, D)
+            v = torch.cat([s.values[i] for s in segments], dim=1)
+            p = torch.cat([s.positions[i] for s in segments], dim=1)  # (H_kv, S)
+            masks = [s.valid[i] for s in segments]
+            m = masks[0] if len(segments) == 1 else None
+            if len(segments) > 1 and any(x is not None for x in masks):
+                raise ValueError("head-wise compressed segments cannot be joined")
+            keep = p[0] < end  # (S,)
+            count = int(keep.sum())
+            if count < keep.numel():
+                if m is not None:
+                    raise ValueError("a head-wise compressed segment cannot be cut")
+                if bool(keep[:count].all()):  # positions ascending: a slice, no gather copy
+                    k, v, p = k[:, :count], v[:, :count], p[:, :count]
+                else:
+                    k, v, p = k[:, keep], v[:, keep], p[:, keep]
+            layer.replace(
+                k[None].to(device), v[None].to(device), p[None].to(device), None if m is None else m[None].to(device)
+            )
+        cache.next_position = end
+        cache.token_ids = token_ids
         return cache
 
     # ------------------------------------------------------------------------ transformers' DynamicCache

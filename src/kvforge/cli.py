@@ -14,6 +14,7 @@ from kvforge import __version__
 from kvforge.commands import COMMAND_MODULES
 from kvforge.commands._common import check_names, preflight
 from kvforge.errors import UserError
+from kvforge.redact import RedactFilter, redact_text
 
 
 class _Parser(argparse.ArgumentParser):
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages to stderr")
     parser.add_argument("--version", action="version", version=f"kvforge {__version__}")
     parser.add_argument("--config", default=None, help=f"TOML file of option defaults (default: ${CONFIG_ENV}); "
-                        "top-level keys apply to every command that has the option, [generate], [bench.reuse]... "
+                        "top-level keys apply to every command that has the option, [generate], [bench.decode]... "
                         "tables to one command; KVFORGE_<OPTION> variables override it, the command line overrides "
                         "both")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -111,9 +112,11 @@ def _setting(action: argparse.Action, value: Any, source: str) -> Any:
 
 def _setting_one(action: argparse.Action, value: Any, source: str) -> Any:
     if not isinstance(value, str | int | float) or isinstance(value, bool):  # a table, list, date or boolean
-        raise UserError(f"{source}: expected {_expected(action)}, got {value!r} ({_toml_kind(value)})")
+        raise UserError(f"{source}: expected {_expected(action)}, got {redact_text(repr(value))} ({_toml_kind(value)})")
     if action.type is None and not isinstance(value, str):  # options read as text (URLs, names, paths)
-        raise UserError(f"{source}: expected {_expected(action)}, got {value!r} ({_toml_kind(value)}): quote it")
+        raise UserError(
+            f"{source}: expected {_expected(action)}, got {redact_text(repr(value))} ({_toml_kind(value)}): quote it"
+        )
     if action.type is not None and isinstance(value, str | int | float) and not isinstance(value, bool):
         try:
             value = action.type(str(value)) if isinstance(value, str) or action.type is not str else value
@@ -205,19 +208,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         apply_settings(parser, argv)
     except UserError as e:
-        print(f"kvforge: error: {e}", file=sys.stderr)
+        print(f"kvforge: error: {redact_text(str(e))}", file=sys.stderr)
         return 2
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version, or a one-line argument error (already printed)
         return e.code if isinstance(e.code, int) else 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactFilter())  # no secret in any log line, whoever logs it
     try:
         check_names(args)  # typos in press/task/model/... names fail here, before torch is imported
         preflight(args)  # an unreachable store or hub, also before torch
         return int(args.func(args) or 0)
     except UserError as e:
-        print(f"kvforge: error: {e}", file=sys.stderr)
+        print(f"kvforge: error: {redact_text(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kvforge: interrupted", file=sys.stderr)

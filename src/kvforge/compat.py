@@ -12,8 +12,10 @@ release's current names, so no deprecation warning reaches a user.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -109,7 +111,23 @@ def register_attention(name: str, fn: Any) -> None:
 
 
 def model_configs(model: Any) -> list[Any]:
-    """Every config whose attention implementation the model's attention layers read (top, sub-configs, modules)."""
+    """Every config whose attention implementation the model's attention layers read (top, sub-configs, modules).
+
+    Found once per model (walking the modules costs ~2 ms, paid by every forward otherwise)."""
+    try:
+        return _MODEL_CONFIGS[model]
+    except (KeyError, TypeError):
+        pass
+    configs = _find_configs(model)
+    with contextlib.suppress(TypeError):  # not weak-referenceable: found again next time
+        _MODEL_CONFIGS[model] = configs
+    return configs
+
+
+_MODEL_CONFIGS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def _find_configs(model: Any) -> list[Any]:
     configs: dict[int, Any] = {}
     pending = [model.config]
     for module in model.modules():

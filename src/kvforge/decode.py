@@ -14,10 +14,15 @@ from kvforge.cache import KVCache
 from kvforge.errors import UserError
 from kvforge.prefill import forward
 
+# Temperatures below this are greedy, as in vLLM (its _SAMPLING_EPS): logits divided by a temperature near 0 overflow
+# (1e-38 gives inf, then NaN probabilities), and such a temperature asks for the most likely token anyway.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
-    """How the next token is chosen. ``temperature == 0`` is greedy; a ``seed`` makes sampling reproducible."""
+    """How the next token is chosen. A ``temperature`` below :data:`MIN_TEMPERATURE` (0 included) is greedy; a
+    ``seed`` makes sampling reproducible."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -34,7 +39,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 class PresenceFrequencyPenalty:
@@ -161,26 +166,12 @@ class DecodeState:
 
 
 @torch.inference_mode()
-def decode(
-    model: Any,
-    cache: KVCache,
-    logits: Tensor,
-    max_new_tokens: int,
-    *,
-    sampling: SamplingParams | None = None,
-    eos_token_ids: Sequence[int] = (),
-    stop: Sequence[str] = (),
-    tokenizer: Any = None,
-    on_token: Callable[[int], None] | None = None,
-) -> DecodeResult:
-    """Generate up to ``max_new_tokens`` tokens from the prefill's last ``logits`` ``(1, V)``, one forward per token.
-
-    Stops at an EOS id (not included) or once the decoded text contains a stop string (the token completing it is
-    included; the caller trims the text). ``on_token(id)`` is called for every emitted token (streaming).
+def decode(model: Any, cache: KVCache, logits: Tensor, state: DecodeState | int) -> DecodeResult:
+    """Decode one sequence from the prefill's last ``logits`` ``(1, V)``, one forward per token, until ``state`` ends
+    (an int: greedy, that many new tokens at most). The rules are :class:`DecodeState`'s: an EOS id ends it (not
+    included), a stop string too (the token completing it is included; the caller trims the text).
     """
-    state = DecodeState(
-        max_new_tokens, sampling, eos_token_ids=eos_token_ids, stop=stop, tokenizer=tokenizer, on_token=on_token
-    )
+    state = DecodeState(state) if isinstance(state, int) else state
     start = time.perf_counter()
     first_token_s = 0.0
     step_ids = torch.empty((1, 1), dtype=torch.long, device=logits.device)

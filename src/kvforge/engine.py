@@ -1,51 +1,67 @@
-"""Engine: prompt -> tokens -> plan (reuse) -> load -> prefill (under a press) -> decode -> record, with timings.
+"""Engine: the one loop. ``add(request)`` plans and loads, ``step()`` advances every request, ``run`` = add + step.
 
-The one object the CLI, the evaluation and the server drive. Every generation runs :meth:`Engine._execute`; a reuse
-strategy only changes the plan it executes (what is loaded, what is left to prefill, how much of it under the press).
+Every request (CLI, evaluation, RAG, server, benchmark) is a :class:`~kvforge.request.Request`:
+
+- ``add`` tokenises it (once: :meth:`Engine.encode`, done already when the caller tokenised off the model thread),
+  asks the reuse strategy for a plan (what is stored, loaded into a cache) and lists the prompt units left to run;
+- ``step`` runs one unit that must run alone (a press prefill, a RAG recompute), then ONE forward holding the next
+  token of every decoding request and this step's prompt chunks (:mod:`kvforge.schedule`, :mod:`kvforge.batch`);
+- a request that ends is finished once: what is new is recorded by its strategy and its ``Generation`` built.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor
 
+from kvforge.batch import forward_packed
 from kvforge.cache import CacheSnapshot, KVCache, mismatch_with_model
-from kvforge.decode import SamplingParams, decode, eos_ids, trim_at_stop
-from kvforge.errors import PRESS_WITH_REUSE, UserError
+from kvforge.decode import DecodeState, SamplingParams, decode, eos_ids, trim_at_stop
+from kvforge.errors import PRESS_WITH_REUSE, Aborted, UserError
 from kvforge.model import context_length, model_fingerprint
-from kvforge.prefill import DEFAULT_CHUNK_SIZE, prefill, prefill_at
+from kvforge.prefill import DEFAULT_CHUNK_SIZE, forward, prefill, prefill_at
+from kvforge.presses.decoding import attach as attach_policy
+from kvforge.request import Chunks, Document, Encoded, Request, encode, encode_chat, encode_qa
+from kvforge.reuse.base import Check, GivenCache, PromptContext, ReusePlan, ReuseStrategy, miss_plan
+from kvforge.reuse.document import DocumentReuse
+from kvforge.reuse.rag import ChunkReuse
+from kvforge.schedule import schedule_chunks, step_budget
+from kvforge.sequence import Sequence, Unit
+from kvforge.store import transform
+from kvforge.store.memory import MemoryStore
 from kvforge.types import Generation
 
 if TYPE_CHECKING:
     from kvforge.presses.base import Press
-    from kvforge.reuse.base import PromptContext, ReusePlan, ReuseStrategy
-    from kvforge.reuse.rag import ChunkReuse
+    from kvforge.presses.decoding import DecodingPress
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[dict[str, str]] | list[int]
 
-__all__ = ["PRESS_WITH_REUSE", "Engine", "SamplingParams", "TextStream"]
-
+__all__ = ["PRESS_WITH_REUSE", "Engine", "Request", "SamplingParams", "TextStream"]
 
 
 class Engine:
-    """Generation on one model through a :class:`KVCache` that kvforge controls.
+    """Generation on one model through :class:`KVCache` s that kvforge controls, many requests at a time.
 
     Args:
         model, tokenizer: from :func:`kvforge.model.load_model` (or any HF causal LM + tokenizer).
         chunk_size: prefill chunk (bounds activation memory on long prompts); None = one shot.
         window, num_sink: optional sliding-window cache (first ``num_sink`` + last ``window`` tokens kept).
-        reuse: a :class:`kvforge.reuse.ReuseStrategy`: ``generate``/``answer`` then run plan (load what is stored)
-            -> prefill the rest -> decode -> record (store the new KV, after the answer so TTFT is not delayed).
-            With a press, reuse stores and loads compressed documents (``answer(..., query_aware=False)``); any
-            other press + reuse combination is a :class:`UserError` (:data:`kvforge.errors.PRESS_WITH_REUSE`).
+        reuse: the default :class:`~kvforge.reuse.ReuseStrategy` of requests (``Request.reuse=True``).
+        prefill_budget: prompt tokens a step prefills beside decoding requests (None: ``chunk_size``); a step with
+            nothing decoding prefills ``chunk_size`` tokens, as a lone prefill does.
+        decoding_press: a :class:`kvforge.presses.DecodingPress`: every cache keeps at most its budget (+ interval)
+            entries per layer and KV head while it decodes, and while a prompt is prefilled without a press (a prompt
+            press sees the whole prompt first: give it the same budget, ``build_press(name, kv_budget=N)``).
     """
 
     def __init__(
@@ -57,86 +73,72 @@ class Engine:
         window: int | None = None,
         num_sink: int = 4,
         reuse: ReuseStrategy | None = None,
+        prefill_budget: int | None = None,
+        decoding_press: DecodingPress | None = None,
     ) -> None:
-        if chunk_size is not None and chunk_size < 1:
-            raise UserError(f"chunk size must be >= 1, got {chunk_size}")
-        if window is not None and window < 1:
-            raise UserError(f"window must be >= 1, got {window}")
+        for name, value in (("chunk size", chunk_size), ("window", window), ("prefill budget", prefill_budget)):
+            if value is not None and value < 1:
+                raise UserError(f"{name} must be >= 1, got {value}")
+        if window is not None and decoding_press is not None:
+            raise UserError("a decoding budget does not combine with a sliding-window cache (--window): choose one")
         self.model = model
         self.tokenizer = tokenizer
         self.chunk_size = chunk_size
         self.window = window
         self.num_sink = num_sink if window is not None else 0
         self.reuse = reuse
-        self.on_prefill_chunk: Callable[[int, int], None] | None = None  # progress: (tokens done, total)
+        self.prefill_budget = prefill_budget
+        self.decoding_press = decoding_press  # a token budget the cache keeps while generating (and prefilling)
         self.max_positions = context_length(model)
         self.eos_token_ids = eos_ids(model, tokenizer)
+        self.running: list[Sequence] = []  # in arrival order
+        self.stats = {"steps": 0, "decode_rows": 0, "prefill_tokens": 0}  # since start (the server's /metrics)
+        self._lock = threading.RLock()  # one step at a time, whoever calls it (the server's thread, a test's)
+        self._checks: dict[int, _CheckRun] = {}  # id(sequence) -> the check it is one side of
 
     @property
     def model_id(self) -> str:
         """Fingerprint of model + tokenizer (keys stored caches)."""
-        return model_fingerprint(self.model, self.tokenizer)
+        fingerprint = model_fingerprint(self.model, self.tokenizer)
+        # a store coding this model's KV with kvtc calibrates its basis on the model itself (keys before RoPE)
+        transform.BOOK.remember_model(fingerprint, self.model, self.tokenizer)
+        return fingerprint
 
-    # ------------------------------------------------------------------------------------------ tokens
     @cached_property
     def vocab_size(self) -> int:
         """Rows of the input embedding: token ids must lie in ``[0, vocab_size)``."""
         return int(self.model.get_input_embeddings().num_embeddings)
 
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
+    # ------------------------------------------------------------------------------------------ tokens
+    def encode(self, request: Request) -> Encoded:
+        """Tokenise ``request`` (once: the result is kept in ``request.encoded``) and check it fits the model.
+
+        Touches no model state: the server runs it off the model thread.
+        """
+        if isinstance(request.prompt, list) and len(request.prompt) > self.max_positions:
+            self.check_length(len(request.prompt), request.max_new_tokens)  # before looking at each id
+        enc = encode(self.tokenizer, request)
+        self.check_length(len(enc.ids), request.max_new_tokens)
+        self._check_vocab(enc.ids)
+        request.encoded = enc
+        return enc
+
+    def _check_vocab(self, ids: list[int]) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise UserError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     def encode_chat(self, prompt: Prompt, raw: bool = False) -> list[int]:
-        """Token ids of ``prompt``: a string (a user message unless ``raw``), a message list, or ids."""
-        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
-            ids = [int(t) for t in prompt]  # type: ignore[arg-type]
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-            return ids
-        if isinstance(prompt, str) and (raw or not self.has_chat_template):
-            return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        if not self.has_chat_template:
-            text = "\n\n".join(m["content"] for m in messages)  # type: ignore[index]
-            return list(self.tokenizer(text, add_special_tokens=True).input_ids)
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        """Token ids of chat text, messages or ids (see :func:`kvforge.request.encode_chat`)."""
+        ids = encode_chat(self.tokenizer, prompt, raw=raw)
+        self._check_vocab(ids)
+        return ids
 
     def encode_qa(
         self, context: str, question: str, system: str | None = None, answer_prefix: str = ""
     ) -> tuple[list[int], list[int]]:
-        """Split ONE prompt (context, then question, then the assistant header) into context ids and question ids.
-
-        ``ctx_ids + q_ids`` is exactly the tokenisation of the whole prompt; the split falls at the first token that
-        starts at or after the question (a token straddling the boundary goes to the question part).
-        """
-        sep = "\n\n"
-        content = f"{context}{sep}{question}" if context else question
-        if self.has_chat_template:
-            messages = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": content}
-            ]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            add_special = False
-        else:
-            text = (f"{system}{sep}" if system else "") + content + "\n"
-            add_special = True
-        text += answer_prefix
-        question_start = text.rfind(question) if question else len(text)
-        if context and question:
-            question_start = text.rfind(sep + question) + len(sep)
-        enc = self.tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
-        ids, offsets = list(enc.input_ids), enc.offset_mapping
-        split = next(
-            (i for i, (s, e) in enumerate(offsets) if e > question_start and not (s == e == 0 and i == 0)), len(ids)
-        )
-        return ids[:split], ids[split:]
-
-    # ------------------------------------------------------------------------------------------ stages
-    def new_cache(self) -> KVCache:
-        return KVCache.for_model(self.model, window=self.window, num_sink=self.num_sink)
+        """(context ids, question ids) of one prompt (see :func:`kvforge.request.encode_qa`)."""
+        return encode_qa(self.tokenizer, context, question, system, answer_prefix)
 
     def check_length(self, num_tokens: int, max_new_tokens: int = 0) -> None:
         if num_tokens + max_new_tokens > self.max_positions:
@@ -147,33 +149,315 @@ class Engine:
         if num_tokens == 0:
             raise UserError("empty prompt")
 
+    # ------------------------------------------------------------------------------------------ the loop
+    def add(self, request: Request, tag: Any = None) -> Sequence:
+        """Plan what is stored for ``request``, load it, and queue the prompt units left; returns its sequence
+        (``tag``: the caller's handle, kept on the sequence)."""
+        enc = request.encoded or self.encode(request)
+        with self._lock:
+            return self._add(request, enc, tag)
+
+    def _add(self, request: Request, enc: Encoded, tag: Any) -> Sequence:
+        start = time.perf_counter()
+        strategy = self.strategy_of(request)
+        plan = self._plan(request, enc, strategy)
+        self.check_length(len(plan.token_ids), request.max_new_tokens)
+        units = self._units(request, plan, strategy)
+        if not units and plan.logits is None and request.max_new_tokens:
+            raise ValueError("a plan that covers the whole prompt must give its last logits")
+        seq = Sequence(
+            request, enc, plan, strategy, plan.cache if plan.cache is not None else self.new_cache(), units,
+            self._decode_state(request, enc), start, time.perf_counter() - start, logits=plan.logits, tag=tag,
+        )  # fmt: skip
+        if request.press is None or not units:  # a prompt press sees the whole prompt before any budget cut
+            attach_policy(self.decoding_press, seq.cache)
+        if not units:
+            seq.prefilled_at = time.perf_counter()
+        self.running.append(seq)
+        return seq
+
+    def step(self) -> list[Sequence]:
+        """Advance every running request by one step; returns the sequences that finished in it.
+
+        First one prompt unit that runs alone (a press prefill, a RAG recompute), then one forward with the next token
+        of every decoding sequence and this step's prompt chunks. A sequence past its deadline ends with
+        :class:`~kvforge.errors.Aborted`; a failed forward ends every sequence it held with the error.
+        """
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> list[Sequence]:
+        done = [self._end(s, Aborted("timeout")) for s in [s for s in self.running if _expired(s)]]
+        alone = next((s for s in self.running if s.is_prefilling and s.units[0].runs_alone), None)
+        if alone is not None:
+            try:
+                self._run_alone(alone)
+            except Exception as e:
+                done.append(self._end(alone, e))
+        picks: list[tuple[Sequence, int]] = []
+        for seq in [s for s in self.running if not s.units and s.state is not None]:
+            token = self._pick(seq)
+            if token is None:
+                done.append(self._finish(seq))
+            else:
+                picks.append((seq, token))
+        prefilling = [s for s in self.running if s.is_prefilling and not s.units[0].runs_alone]
+        chunks = self.schedule(prefilling, len(picks))
+        rows = [s.units[0].ids[s.offset : s.offset + n] for s, n in chunks] + [[t] for _, t in picks]
+        caches = [s.cache for s, _ in chunks] + [s.cache for s, _ in picks]
+        if rows:
+            self.stats["steps"] += 1
+            self.stats["decode_rows"] += len(picks)
+            self.stats["prefill_tokens"] += sum(n for _, n in chunks)
+            try:
+                logits = self._forward(rows, caches)
+            except Exception as e:
+                return done + [self._end(s, e) for s, _ in [*chunks, *picks]]
+            for i, (seq, n) in enumerate(chunks):
+                seq.logits = logits[i : i + 1]
+                self._advance(seq, n)
+            for i, (seq, _) in enumerate(picks, start=len(chunks)):
+                seq.logits = logits[i : i + 1]
+        done += [self._finish(s) for s in [s for s in self.running if not s.units and s.state is None]]  # no tokens
+        return done
+
+    def complete(self, seq: Sequence) -> Generation:
+        """Step until ``seq`` finished (other running requests advance with it); its generation."""
+        while not seq.is_finished:
+            self.step()
+        return seq.result()
+
+    def run(self, request: Request) -> Generation:
+        """``add`` then ``step`` until done: what the CLI, RAG, the evaluation and benchmarks call."""
+        return self.complete(self.add(request))
+
+    def run_many(self, requests: Seq[Request]) -> list[Generation]:
+        """All ``requests`` added at once and stepped together (decoded in one forward per step)."""
+        seqs = [self.add(r) for r in requests]
+        return [self.complete(s) for s in seqs]
+
+    def run_pending(self) -> None:
+        """Step until no request is left, the checks that finished requests queued included (a CLI before it exits:
+        what a check learns is stored for the next process)."""
+        while self.running:
+            self.step()
+
+    def abort(self, seq: Sequence, error: BaseException) -> None:
+        """End ``seq`` now with ``error`` (a client gone, a server shutting down)."""
+        with self._lock:
+            if not seq.is_finished:
+                self._end(seq, error)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running)
+
+    # ------------------------------------------------------------------------------------------ plan
+    def strategy_of(self, request: Request) -> ReuseStrategy | None:
+        """The reuse strategy ``request`` runs with (``reuse=True``: the engine's)."""
+        if request.reuse is True:
+            return self.reuse
+        return None if request.reuse is False else request.reuse  # type: ignore[return-value]
+
+    def _plan(self, request: Request, enc: Encoded, strategy: ReuseStrategy | None) -> ReusePlan:
+        """The strategy's plan for ``enc``, or prefill everything; every combination that cannot work is refused."""
+        press, context = request.press, enc.context
+        if isinstance(request.prompt, Chunks) and not isinstance(strategy, ChunkReuse):
+            raise UserError("a question over chunks needs a RAG chunk reuse strategy (kvforge.reuse.rag.ChunkReuse)")
+        if strategy is None:
+            plan = miss_plan(enc.ids)
+            plan.press_size = enc.press_size if press is not None else 0
+            return plan
+        if self.window is not None:
+            raise UserError("KV reuse does not support a sliding-window cache (--window)")
+        if self.decoding_press is not None:
+            raise UserError("KV reuse does not combine with a decoding budget yet (its cache is cut while it decodes)")
+        if press is not None and not (isinstance(context, PromptContext) and context.press is not None):
+            raise UserError(PRESS_WITH_REUSE)
+        if press is not None and not getattr(strategy, "stores_compressed", False):
+            raise UserError(f"{type(strategy).__name__} does not store compressed documents: {PRESS_WITH_REUSE}")
+        plan = strategy.plan(enc.ids, text=enc.text, context=context)  # type: ignore[arg-type]
+        if plan.cache is not None and (problem := mismatch_with_model(plan.cache, self.model)) is not None:
+            logger.warning("stored KV does not fit this model (%s): treated as a miss", problem)
+            plan = miss_plan(enc.ids, reason=f"stored KV does not fit the model: {problem}")
+            plan.press_size = enc.press_size if press is not None else 0
+        return plan
+
+    def _units(self, request: Request, plan: ReusePlan, strategy: ReuseStrategy | None) -> list[Unit]:
+        """The prompt left to run: the document part (under the press, recorded alone), then the rest."""
+        ids = list(plan.prefill_ids)
+        if plan.prefill_positions is not None:
+            return [Unit(ids, positions=list(plan.prefill_positions))] if ids else []
+        n = plan.press_size
+        units = [Unit(ids[:n], press=request.press, is_document=strategy is not None and n < len(ids))] if n else []
+        return units + ([Unit(ids[n:])] if ids[n:] else [])
+
+    def _decode_state(self, request: Request, enc: Encoded) -> DecodeState | None:
+        if not request.max_new_tokens:
+            return None
+        return DecodeState(
+            request.max_new_tokens,
+            request.sampling,
+            eos_token_ids=self.eos_token_ids,
+            stop=list(request.stop),
+            tokenizer=self.tokenizer,
+            on_token=request.on_token,
+            processors=request.processors,
+            prompt_ids=enc.ids if request.processors else (),
+            logprobs=request.logprobs,
+        )
+
+    # ------------------------------------------------------------------------------------------ step parts
+    def schedule(self, prefilling: list[Sequence], num_decoding: int) -> list[tuple[Sequence, int]]:
+        """This step's prompt chunks (:mod:`kvforge.schedule`): the budget, reuse hits first, no starvation."""
+        return schedule_chunks(prefilling, step_budget(self.chunk_size, self.prefill_budget, num_decoding))
+
+    def _run_alone(self, seq: Sequence) -> None:
+        """A press prefill (the press scores the whole unit) or a RAG recompute (tokens at their positions)."""
+        unit = seq.units[0]
+        if unit.positions is not None:
+            seq.logits = prefill_at(self.model, unit.ids, unit.positions, seq.cache, chunk_size=self.chunk_size)
+            seq.cache.token_ids = list(seq.plan.token_ids)
+        else:
+            _, seq.logits = self.prefill(unit.ids, seq.cache, press=unit.press, on_chunk=self._progress(seq))
+        self._advance(seq, len(unit.ids))
+
+    def _forward(self, rows: list[list[int]], caches: list[KVCache]) -> Tensor:
+        """Last-token logits ``(N, V)`` of every row on its cache: one forward (a lone row runs as a plain one)."""
+        if len(rows) == 1:
+            return forward(self.model, rows[0], caches[0])[:, -1]
+        return forward_packed(self.model, rows, caches)
+
+    def _advance(self, seq: Sequence, num_tokens: int) -> None:
+        """``num_tokens`` more of the current unit are prefilled."""
+        seq.offset += num_tokens
+        if seq.request.on_prefill is not None:
+            total = len(seq.plan.prefill_ids)
+            seq.request.on_prefill(total - seq.num_prompt_left, total)
+        if seq.offset < len(seq.units[0].ids):
+            return
+        unit = seq.units.pop(0)
+        seq.offset = 0
+        if unit.is_document:
+            seq.document = CacheSnapshot(seq.cache)
+        if not seq.units:
+            seq.prefilled_at = time.perf_counter()
+            attach_policy(self.decoding_press, seq.cache)  # decoding keeps the budget (a no-op when attached at add)
+
+    def _progress(self, seq: Sequence) -> Callable[[int, int], None] | None:
+        report, total = seq.request.on_prefill, len(seq.plan.prefill_ids)
+        if report is None:
+            return None
+        done = total - seq.num_prompt_left
+        return lambda n, _: report(done + n, total)
+
+    def _pick(self, seq: Sequence) -> int | None:
+        """The next token of a decoding sequence (None: it ends here)."""
+        assert seq.state is not None and seq.logits is not None
+        num_tokens = len(seq.state.tokens)
+        token = seq.state.pick(seq.logits)
+        now = time.perf_counter()
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        if len(seq.state.tokens) > num_tokens:
+            seq.token_times.append(now)
+        return token
+
+    def _end(self, seq: Sequence, error: BaseException) -> Sequence:
+        seq.error = error
+        self.running.remove(seq)
+        self._checks.pop(id(seq), None)  # a check that failed teaches nothing
+        return seq
+
+    def _finish(self, seq: Sequence) -> Sequence:
+        """Build the generation and record what is new (after the answer, so it never delays the first token)."""
+        self.running.remove(seq)
+        state, now = seq.state, time.perf_counter()
+        tokens = list(state.tokens) if state is not None else []
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if seq.request.stop:
+            text = trim_at_stop(text, seq.request.stop)
+        first = seq.first_token_at or now
+        gen = Generation(
+            text=text,
+            token_ids=tokens,
+            prompt_tokens=len(seq.encoded.ids),
+            ttft_s=first - seq.started,
+            decode_s=now - first,
+            finish_reason=(state.finish_reason if state is not None else None) or "length",
+            cache_bytes=seq.cache.nbytes(),
+        )
+        gen.info.update(seq.cache.info)
+        gen.info["prefill_s"] = (seq.prefilled_at or now) - seq.started
+        gen.info["cache_entries"] = seq.cache.num_entries()
+        gen.info["token_times"] = seq.token_times
+        if state is not None and state.num_logprobs is not None:
+            gen.info["logprobs"] = state.logprobs
+        if seq.strategy is not None:
+            gen.reused_tokens = seq.plan.reused_tokens
+            gen.info["reuse"] = seq.plan.summary() | {"plan_s": round(seq.plan_s, 6)} | self._record(seq)
+        seq.generation = gen
+        if (run := self._checks.pop(id(seq), None)) is not None:
+            run.done(seq)
+        if seq.plan.check is not None:
+            self._start_check(seq.plan.check)
+        return seq
+
+    def _start_check(self, check: Check) -> None:
+        """Queue ``check``'s two greedy requests (the prompt asked, prefilled in full; the donor's tokens on its
+        stored KV): they step with the other requests, after the answer that asked for the check."""
+        try:
+            loaded = check.load()
+            if loaded is None:
+                return  # the donor's KV is gone: nothing to compare with
+            cache, donor_ids = loaded
+            requests = [Request(list(ids), check.num_tokens, reuse=reuse, encoded=Encoded(list(ids)))
+                        for ids, reuse in ((check.asked_ids, False), (donor_ids, GivenCache(cache)))]  # fmt: skip
+            run = _CheckRun(check)
+            for request in requests:
+                assert request.encoded is not None
+                seq = self._add(request, request.encoded, None)
+                self._checks[id(seq)] = run
+                run.sides.append(seq)
+        except Exception as e:  # a check is best effort: it must never cost an answer
+            logger.warning("semantic check not run: %s: %s", type(e).__name__, e)
+
+    def _record(self, seq: Sequence) -> dict[str, Any]:
+        """Store the prompt's new KV (a document: its KV alone, without the question); best effort."""
+        start = time.perf_counter()
+        if seq.document is not None:
+            seq.document.restore()
+        enc = seq.encoded
+        from kvforge.store import track_writes
+
+        with track_writes() as writes:  # what the store kept and skipped (a full or read-only disk, Redis down)
+            try:
+                seq.strategy.record(enc.ids, seq.cache, text=enc.text, context=enc.context)  # type: ignore[union-attr]
+            except Exception as e:  # the answer is computed: a store that cannot take it costs only later reuse
+                logger.warning("reuse record failed: %s: %s", type(e).__name__, e)
+                writes.skipped.setdefault("<record>", f"{type(e).__name__}: {e}")
+        return {"record_s": round(time.perf_counter() - start, 6), "stored_writes": len(writes.stored),
+                "lost_writes": len(writes.lost)}
+
+    # ------------------------------------------------------------------------------------------ stages
+    def new_cache(self) -> KVCache:
+        return KVCache.for_model(self.model, window=self.window, num_sink=self.num_sink)
+
     def prefill(
-        self, ids: Sequence[int], cache: KVCache | None = None, press: Press | None = None
+        self,
+        ids: Seq[int],
+        cache: KVCache | None = None,
+        press: Press | None = None,
+        on_chunk: Callable[[int, int], None] | None = None,
     ) -> tuple[KVCache, Tensor]:
         """Prefill ``ids`` on ``cache`` (new if None), compressing with ``press`` if given; returns (cache, logits)."""
         cache = cache if cache is not None else self.new_cache()
-        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.model.device)
         if press is None:
-            logits = prefill(self.model, input_ids, cache, chunk_size=self.chunk_size, on_chunk=self.on_prefill_chunk)
-        else:
-            from kvforge.presses import compress_prefill
-
-            logits = compress_prefill(
-                self.model, input_ids, cache, press, chunk_size=self.chunk_size, tokenizer=self.tokenizer,
-                on_chunk=self.on_prefill_chunk,
-            )
-        return cache, logits
-
-    def prefill_plan(self, plan: ReusePlan) -> tuple[KVCache, Tensor]:
-        """Execute a reuse plan: prefill ``plan.prefill_ids`` on ``plan.cache`` (at ``plan.prefill_positions`` when
-        the plan places them, as RAG chunk plans do); returns (cache, logits)."""
-        if plan.prefill_positions is None:
-            return self.prefill(plan.prefill_ids, plan.cache)
-        cache = plan.cache if plan.cache is not None else self.new_cache()
-        logits = prefill_at(
-            self.model, plan.prefill_ids, plan.prefill_positions, cache, chunk_size=self.chunk_size
+            attach_policy(self.decoding_press, cache)
+            return cache, prefill(self.model, list(ids), cache, chunk_size=self.chunk_size, on_chunk=on_chunk)
+        logits = press.compress_prefill(
+            self.model, list(ids), cache, chunk_size=self.chunk_size, tokenizer=self.tokenizer, on_chunk=on_chunk
         )
-        cache.token_ids = list(plan.token_ids)
         return cache, logits
 
     def decode(
@@ -182,26 +466,18 @@ class Engine:
         logits: Tensor,
         max_new_tokens: int = 64,
         sampling: SamplingParams | None = None,
-        stop: Sequence[str] | None = None,
+        stop: Seq[str] | None = None,
         on_token: Callable[[int], None] | None = None,
     ) -> Generation:
-        """Decode from prefill ``logits``; returns a :class:`Generation` (ttft_s = time to pick the first token)."""
-        result = decode(
-            self.model,
-            cache,
-            logits,
-            max_new_tokens,
-            sampling=sampling,
-            eos_token_ids=self.eos_token_ids,
-            stop=list(stop or ()),
-            tokenizer=self.tokenizer,
-            on_token=on_token,
-        )
+        """Decode one prefilled cache from its last ``logits`` (the step's per-sequence rule, for callers that
+        prefill by hand); ``ttft_s`` = time to pick the first token."""
+        state = DecodeState(max_new_tokens, sampling, eos_token_ids=self.eos_token_ids, stop=list(stop or ()),
+                            tokenizer=self.tokenizer, on_token=on_token)  # fmt: skip
+        attach_policy(self.decoding_press, cache)
+        result = decode(self.model, cache, logits, state)
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        if stop:
-            text = trim_at_stop(text, stop)
         return Generation(
-            text=text,
+            text=trim_at_stop(text, stop) if stop else text,
             token_ids=result.token_ids,
             prompt_tokens=0,
             ttft_s=result.first_token_s,
@@ -210,28 +486,20 @@ class Engine:
             cache_bytes=cache.nbytes(),
         )
 
+    # ------------------------------------------------------------------------------------------ one-liners over run
     def generate(
         self,
         prompt: Prompt,
         max_new_tokens: int = 128,
         sampling: SamplingParams | None = None,
-        stop: Sequence[str] | None = None,
+        stop: Seq[str] | None = None,
         raw: bool = False,
         press: Press | None = None,
         on_token: Callable[[int], None] | None = None,
     ) -> Generation:
-        """Tokenise (chat template unless ``raw``), then plan -> load -> prefill (under ``press``) -> decode -> record.
-
-        A press compresses the whole prompt (query-aware); with a reuse strategy that is an error (see
-        :data:`PRESS_WITH_REUSE`): compressed KV is reused through :meth:`answer` with ``query_aware=False``.
-        """
-        ids = self.encode_chat(prompt, raw=raw)
-        text, context = None, None
-        if self.reuse is not None and press is None:  # what the user wrote, and the template/history before it
-            from kvforge.reuse.query import user_query
-
-            text, context = user_query(self.tokenizer, prompt, ids, raw=raw)
-        return self._execute(ids, max_new_tokens, sampling, stop, on_token, press, len(ids), text=text, context=context)
+        """``run(Request(prompt, ...))``: chat text, messages or ids; a press compresses the whole prompt."""
+        return self.run(Request(prompt, max_new_tokens, sampling or SamplingParams(), stop or (), raw, press,
+                                on_token=on_token))  # fmt: skip
 
     def answer(
         self,
@@ -243,33 +511,18 @@ class Engine:
         query_aware: bool = True,
         max_new_tokens: int = 64,
         sampling: SamplingParams | None = None,
-        stop: Sequence[str] | None = None,
+        stop: Seq[str] | None = None,
         quant: str | None = None,
         on_token: Callable[[int], None] | None = None,
     ) -> Generation:
-        """Answer ``question`` about ``context`` (the document).
-
-        Query-aware: the press sees context + question (observation window = end of the prompt). Query-agnostic:
-        the press compresses the context alone, then the question is prefilled on top of the compressed cache; with
-        the engine's reuse strategy the compressed document is stored (keyed by press, its parameters and ``quant``,
-        the storage quantisation; None = the store's own) and a later question loads it instead of compressing again.
-        """
-        ctx_ids, q_ids = self.encode_qa(context, question, system=system, answer_prefix=answer_prefix)
-        ids = ctx_ids + q_ids
-        agnostic = press is not None and not query_aware and bool(q_ids)
-        prompt_context = None
-        if ctx_ids and q_ids and (self.reuse is not None or agnostic):
-            from kvforge.reuse.base import PromptContext
-
-            prompt_context = PromptContext(context, len(ctx_ids), press=press if agnostic else None, quant=quant)
-        press_size = len(ctx_ids) if agnostic else len(ids)
-        return self._execute(
-            ids, max_new_tokens, sampling, stop, on_token, press, press_size, text=question, context=prompt_context
-        )
+        """``run(Request(Document(context, question), ...))``; ``query_aware=False``: the press sees the document."""
+        return self.run(Request(Document(context, question, system, answer_prefix), max_new_tokens,
+                                sampling or SamplingParams(), stop or (), press=press, query_aware=query_aware,
+                                quant=quant, on_token=on_token))  # fmt: skip
 
     def answer_chunks(
         self,
-        chunks: Sequence[str],
+        chunks: Seq[str],
         question: str,
         rag: ChunkReuse | None = None,
         system: str | None = None,
@@ -277,169 +530,59 @@ class Engine:
         answer_prefix: str = "",
         max_new_tokens: int = 64,
         sampling: SamplingParams | None = None,
-        stop: Sequence[str] | None = None,
+        stop: Seq[str] | None = None,
         on_token: Callable[[int], None] | None = None,
     ) -> Generation:
-        """Answer ``question`` over document ``chunks`` reusing each chunk's stored KV (RAG).
-
-        ``rag``: a :class:`kvforge.reuse.rag.ChunkReuse` (default: the engine's ``reuse``). The prompt is the
-        chunks joined by ``separator`` after the shared prefix (system + user header), then the question; the plan
-        assembles the stored chunks and the engine prefills what it lists (recomputed tokens, separators, question)
-        at their positions, then decodes. TTFT includes the plan (chunk loads, CacheBlend/CacheClip selection).
-        """
-        from kvforge.reuse.rag import ChunkReuse
-
-        rag = rag if rag is not None else self.reuse
-        if not isinstance(rag, ChunkReuse):
-            raise UserError("answering over chunks needs a RAG chunk reuse strategy (kvforge.reuse.rag.ChunkReuse)")
-        try:
-            prompt = rag.build_prompt(chunks, question, system=system, separator=separator,
-                                      answer_prefix=answer_prefix)
-        except ValueError as e:
-            raise UserError(str(e)) from e
-        ids = prompt.ids()
-        return self._execute(ids, max_new_tokens, sampling, stop, on_token, None, 0, text=question, context=prompt,
-                             reuse=rag)
+        """``run(Request(Chunks(chunks, question), reuse=rag))`` (``rag`` None: the engine's strategy)."""
+        return self.run(Request(Chunks(list(chunks), question, system, separator, answer_prefix), max_new_tokens,
+                                sampling or SamplingParams(), stop or (), reuse=rag or True,
+                                on_token=on_token))  # fmt: skip
 
     def answer_many(
         self,
         context: str,
-        questions: Sequence[str],
+        questions: Seq[str],
         press: Press | None = None,
         system: str | None = None,
         answer_prefix: str = "",
         max_new_tokens: int = 64,
         sampling: SamplingParams | None = None,
-        stop: Sequence[str] | None = None,
+        stop: Seq[str] | None = None,
     ) -> list[Generation]:
-        """Answer several ``questions`` about one ``context``: the context is prefilled (and compressed by ``press``,
-        query-agnostic) once, then each question is prefilled and decoded on it and undone before the next one.
+        """Several questions on one document, computed (and compressed by ``press``, query-agnostic) once: ``run``
+        with document reuse (the engine's strategy when it stores documents, else an in-memory store)."""
+        reuse = (
+            self.reuse
+            if getattr(self.reuse, "stores_compressed", False)
+            else DocumentReuse(MemoryStore(), self.model_id, self.model.device)
+        )
+        return [self.run(Request(Document(context, q, system, answer_prefix), max_new_tokens, sampling or
+                                 SamplingParams(), stop or (), press=press, query_aware=False, reuse=reuse))
+                for q in questions]  # fmt: skip
 
-        Each answer equals ``answer(context, q, press=press, query_aware=False)``; the first answer's TTFT includes
-        the context's prefill, later ones only their question's. With a reuse strategy the main path does it: the
-        (compressed) document is stored by the first answer and loaded by every later one, as :meth:`answer` does.
-        """
-        if not questions:
-            return []
-        if self.reuse is not None:
-            return [
-                self.answer(context, q, press=press, query_aware=False, system=system, answer_prefix=answer_prefix,
-                            max_new_tokens=max_new_tokens, sampling=sampling, stop=stop)
-                for q in questions
-            ]  # fmt: skip
-        ctx_ids, _ = self.encode_qa(context, questions[0], system=system, answer_prefix=answer_prefix)
-        start = time.perf_counter()
-        cache, _ = self.prefill(ctx_ids, press=press)
-        context_s = time.perf_counter() - start
-        snapshot = CacheSnapshot(cache)
-        results = []
-        for i, question in enumerate(questions):
-            ids, q_ids = self.encode_qa(context, question, system=system, answer_prefix=answer_prefix)
-            if ids != ctx_ids or not q_ids:
-                raise UserError("answer_many needs a question after the context (the chat template split differs)")
-            self.check_length(len(ctx_ids) + len(q_ids), max_new_tokens)
-            start = time.perf_counter()
-            _, logits = self.prefill(q_ids, cache)
-            prefill_s = time.perf_counter() - start + (context_s if i == 0 else 0.0)
-            gen = self.decode(cache, logits, max_new_tokens, sampling, stop)
-            gen.ttft_s += prefill_s
-            gen.prompt_tokens = len(ctx_ids) + len(q_ids)
-            gen.info.update(cache.info)
-            gen.info["prefill_s"] = prefill_s
-            gen.info["cache_entries"] = cache.num_entries()
-            results.append(gen)
-            snapshot.restore()
-        return results
 
-    # ------------------------------------------------------------------------------------------ main path
-    def _execute(
-        self,
-        ids: list[int],
-        max_new_tokens: int,
-        sampling: SamplingParams | None,
-        stop: Sequence[str] | None,
-        on_token: Callable[[int], None] | None,
-        press: Press | None,
-        press_size: int,
-        text: str | None,
-        context: PromptContext | None,
-        reuse: ReuseStrategy | None = None,
-    ) -> Generation:
-        """plan what is stored -> load it -> prefill what is missing (the first ``plan.press_size`` tokens under
-        ``press``) -> decode -> record what is new. TTFT counts from the plan (store reads) to the first token;
-        recording comes after the answer so it does not delay it. ``reuse``: a strategy for this call instead of the
-        engine's (RAG chunks); a plan that places its tokens (``prefill_positions``) is executed by ``prefill_plan``."""
-        self.check_length(len(ids), max_new_tokens)
-        start = time.perf_counter()
-        reuse = reuse if reuse is not None else self.reuse
-        plan = self.plan(ids, press, press_size, text=text, context=context, reuse=reuse)  # what is stored already?
-        plan_s = time.perf_counter() - start
-        self.check_length(len(plan.token_ids), max_new_tokens)
-        cache = plan.cache if plan.cache is not None else self.new_cache()  # load
-        pressed, rest = plan.prefill_ids[: plan.press_size], plan.prefill_ids[plan.press_size :]
-        logits: Tensor | None = None
-        document = None
-        if plan.prefill_positions is not None:  # RAG chunks: recompute the listed tokens at their positions
-            cache, logits = self.prefill_plan(plan)
-        else:
-            if pressed:  # prefill and compress (the document, or the whole prompt when query-aware)
-                cache, logits = self.prefill(pressed, cache, press=press)
-            document = CacheSnapshot(cache) if pressed and rest and reuse is not None else None
-            if rest:  # prefill the rest as it is (the question)
-                cache, logits = self.prefill(rest, cache)
-        assert logits is not None
-        prefill_s = time.perf_counter() - start
-        gen = self.decode(cache, logits, max_new_tokens, sampling, stop, on_token)  # decode
-        gen.ttft_s += prefill_s
-        gen.prompt_tokens = len(ids)
-        gen.info.update(cache.info)
-        gen.info["prefill_s"] = prefill_s
-        gen.info["cache_entries"] = cache.num_entries()
-        if reuse is not None:  # record: the new KV (a compressed document: its KV alone, without the question)
-            record_start = time.perf_counter()
-            if document is not None:
-                document.restore()
-            reuse.record(ids, cache, text=text, context=context)  # refuses caches not made of exactly ``ids``
-            gen.reused_tokens = plan.reused_tokens
-            gen.info["reuse"] = plan.summary() | {
-                "plan_s": round(plan_s, 6), "record_s": round(time.perf_counter() - record_start, 6)
-            }
-        return gen
+class _CheckRun:
+    """The two sides of a running :class:`~kvforge.reuse.base.Check`; reports once both finished."""
 
-    def plan(
-        self,
-        ids: list[int],
-        press: Press | None = None,
-        press_size: int = 0,
-        text: str | None = None,
-        context: PromptContext | None = None,
-        reuse: ReuseStrategy | None = None,
-    ) -> ReusePlan:
-        """The :class:`kvforge.reuse.ReusePlan` for ``ids``: the reuse strategy's, or prefill everything.
+    def __init__(self, check: Check) -> None:
+        self.check = check
+        self.sides: list[Sequence] = []
 
-        ``press_size``: without reuse, how many leading tokens the press compresses. A press with a reuse strategy
-        needs a query-agnostic document (``context.press``) and a strategy that stores compressed documents.
-        ``reuse``: a strategy for this call instead of the engine's.
-        """
-        from kvforge.reuse.base import miss_plan
+    def done(self, seq: Sequence) -> None:
+        if not all(s.generation is not None for s in self.sides):
+            return
+        asked, donor = (s.generation for s in self.sides)
+        assert asked is not None and donor is not None
+        agree = asked.token_ids == donor.token_ids and asked.finish_reason == donor.finish_reason
+        try:
+            self.check.report(agree)
+        except Exception as e:  # statistics that cannot be saved: the answer was already given
+            logger.warning("semantic check outcome not recorded: %s: %s", type(e).__name__, e)
 
-        reuse = reuse if reuse is not None else self.reuse
-        if reuse is None:
-            plan = miss_plan(ids)
-            plan.press_size = press_size if press is not None else 0
-            return plan
-        if self.window is not None:
-            raise UserError("KV reuse does not support a sliding-window cache (--window)")
-        if press is not None and (context is None or context.press is None):
-            raise UserError(PRESS_WITH_REUSE)
-        if press is not None and not getattr(reuse, "stores_compressed", False):
-            raise UserError(f"{type(reuse).__name__} does not store compressed documents: {PRESS_WITH_REUSE}")
-        plan = reuse.plan(ids, text=text, context=context)
-        if plan.cache is not None and (problem := mismatch_with_model(plan.cache, self.model)) is not None:
-            logger.warning("stored KV does not fit this model (%s): treated as a miss", problem)
-            plan = miss_plan(ids, reason=f"stored KV does not fit the model: {problem}")
-            plan.press_size = context.num_tokens if press is not None else 0
-        return plan
+
+def _expired(seq: Sequence) -> bool:
+    deadline = seq.request.deadline
+    return deadline is not None and time.monotonic() > deadline
 
 
 class TextStream:

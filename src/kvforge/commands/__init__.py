@@ -10,7 +10,6 @@ COMMAND_MODULES = [
     "kvforge.commands.cache",
     "kvforge.commands.serve",
     "kvforge.commands.presses",
-    "kvforge.commands.bench_reuse",
     "kvforge.commands.eval",
     "kvforge.commands.rag",
     "kvforge.commands.models",

@@ -114,9 +114,11 @@ def probe_store(url: str, timeout_s: float = 2.0) -> None:
     that answers, even "authentication required", is reachable."""
     from urllib.parse import urlsplit, urlunsplit
 
-    tiers = [u.strip() for u in url.split(",") if u.strip()]
-    if len(tiers) != 1 or not tiers[0].startswith(("redis://", "rediss://")):
-        return
+    from kvforge.redact import redact_text, redact_url, spilled_userinfo, split_urls
+
+    tiers = split_urls(url)
+    if len(tiers) != 1 or not tiers[0].startswith(("redis://", "rediss://")) or spilled_userinfo(tiers[0]):
+        return  # a URL the client would misread: the store refuses it in its own words when it opens
     try:
         import redis
     except ImportError:
@@ -130,22 +132,13 @@ def probe_store(url: str, timeout_s: float = 2.0) -> None:
     try:
         client.ping()
     except (redis.ConnectionError, redis.TimeoutError) as e:
-        from kvforge.redact import redact_url
-
         if isinstance(e, redis.AuthenticationError):
             return
-        raise redis_unavailable(redact_url(tiers[0]), _scrub(str(e), tiers[0])) from None
+        raise redis_unavailable(redact_url(tiers[0]), redact_text(str(e))) from None
     except Exception:
         return  # it answered (e.g. NOAUTH): reachable
     finally:
         client.close()
-
-
-def _scrub(text: str, url: str) -> str:
-    """``text`` without the URL itself (client errors may quote it, password included)."""
-    from kvforge.redact import redact_url
-
-    return text.replace(url, redact_url(url))
 
 
 def probe_hub_model(model_id: str, timeout_s: float = 3.0) -> None:
@@ -203,14 +196,19 @@ def check_store_url(url: str | None) -> None:
         return
     from urllib.parse import urlsplit
 
-    for part in (p.strip() for p in url.split(",")):
+    from kvforge.redact import redact_url, split_urls
+
+    if not isinstance(url, str):
+        raise UserError(f"a store URL must be text, got {type(url).__name__}")
+    for part in split_urls(url):
+        shown = redact_url(part)  # a URL appears in a message only redacted
         scheme = part.split("://", 1)[0] + "://" if "://" in part else ""
         if scheme not in ("memory://", "file://", "redis://", "rediss://"):
-            raise UserError(f"unknown store URL {part!r}: use memory://, file:///abs/dir, redis://host:port/db")
+            raise UserError(f"unknown store URL {shown!r}: use memory://, file:///abs/dir, redis://host:port/db")
         if scheme == "file://":
             parts = urlsplit(part)
             if parts.netloc or not parts.path.startswith("/"):
-                raise UserError(f"store URL {part!r} is not an absolute path: write file:///abs/dir (three slashes)")
+                raise UserError(f"store URL {shown!r} is not an absolute path: write file:///abs/dir (three slashes)")
 
 
 def check_port_free(host: str, port: int) -> None:

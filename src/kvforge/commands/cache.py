@@ -74,13 +74,23 @@ def run_stats(args: argparse.Namespace) -> int:
 
 
 def run_clear(args: argparse.Namespace) -> int:
+    """Clear the store and say what was really removed; entries that could not be: listed on stderr, exit 1."""
+    import sys
+    from collections import Counter
+
     from kvforge.store import open_store
 
     store = open_store(args.store)
-    num_entries = len(store.keys())
-    store.clear()
-    print(f"cleared {num_entries} entries from {redact_url(args.store)}")
-    return 0
+    result = store.clear()
+    shown = redact_url(args.store)
+    print(f"cleared {result.removed} entries from {shown}")
+    if not result.failed:
+        return 0
+    why = "; ".join(f"{reason}: {n}" for reason, n in Counter(result.failed.values()).most_common())
+    keys = sorted(result.failed)
+    listed = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+    print(f"kvforge: error: could not delete {len(keys)} entries from {shown} ({why}): {listed}", file=sys.stderr)
+    return 1
 
 
 def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:

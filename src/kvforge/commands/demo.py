@@ -9,9 +9,7 @@ from typing import Any
 
 from kvforge.commands._common import add_model_args, load, prefill_progress
 
-FILLER = (
-    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-)
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
 def passkey_document(num_tokens: int, tokenizer: Any, seed: int = 0) -> tuple[str, str]:
@@ -43,20 +41,21 @@ def _report(label: str, gen: Any) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     from kvforge.engine import Engine
+    from kvforge.request import Document, Request
 
     print(f"kvforge demo: loading {args.model} (offline)...", flush=True)
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer)
-    engine.on_prefill_chunk = prefill_progress()
     question = "What is the capital of France? Answer in one word."
     print(f"\n1) Q: {question}\n   A: ", end="", flush=True)
-    gen = engine.generate(question, max_new_tokens=16)
+    gen = engine.run(Request(question, max_new_tokens=16))
     print(gen.text.strip())
     _report("chat", gen)
 
     document, key = passkey_document(args.doc_tokens, tokenizer)
     print("\n2) Pass-key retrieval from a long document", flush=True)
-    gen = engine.answer(document, "What is the pass key? Answer with the number only.", max_new_tokens=12)
+    question = "What is the pass key? Answer with the number only."
+    gen = engine.run(Request(Document(document, question), max_new_tokens=12, on_prefill=prefill_progress()))
     found = key in gen.text
     print(f"   A: {gen.text.strip()}   (expected {key}: {'found' if found else 'NOT found'})")
     _report("retrieval", gen)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvforge.commands._common import input_file
 from kvforge.errors import UserError
+
+if TYPE_CHECKING:
+    from kvforge.engine import Engine
 
 
 def _floats(text: str) -> list[float]:
@@ -30,11 +32,18 @@ def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def haystack_file(text: str) -> Path:
+    """An existing file, optionally ``#row_id`` (one row of a JSONL collection): checked while parsing."""
+    file, sep, row = text.rpartition("#") if "#" in Path(text).name else (text, "", "")
+    return Path(str(input_file(file)) + sep + row)
+
+
 def register(sub: Any, bench_sub: Any) -> None:
     p = sub.add_parser("eval", help="evaluate KV-cache methods x budgets on a JSONL file or a built-in task")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", type=input_file, help="JSONL examples (see docs/eval.md for the format)")
-    src.add_argument("--task", help="built-in task(s), comma-separated and interleaved: needle, needle-docs (RAG), "
+    src.add_argument("--task", help="built-in task(s), comma-separated and interleaved: needle, needle-narrative, "
+                     "needle-multi-narrative, needle-docs (RAG), "
                      "ruler, ruler-mk|mv|mq|vt|cwe, longbench-qa, longbench-summ, longbench, leval, squad, musique, "
                      "hub:<name>")  # fmt: skip
     p.add_argument("--model", required=True, help="smollm2-135m | gemma3-270m | a model folder | a .gguf file")
@@ -50,23 +59,42 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096], help="needle/RULER context sizes (tokens)")
     p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
     p.add_argument("--num-samples", type=int, default=1, help="needle/RULER samples per length x depth")
-    p.add_argument("--haystack", type=input_file, action="append", help="haystack text/JSONL file (repeatable)")
+    p.add_argument("--haystack", type=haystack_file, action="append", help="haystack text/JSONL file (repeatable; "
+                   "books.jsonl#ID reads the JSONL row whose id is ID)")
     p.add_argument("--max-context", type=int, help="converted tasks: cut the middle of longer contexts (tokens)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--dtype", help="float32, bfloat16, float16")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk size (tokens)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--rag", type=_names, help="RAG strategies instead of presses: naive,ape,cacheblend,cacheclip "
-                   "(examples' chunks are reused; see docs/rag.md)")
+    p.add_argument(
+        "--rag",
+        type=_names,
+        help="RAG strategies instead of presses: naive,ape,cacheblend,cacheclip "
+        "(examples' chunks are reused; see docs/rag.md)",
+    )
     p.add_argument("--recompute-ratios", type=_floats, default=[0.2], help="RAG: share of context tokens recomputed")
     p.add_argument("--aux-model", help="RAG: an extra CacheClip auxiliary model (the model itself always runs)")
-    p.add_argument("--separate-prefill", action="store_true", help="prefill every method separately (default: "
-                   "one prefill per example, compressed by each method; same rows, TTFT from per-stage clocks)")
-    p.add_argument("--store-once", action="store_true", help="store once, ask many: each document compressed "
-                   "(query-agnostic) and stored once per method x ratio x --quants, every question answered from the "
-                   "store by a fresh engine (rows stored-<method>+<quant>)")
-    p.add_argument("--quants", type=_names, default=["none", "int8", "int4"], help="--store-once: storage "
-                   "quantisations (none, int8, int4, int2)")
+    p.add_argument(
+        "--separate-prefill",
+        action="store_true",
+        help="prefill every method separately (default: "
+        "one prefill per example, compressed by each method; same rows, TTFT from per-stage clocks)",
+    )
+    p.add_argument(
+        "--store-once",
+        action="store_true",
+        help="store once, ask many: each document compressed "
+        "(query-agnostic) and stored once per method x ratio x --quants, every question answered from the "
+        "store by a fresh engine (rows stored-<method>+<quant>)",
+    )
+    p.add_argument(
+        "--quants",
+        type=_names,
+        default=["none", "int8", "int4"],
+        help="--store-once: storage codecs (none, int8, int4, int2, kvtc, kvtc-b<bits>)",
+    )
+    p.add_argument("--store", default=None, help="--store-once: where documents are stored (default memory://; with "
+                   "file:///dir a later run, another process, loads what an earlier one stored)")
     p.add_argument("--semantic", type=_names, help="semantic-reuse rows instead of presses, one per policy: default "
                    "(bounded error 0.01), paper (fixed 0.7, no guards), max-error=X, threshold=X; with --task "
                    "semantic / semantic-long (docs/reuse.md)")
@@ -92,6 +120,12 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError("--methods is empty")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be >= 1")
+    if args.store is not None:
+        if not args.store_once:
+            raise UserError("--store applies to --store-once")
+        from kvforge.commands._common import check_store_url
+
+        check_store_url(args.store)
     if getattr(args, "semantic", None):
         _check_semantic(args)
     if args.rag:
@@ -182,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             trials = [press_trial(FULL, 0.0, query_aware=False)]
-            trials += stored_trials(args.methods, args.compression_ratios, args.quants)
+            trials += stored_trials(args.methods, args.compression_ratios, args.quants, args.store or "memory://")
         except ValueError as e:
             raise UserError(str(e)) from e
     if getattr(args, "semantic", None):
@@ -218,7 +252,7 @@ def _semantic_pairs(args: argparse.Namespace) -> None:
     (args.out / "semantic_pairs.json").write_text(json.dumps(rates, indent=2) + "\n")
 
 
-def run_settings(args: argparse.Namespace, engine: Any, mode: str) -> dict[str, Any]:
+def run_settings(args: argparse.Namespace, engine: Engine, mode: str) -> dict[str, Any]:
     """Every setting that changes the rows of a run (``run.json``'s ``settings``: a resume must match them). Methods,
     ratios and ``--limit`` are not among them: rows are keyed by example, method and ratio, so a resume may add some.
     ``--fidelity``, ``--max-new-tokens`` and ``--separate-prefill`` are added by the runner."""
@@ -252,11 +286,13 @@ def _provenance() -> dict[str, Any]:
 
 
 def _command() -> str:
+    from kvforge.redact import redact_argv
+
     is_cli = bool(sys.argv) and Path(sys.argv[0]).name in ("kvforge", "__main__.py", "cli.py")
-    return "kvforge " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if is_cli else ""
+    return "kvforge " + redact_argv(sys.argv[1:]) if is_cli else ""  # no secret in saved results
 
 
-def _rag_trials(args: argparse.Namespace, engine: Any) -> list[Any]:
+def _rag_trials(args: argparse.Namespace, engine: Engine) -> list[Any]:
     """RAG strategies as trials (ratio column = recompute ratio), CacheClip also with ``--aux-model``."""
     from kvforge.eval.runner import chunk_trials
     from kvforge.reuse.rag import ChunkReuse

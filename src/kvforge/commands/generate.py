@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvforge.commands._common import (
     add_model_args,
@@ -17,8 +17,12 @@ from kvforge.commands._common import (
     ratio,
     read_text_file,
 )
+from kvforge.commands._reuse import add_semantic_args, check_semantic_args
 from kvforge.errors import UserError
 from kvforge.names import REUSE_NAMES
+
+if TYPE_CHECKING:
+    from kvforge.engine import Engine
 
 
 def register(sub: Any, bench_sub: Any) -> None:
@@ -40,16 +44,38 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--num-sink", type=int, default=4, help="with --window: first tokens always kept")
     p.add_argument("--press", default=None, help="compression method (see `kvforge presses`)")
     p.add_argument("--compression-ratio", type=ratio, default=0.5, help="fraction of KV entries removed")
-    p.add_argument("--query-agnostic", action="store_true", help="compress the prompt before the question is known "
-                   "(with --reuse prefix: the compressed --prompt-file is stored, later questions reuse it)")
-    p.add_argument("--quant", default=None, help="with --press and --reuse: storage quantisation of the compressed "
-                   "document (none, int8, int4, int2; default: the store's)")
-    p.add_argument("--store", default=None, help="KV store URL for --reuse (memory://, file:///dir, redis://host:port/db,"
-                   " comma-separated = tiers); default: the disk store in kvforge's cache folder")
+    p.add_argument("--kv-budget", type=positive_int, default=None, help="with --press: keep this many entries per "
+                   "layer and KV head of the prompt instead of a ratio")
+    p.add_argument("--decode-budget", type=positive_int, default=None, help="keep at most this many entries per "
+                   "layer and KV head while generating (a decoding-time press; the prompt too without --press)")
+    p.add_argument("--decode-interval", type=positive_int, default=16, help="with --decode-budget: cut every N "
+                   "steps (the cache holds at most budget + N - 1 entries between steps)")
+    p.add_argument(
+        "--query-agnostic",
+        action="store_true",
+        help="compress the prompt before the question is known "
+        "(with --reuse document: the compressed --prompt-file is stored, later questions reuse it)",
+    )
+    p.add_argument(
+        "--quant",
+        default=None,
+        help="with --press and --reuse document: storage quantisation of the "
+        "compressed document (none, int8, int4, int2; default: the store's)",
+    )
+    p.add_argument(
+        "--store",
+        default=None,
+        help="KV store URL for --reuse (memory://, file:///dir, redis://host:port/db,"
+        " comma-separated = tiers); default: the disk store in kvforge's cache folder",
+    )
     p.add_argument("--reuse", choices=REUSE_NAMES, default=None, help="reuse stored KV of earlier prompts")
-    p.add_argument("--semantic-mode", choices=["canonical", "context"], default="canonical",
-                   help="canonical: answer a similar stored prompt; context: reuse the document (--prompt-file), "
-                   "prefill the question (--prompt) exactly")
+    p.add_argument(
+        "--semantic-mode",
+        choices=["canonical", "context"],
+        default="canonical",
+        help="canonical: answer a similar stored prompt; context: reuse the document (--prompt-file), "
+        "prefill the question (--prompt) exactly",
+    )
     add_semantic_args(p)
     p.set_defaults(func=run_generate)
 
@@ -60,16 +86,6 @@ def register(sub: Any, bench_sub: Any) -> None:
     b.add_argument("--uncached-tokens", type=positive_int, default=None, help="steps for the slow baseline")
     b.add_argument("--repeats", type=positive_int, default=1)
     b.set_defaults(func=run_bench_decode)
-
-
-def add_semantic_args(p: Any) -> None:
-    """Semantic reuse's policy options (``kvforge generate`` and ``kvforge serve``)."""
-    p.add_argument("--max-error", type=float, default=None, help="semantic reuse: the tolerated share of wrong "
-                   "candidates served (default 0.01; the threshold is learned per entry, docs/reuse.md)")
-    p.add_argument("--threshold", type=float, default=None, help="semantic reuse: a fixed minimum cosine similarity "
-                   "instead of --max-error")
-    p.add_argument("--verify-ratio", type=float, default=None, help="semantic reuse: share of lookups also answered "
-                   "the other way after the answer, to learn from (default 0.05; 0 = never)")
 
 
 def _prompt(args: argparse.Namespace) -> str:
@@ -93,65 +109,54 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.press:  # a wrong name or option fails before the model loads
         from kvforge.presses import build_press
 
-        press = build_press(args.press, compression_ratio=args.compression_ratio)
+        press = build_press(args.press, compression_ratio=args.compression_ratio, kv_budget=args.kv_budget)
+    elif args.kv_budget is not None:
+        raise UserError("--kv-budget sets a prompt press's budget: it needs --press")
+    decoding = None
+    if args.decode_budget is not None:
+        from kvforge.presses import DecodingPress
+
+        try:
+            decoding = DecodingPress(budget=args.decode_budget, interval=args.decode_interval)
+        except ValueError as e:
+            raise UserError(f"--decode-budget: {e}") from e
     if args.quant is not None:
         from kvforge.store.quant import parse_scheme
 
         if not (args.press and args.reuse):
-            raise UserError("--quant sets how a compressed document is stored: it needs --press and --reuse prefix")
+            raise UserError("--quant sets how a compressed document is stored: it needs --press and --reuse document")
         try:
             parse_scheme(args.quant)
         except ValueError as e:
             raise UserError(str(e)) from e
     store = None
     if args.reuse:  # combinations, the store URL and the store's server are checked before the model loads
-        from kvforge.commands.bench_reuse import attach_reuse, check_reuse_args
+        from kvforge.commands._reuse import check_reuse_args
 
         store = check_reuse_args(args)
     else:
-        from kvforge.commands.bench_reuse import check_semantic_args
-
         check_semantic_args(args)
         check_store_url(args.store)
     model, tokenizer = load(args)
-    engine = Engine(model, tokenizer, chunk_size=args.chunk_size, window=args.window, num_sink=args.num_sink)
-    engine.on_prefill_chunk = prefill_progress()
+    engine = Engine(model, tokenizer, chunk_size=args.chunk_size, window=args.window, num_sink=args.num_sink,
+                    decoding_press=decoding)  # fmt: skip
     if args.reuse:
+        from kvforge.commands._reuse import attach_reuse
+
         attach_reuse(engine, args, store)
-    ids = engine.encode_chat(text, raw=args.raw)
-    engine.check_length(len(ids), args.max_new_tokens)
     if args.no_cache:
+        ids = engine.encode_chat(text, raw=args.raw)
+        engine.check_length(len(ids), args.max_new_tokens)
         return _generate_uncached(engine, ids, args.max_new_tokens, decode_uncached)
     stream = TextStream(tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    if engine.reuse is not None and press is not None:  # checked: query-agnostic, a document and a question
-        gen = engine.answer(read_text_file(args.prompt_file), args.prompt, press=press, query_aware=False,
-                            max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, quant=args.quant,
-                            on_token=stream)
-    elif engine.reuse is not None and args.semantic_mode == "context" and args.prompt and args.prompt_file:
-        gen = engine.answer(read_text_file(args.prompt_file), args.prompt, max_new_tokens=args.max_new_tokens,
-                            sampling=sampling, stop=args.stop)
-        sys.stdout.write(gen.text)
-    elif engine.reuse is not None:
-        gen = engine.generate(text, args.max_new_tokens, sampling=sampling, stop=args.stop, raw=args.raw,
-                              on_token=stream)
-    elif args.query_agnostic and press is not None:
-        # the document (--prompt-file) is compressed before the question (--prompt) is seen; with one of them only,
-        # its last line is the question
-        if args.prompt and args.prompt_file:
-            context, question = read_text_file(args.prompt_file), args.prompt
-        else:
-            context, _, question = text.rpartition("\n")
-        gen = engine.answer(context, question, press=press, query_aware=False, max_new_tokens=args.max_new_tokens,
-                            sampling=sampling, stop=args.stop)
-        sys.stdout.write(gen.text)
-    else:
-        gen = engine.generate(ids, args.max_new_tokens, sampling=sampling, stop=args.stop, press=press,
-                              on_token=stream)
+    request = _request(args, text, press, on_token=stream)
+    request.sampling, request.on_prefill = sampling, prefill_progress()
+    gen = engine.run(request)
     sys.stdout.write("\n")
     sys.stdout.flush()
     extra = f" | press {args.press} ratio {args.compression_ratio}" if press is not None else ""
     if engine.reuse is not None:
-        from kvforge.commands.bench_reuse import describe_reuse
+        from kvforge.commands._reuse import describe_reuse
 
         extra += describe_reuse(gen)
     print(
@@ -159,18 +164,41 @@ def run_generate(args: argparse.Namespace) -> int:
         f"{gen.tokens_per_s:.1f} tok/s | cache {gen.cache_bytes / 2**20:.1f} MiB{extra}",
         file=sys.stderr,
     )
+    engine.run_pending()  # a semantic lookup sampled for verification: checked now, its outcome stored for others
     return 0
 
 
-def _generate_uncached(engine: Any, ids: list[int], max_new_tokens: int, decode_uncached: Any) -> int:
+def _request(args: argparse.Namespace, text: str, press: Any, on_token: Any) -> Any:
+    """The request the flags describe: a document (--prompt-file) + question (--prompt) when it is compressed
+    query-agnostic or reused as a document, else the whole prompt."""
+    from kvforge.request import Document, Request
+
+    both = bool(args.prompt and args.prompt_file)
+    as_document = (args.query_agnostic and press is not None) or (
+        both and args.reuse is not None and (args.reuse == "document" or args.semantic_mode == "context")
+    )
+    prompt: Any = text
+    if as_document and both:
+        prompt = Document(read_text_file(args.prompt_file), args.prompt)
+    elif as_document:  # one of them only: its last line is the question
+        context, _, question = text.rpartition("\n")
+        prompt = Document(context, question)
+    return Request(prompt, args.max_new_tokens, stop=args.stop, raw=args.raw, press=press,
+                   query_aware=not args.query_agnostic, quant=args.quant, on_token=on_token)  # fmt: skip
+
+
+def _generate_uncached(engine: Engine, ids: list[int], max_new_tokens: int, decode_uncached: Any) -> int:
     import time
 
     start = time.perf_counter()
     tokens, _ = decode_uncached(engine.model, ids, max_new_tokens, engine.eos_token_ids)
     elapsed = time.perf_counter() - start
     print(engine.tokenizer.decode(tokens, skip_special_tokens=True))
-    print(f"[kvforge] no cache | prompt {len(ids)} tok | {len(tokens)} tok in {elapsed:.2f}s "
-          f"({len(tokens) / elapsed:.1f} tok/s)", file=sys.stderr)
+    print(
+        f"[kvforge] no cache | prompt {len(ids)} tok | {len(tokens)} tok in {elapsed:.2f}s "
+        f"({len(tokens) / elapsed:.1f} tok/s)",
+        file=sys.stderr,
+    )
     return 0
 
 

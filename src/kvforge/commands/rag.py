@@ -21,8 +21,8 @@ def open_segment_store(url: str | None) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from kvforge.engine import Engine
-    from kvforge.rag import make_strategy
-    from kvforge.reuse.rag import ChunkReuse
+    from kvforge.request import Chunks, Request
+    from kvforge.reuse.rag import ChunkReuse, make_strategy
 
     docs = [read_text_file(f) for f in args.docs]
     if args.recompute_ratio is not None and not 0.0 <= args.recompute_ratio <= 1.0:
@@ -40,9 +40,7 @@ def run(args: argparse.Namespace) -> int:
     rag = ChunkReuse(model, tokenizer, store, model_id=engine.model_id, method=method)
     rag.on_chunk_loaded = prefill_progress()  # a bar over the documents' tokens (computed or loaded) when long
     separator = args.separator.encode().decode("unicode_escape")
-    gen = engine.answer_chunks(
-        docs, args.question, rag=rag, system=args.system, separator=separator, max_new_tokens=args.max_new_tokens
-    )
+    gen = engine.run(Request(Chunks(docs, args.question, args.system, separator), args.max_new_tokens, reuse=rag))
     print(gen.text.strip())
     reuse = gen.info["reuse"]
     print(

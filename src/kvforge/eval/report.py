@@ -21,7 +21,7 @@ from kvforge.eval.metrics import normalized_score
 FULL = "full"
 FIDELITY = ("answer_nll", "kl", "top1_agreement", "needle_kept")
 TTFT_STAGES = ("prefill", "compression", "lookahead")  # the parts of a TTFT (kvforge.eval.runner.ttft_stages)
-STORED = ("stored_bytes", "store_s")  # "store once, ask many" rows (kvforge.eval.stored)
+STORED = ("stored_bytes", "store_s", "fp16_bytes", "stored_fraction", "load_s")  # "store once, ask many" rows
 COLUMNS = ["method", "compression_ratio", "kept_ratio", "task", "n", "score", "normalized", "ttft_s", "cache_bytes"]
 
 
@@ -195,8 +195,7 @@ def plot(out_dir: Path, summary: dict[str, Any], task: str | None = None) -> lis
         path = _plot_by_task(out_dir, summary, x_of, xlabel, column, name)
         if path is not None:
             paths.append(path)
-    stored = _plot_stored(out_dir, rows, title)
-    return paths + ([stored] if stored else [])
+    return paths + _plot_stored(out_dir, rows, title)
 
 
 def _curves(ax: Any, rows: list[dict[str, Any]], methods: list[str], column: str, x_of: Any, **style: Any) -> None:
@@ -273,37 +272,82 @@ def _plot_ttft(out_dir: Path, rows: list[dict[str, Any]], methods: list[str], ti
     return path
 
 
-def _plot_stored(out_dir: Path, rows: list[dict[str, Any]], title: str) -> Path | None:
-    """``score_vs_stored_bytes.png``: normalised score against bytes stored per document (stored rows, log x), one
-    line per press, one marker per quantisation."""
+def _stored_parts(row: dict[str, Any]) -> tuple[str, str]:
+    """``stored-kvzip+kvtc-b2`` -> ``("kvzip", "kvtc-b2")``."""
+    press, _, codec = row["method"].removeprefix("stored-").rpartition("+")
+    return press, codec
+
+
+def frontier_points(rows: list[dict[str, Any]], column: str = "normalized") -> list[dict[str, Any]]:
+    """Stored rows with a byte fraction and ``column``, by increasing bytes; ``pareto`` marks the points no cheaper
+    point beats (higher score, or lower KL)."""
+    pts = sorted((r for r in rows if r.get("stored_fraction") and r.get(column) is not None),
+                 key=lambda r: (r["stored_fraction"], -r[column] if column != "kl" else r[column]))  # fmt: skip
+    best: float | None = None
+    out = []
+    for r in pts:
+        value = r[column] if column != "kl" else -r[column]
+        out.append(r | {"pareto": best is None or value > best})
+        best = value if best is None else max(best, value)
+    return out
+
+
+def _plot_stored(out_dir: Path, rows: list[dict[str, Any]], title: str) -> list[Path]:
+    """``frontier.png`` (normalised score) and ``frontier_kl.png`` (KL) against the bytes stored per document as a
+    fraction of its full fp16 cache (log x): one colour per press, one marker per codec, the Pareto front drawn."""
     import matplotlib.pyplot as plt
 
-    pts = [r for r in rows if r.get("stored_bytes") and r.get("normalized") is not None]
+    paths = []
+    for column, ylabel, name in (("normalized", "score (full cache = 100)", "frontier.png"),
+                                 ("kl", "KL(full || stored), nats/token (lower is better)", "frontier_kl.png")):
+        pts = frontier_points(rows, column)
+        if not pts:
+            continue
+        codecs = sorted({_stored_parts(r)[1] for r in pts})
+        presses = sorted({_stored_parts(r)[0] for r in pts})
+        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=80)
+        for r in pts:
+            press, codec = _stored_parts(r)
+            ax.scatter([100 * r["stored_fraction"]], [r[column]], color=_color(presses.index(press)),
+                       marker="osD^v<>ph*"[codecs.index(codec) % 10], s=28, alpha=0.9)  # fmt: skip
+        front = [r for r in pts if r["pareto"]]
+        ax.step([100 * r["stored_fraction"] for r in front], [r[column] for r in front], where="post", color="black",
+                linewidth=0.8, alpha=0.6, label="Pareto front")  # fmt: skip
+        for i, press in enumerate(presses):
+            ax.scatter([], [], color=_color(i), marker="o", label=press)
+        for j, codec in enumerate(codecs):
+            ax.scatter([], [], color="gray", marker="osD^v<>ph*"[j % 10], label=codec)
+        if column == "normalized":
+            ax.axhline(100, color="black", linestyle="--", linewidth=1)
+        ax.axvline(5, color="red", linestyle=":", linewidth=1)
+        ax.set(xscale="log", xlabel="bytes stored per document (% of its full fp16 cache, log)", ylabel=ylabel,
+               title=title)  # fmt: skip
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=3)
+        fig.tight_layout()
+        fig.savefig(out_dir / name)
+        plt.close(fig)
+        paths.append(out_dir / name)
+    return paths
+
+
+def frontier_table(rows: list[dict[str, Any]]) -> str:
+    """Stored rows by bytes stored: press, ratio, codec, % of fp16, score, KL, load and TTFT; * = on the Pareto front
+    of score against bytes."""
+    pts = frontier_points(rows)
     if not pts:
-        return None
-    quants = sorted({r["method"].rsplit("+", 1)[-1] for r in pts})
-    presses = sorted({r["method"].removeprefix("stored-").rsplit("+", 1)[0] for r in pts})
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=90)
-    for i, press in enumerate(presses):
-        mine = sorted((r for r in pts if r["method"].removeprefix("stored-").rsplit("+", 1)[0] == press),
-                      key=lambda r: r["stored_bytes"])  # fmt: skip
-        xs, ys = [r["stored_bytes"] / 2**20 for r in mine], [r["normalized"] for r in mine]
-        ax.plot(xs, ys, color=_color(i), linewidth=0.8, alpha=0.6)
-        for r, x, y in zip(mine, xs, ys, strict=True):
-            q = quants.index(r["method"].rsplit("+", 1)[-1])
-            ax.scatter([x], [y], color=_color(i), marker="osD^v"[q % 5], s=30)
-        ax.plot([], [], color=_color(i), label=press)
-    for q, quant in enumerate(quants):
-        ax.scatter([], [], color="gray", marker="osD^v"[q % 5], label=quant)
-    ax.axhline(100, color="black", linestyle="--", linewidth=1)
-    ax.set(xscale="log", xlabel="bytes stored per document (MiB, log)", ylabel="score (full cache = 100)", title=title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path = out_dir / "score_vs_stored_bytes.png"
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+        return ""
+    head = ["press", "kept", "codec", "% of fp16", "normalized", "KL", "load ms", "TTFT ms", "speedup", "front"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in pts:
+        press, codec = _stored_parts(r)
+        kept = "100%" if press == FULL else f"{round(100 * (1 - r['compression_ratio']))}%"
+        cells = [press, kept, codec, _fmt(100 * r["stored_fraction"], 2), _fmt(r.get("normalized")),
+                 _fmt(r.get("kl"), 3), _fmt(None if r.get("load_s") is None else 1000 * r["load_s"]),
+                 _fmt(None if r.get("ttft_s") is None else 1000 * r["ttft_s"]), _fmt(r.get("ttft_speedup"), 2),
+                 "*" if r["pareto"] else ""]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _color(i: int) -> Any:
@@ -449,6 +493,9 @@ def write_report(
         parts.append(f"- {'command' if i == 0 else 'resumed with'}: `{line}`")
     parts += ["- score: 100 x mean metric; normalized: 100 x score / full-cache score on the same examples", ""]
     parts += [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    frontier = frontier_table(_headline_rows(summary))
+    if frontier:
+        parts += ["## Stored bytes frontier (% of the full fp16 cache; * = Pareto front)", "", frontier, ""]
     parts += ["## Normalised score (full cache = 100)", "", *family_pivots(summary, "normalized")]
     if any(r.get("kl") is not None for r in summary["rows"]):
         parts += ["## KL(full || method), nats per answer token", "", *family_pivots(summary, "kl", 3)]

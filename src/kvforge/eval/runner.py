@@ -1,7 +1,8 @@
 """Run examples x methods x compression ratios on an engine; append one JSON row per run to ``results.jsonl``.
 
 A :class:`Trial` is one row kind: a method at a ratio, with a ``prefill(engine, example)`` that builds the cache the
-answer is decoded from (a press during prefill, or RAG chunk reuse through ``Engine.prefill_plan``). Per example the
+answer is decoded from: an engine request (a press during prefill, RAG chunk reuse, a stored document) stepped until
+its prompt is prefilled (:func:`prefill_request`). Per example the
 full cache trial runs first: its cache size is the reference for ``kept_ratio`` and its teacher-forced distributions the
 reference for the fidelity metrics, computed once per example and shared by every method and ratio. Decoding is
 greedy, so runs are deterministic; rows are keyed by (example id, method, ratio) and a re-run skips finished rows.
@@ -15,7 +16,8 @@ import resource
 import sys
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,10 +26,15 @@ import torch
 from torch import Tensor
 
 from kvforge.cache import KVCache
+from kvforge.engine import Engine
 from kvforge.errors import UserError
 from kvforge.eval import fidelity
 from kvforge.eval.data import Example
 from kvforge.eval.metrics import score_prediction
+from kvforge.request import Chunks, Document, Request
+from kvforge.reuse.base import GivenCache, PromptContext
+from kvforge.reuse.rag import RagPrompt
+from kvforge.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 FULL = "full"
@@ -51,13 +58,32 @@ class Trial:
 
     method: str
     compression_ratio: float
-    prefill: Callable[[Any, Example], Prefilled]
+    prefill: Callable[[Engine, Example], Prefilled]
     press: Any = None  # a press trial's press (None: the full cache); lets the runner share one prefill
     query_aware: bool | None = None  # set on press trials only (None: not a press trial)
 
     @property
     def key(self) -> tuple[str, float]:
         return self.method, round(self.compression_ratio, 6)
+
+
+def prefill_request(engine: Engine, request: Request, max_new_tokens: int) -> tuple[Prefilled, Sequence]:
+    """Run ``request`` through the engine up to its first token (it generates nothing): its cache, last logits and
+    TTFT (the plan: store reads, RAG assembly; the prefill under its press; picking the first token)."""
+    enc = engine.encode(request)
+    engine.check_length(len(enc.ids), max_new_tokens)
+    _sync()
+    seq = engine.add(request)
+    gen = engine.complete(seq)
+    assert seq.logits is not None
+    start = time.perf_counter()
+    seq.logits.argmax(-1).tolist()  # the first token: forces the computation (and a GPU sync)
+    ttft = gen.ttft_s + time.perf_counter() - start
+    return Prefilled(seq.cache, seq.logits, ttft, list(seq.plan.token_ids)), seq
+
+
+def document_of(example: Example) -> Document:
+    return Document(example.context, example.question, example.system, example.answer_prefix)
 
 
 def press_trial(method: str, compression_ratio: float, query_aware: bool = True) -> Trial:
@@ -73,20 +99,9 @@ def press_trial(method: str, compression_ratio: float, query_aware: bool = True)
 
         press = build_press(method, compression_ratio=compression_ratio)
 
-    def prefill(engine: Any, example: Example) -> Prefilled:
-        ctx_ids, q_ids = engine.encode_qa(
-            example.context, example.question, system=example.system, answer_prefix=example.answer_prefix
-        )
-        engine.check_length(len(ctx_ids) + len(q_ids), example.max_new_tokens)
-        _sync()
-        start = time.perf_counter()
-        if query_aware or not q_ids:
-            cache, logits = engine.prefill(ctx_ids + q_ids, press=press)
-        else:
-            cache, _ = engine.prefill(ctx_ids, press=press)
-            cache, logits = engine.prefill(q_ids, cache=cache)
-        logits.argmax(-1).tolist()  # the first token: forces the computation (and a GPU sync)
-        return Prefilled(cache, logits, time.perf_counter() - start, list(ctx_ids) + list(q_ids))
+    def prefill(engine: Engine, example: Example) -> Prefilled:
+        request = Request(document_of(example), max_new_tokens=0, press=press, query_aware=query_aware, reuse=False)
+        return prefill_request(engine, request, example.max_new_tokens)[0]
 
     return Trial(method, 0.0 if method == FULL else compression_ratio, prefill, press, query_aware)
 
@@ -103,7 +118,7 @@ def ttft_stages(pre: Prefilled) -> dict[str, float]:
     return {"prefill": round(prefill, 6), "compression": round(compression, 6), "lookahead": round(lookahead, 6)}
 
 
-def press_trials(methods: Sequence[str], ratios: Sequence[float], query_aware: bool = True) -> list[Trial]:
+def press_trials(methods: Seq[str], ratios: Seq[float], query_aware: bool = True) -> list[Trial]:
     """The full cache once, then every other method at every ratio, ratio by ratio in the given order (a time-boxed
     run then covers every method at the first ratio). Presses are built now, so a bad name fails early."""
     trials = [press_trial(FULL, 0.0, query_aware)]
@@ -118,15 +133,14 @@ def chunk_trial(
     method: str, recompute_ratio: float = 0.2, aux: Any = None, aux_name: str | None = None, **kwargs: Any
 ) -> Trial:
     """A trial answering over the example's chunks (``example.chunks``, else the context as one chunk) with RAG chunk
-    reuse ``method`` (:data:`kvforge.rag.STRATEGIES`; ``full`` prefills the same prompt without reuse).
+    reuse ``method`` (:data:`kvforge.reuse.rag.STRATEGIES`; ``full`` prefills the same prompt without reuse).
 
     Chunks are precomputed and stored before the clock starts ("chunks already stored"; one in-memory store per
     engine shared by the trials of the current example); TTFT covers the plan (loads, re-rotation, CacheBlend/
-    CacheClip selection), the engine's prefill of what the plan lists and the first token. The recompute ratio keys
-    the rows (ratio column).
+    CacheClip selection), the recomputation it lists and the first token. The recompute ratio keys the rows (ratio
+    column).
     """
-    from kvforge.rag.strategies import RECOMPUTING, make_strategy
-    from kvforge.reuse.rag import ChunkReuse
+    from kvforge.reuse.rag import RECOMPUTING, ChunkReuse, make_strategy
 
     ratio = recompute_ratio if method in RECOMPUTING else 0.0
     if aux is not None:
@@ -134,33 +148,29 @@ def chunk_trial(
     built = make_strategy(method, ratio if method in RECOMPUTING else None, **kwargs)
     name = method if aux_name is None else f"{method}:{aux_name}"
 
-    def prefill(engine: Any, example: Example) -> Prefilled:
-        from kvforge.rag.chunks import DictStore
+    def prefill(engine: Engine, example: Example) -> Prefilled:
+        from kvforge.store.memory import MemoryStore
 
         held = _CHUNK_STORES.get(engine)
         if held is None or held[0] != example.id:  # one example's chunks at a time: memory stays bounded
-            held = _CHUNK_STORES[engine] = (example.id, DictStore())
-        store = held[1]
-        rag = ChunkReuse(engine.model, engine.tokenizer, store=store, model_id=engine.model_id, method=built)
+            held = _CHUNK_STORES[engine] = (example.id, MemoryStore())
+        rag = ChunkReuse(engine.model, engine.tokenizer, store=held[1], model_id=engine.model_id, method=built)
         docs = list(example.chunks) if example.chunks else [example.context]
-        prompt = rag.build_prompt(docs, example.question, system=example.system, answer_prefix=example.answer_prefix)
-        engine.check_length(len(prompt.ids()), example.max_new_tokens)
-        rag.warm(prompt)
-        _sync()
-        start = time.perf_counter()
-        plan = rag.plan(prompt.ids(), context=prompt)
-        cache, logits = engine.prefill_plan(plan)
-        logits.argmax(-1).tolist()  # the first token: forces the computation (and a GPU sync)
-        ttft = time.perf_counter() - start
-        info = plan.summary() | {"strategy": method, "recompute_ratio": ratio}
-        return Prefilled(cache, logits, ttft, list(plan.token_ids), info)
+        chunks = Chunks(docs, example.question, example.system, answer_prefix=example.answer_prefix)
+        request = Request(chunks, max_new_tokens=0, reuse=rag)
+        encoded = engine.encode(request)
+        assert isinstance(encoded.context, RagPrompt)
+        rag.warm(encoded.context)  # stored before the clock starts
+        pre, seq = prefill_request(engine, request, example.max_new_tokens)
+        pre.info = seq.plan.summary() | {"strategy": method, "recompute_ratio": ratio}
+        return pre
 
     return Trial(name, ratio, prefill)
 
 
-def chunk_trials(methods: Sequence[str], ratios: Sequence[float], aux: dict[str, Any] | None = None) -> list[Trial]:
+def chunk_trials(methods: Seq[str], ratios: Seq[float], aux: dict[str, Any] | None = None) -> list[Trial]:
     """``full`` first, then every method (recomputing ones at every ratio, CacheClip also with each aux model)."""
-    from kvforge.rag.strategies import RECOMPUTING
+    from kvforge.reuse.rag import RECOMPUTING
 
     trials = [chunk_trial(FULL)]
     for r in ratios:
@@ -245,21 +255,22 @@ class SharedPrefill:
     """One example's prompt prefilled once; every press trial of the example compresses a restored copy of it.
 
     Query-aware: the prompt is context + question, compressed whole. Query-agnostic: the context is compressed, then
-    the question is prefilled on top. A trial's TTFT is the shared prefill's time (plus the lookahead drafts' time if
-    its press uses them) + its own compression + the question's prefill, i.e. what a run with this press alone takes
-    (the per-stage clocks of :class:`kvforge.presses.CompressionSource`); the rows equal those of separate prefills.
+    the question is prefilled on top (an engine request on the compressed cache: :class:`~kvforge.reuse.GivenCache`).
+    A trial's TTFT is the shared prefill's time (plus the lookahead drafts' time if its press uses them) + its own
+    compression + the question's prefill, i.e. what a run with this press alone takes (the per-stage clocks of
+    :class:`kvforge.presses.CompressionSource`); the rows equal those of separate prefills.
     """
 
-    def __init__(self, engine: Any, example: Example, needs: Any, query_aware: bool) -> None:
+    def __init__(self, engine: Engine, example: Example, needs: Any, query_aware: bool) -> None:
         from kvforge.presses import CompressionSource
 
-        ctx_ids, q_ids = engine.encode_qa(
-            example.context, example.question, system=example.system, answer_prefix=example.answer_prefix
-        )
-        engine.check_length(len(ctx_ids) + len(q_ids), example.max_new_tokens)
-        self.engine, self.prompt_ids = engine, list(ctx_ids) + list(q_ids)
-        self.question_ids = [] if query_aware or not q_ids else list(q_ids)
-        ids = self.prompt_ids if not self.question_ids else list(ctx_ids)
+        self.engine, self.example = engine, example
+        self.encoded = engine.encode(Request(document_of(example), max_new_tokens=0))
+        engine.check_length(len(self.encoded.ids), example.max_new_tokens)
+        assert isinstance(self.encoded.context, PromptContext) or self.encoded.context is None
+        num_context = self.encoded.context.num_tokens if self.encoded.context is not None else 0
+        self.whole = query_aware or not num_context or num_context == len(self.encoded.ids)
+        ids = self.encoded.ids if self.whole else self.encoded.ids[:num_context]
         input_ids = torch.tensor([ids], dtype=torch.long, device=engine.model.device)
         _sync()
         self.source = CompressionSource(
@@ -278,11 +289,11 @@ class SharedPrefill:
             shared_s = self.source.seconds["prefill"] + info["seconds"]["lookahead"]
             if info.get("replay_reused"):  # a KVzip replay shared with an earlier press: count it as if run here
                 shared_s += info["seconds"]["reconstruction"]
-        logits = self.source.logits
-        if self.question_ids:
-            cache, logits = self.engine.prefill(self.question_ids, cache=cache)
-        logits.argmax(-1).tolist()  # the first token: forces the computation (and a GPU sync)
-        return Prefilled(cache, logits, shared_s + time.perf_counter() - start, list(self.prompt_ids))
+        given = GivenCache(cache, self.source.logits if self.whole else None)
+        request = Request(document_of(self.example), max_new_tokens=0, reuse=given, encoded=self.encoded)
+        pre, _ = prefill_request(self.engine, request, self.example.max_new_tokens)
+        pre.ttft_s = shared_s + time.perf_counter() - start
+        return pre
 
 
 class EvalRunner:
@@ -302,8 +313,8 @@ class EvalRunner:
 
     def __init__(
         self,
-        engine: Any,
-        trials: Sequence[Trial],
+        engine: Engine,
+        trials: Seq[Trial],
         out_dir: str | Path,
         run_info: dict[str, Any],
         with_fidelity: bool = False,
@@ -350,7 +361,7 @@ class EvalRunner:
         info = {"settings": self.run_info, "runs": runs}
         info_path.write_text(json.dumps(info, indent=2) + "\n")
 
-    def run(self, examples: Sequence[Example], progress: bool = True) -> list[dict[str, Any]]:
+    def run(self, examples: Seq[Example], progress: bool = True) -> list[dict[str, Any]]:
         """Run every unfinished (example, trial) pair; returns all rows of ``results.jsonl``."""
         from tqdm.auto import tqdm
 
@@ -428,7 +439,8 @@ class EvalRunner:
                 self._full_reference(example, ref, pre)
             extra = self._fidelity(example, pre, ref, is_full)
         max_new = min(example.max_new_tokens, self.max_new_tokens or example.max_new_tokens)
-        gen = self.engine.decode(pre.cache, pre.logits, max_new_tokens=max_new)
+        given = GivenCache(pre.cache, pre.logits)  # decoded by the engine's loop from the prefilled cache
+        gen = self.engine.run(Request(pre.prompt_ids, max_new, reuse=given))
         return {
             "id": example.id,
             "task": example.task,

@@ -19,10 +19,12 @@ from kvforge.presses.adakv import AdaKVPress
 from kvforge.presses.apply import CompressionSource, compress_prefill, compressible_layers
 from kvforge.presses.base import LayerContext, Needs, Press, ScorerPress, Selection, WrapperPress, num_kept
 from kvforge.presses.criticalkv import CriticalAdaKVPress, CriticalKVPress
+from kvforge.presses.decoding import BudgetPolicy, DecodingPress
 from kvforge.presses.expected_attention import ExpectedAttentionPress
 from kvforge.presses.full import FullPress
 from kvforge.presses.h2o import H2OPress
 from kvforge.presses.knorm import KnormPress
+from kvforge.presses.kvzap import KVzapModel, KVzapPress
 from kvforge.presses.kvzip import KVzipPress
 from kvforge.presses.kvzip_heads import KVzipHeadPress
 from kvforge.presses.pyramidkv import PyramidKVPress
@@ -57,6 +59,8 @@ _SPECS: dict[str, tuple[type[Press], type[ScorerPress] | None, dict[str, Any]]] 
     "kvzip-plus": (KVzipPress, None, {"value_aware": True}),
     "kvzip-head": (KVzipHeadPress, None, {}),
     "kvzip-ada": (AdaKVPress, KVzipPress, {"budget": "head"}),
+    "kvzap": (KVzapPress, None, {}),
+    "kvzap-mlp": (KVzapPress, None, {"kind": "mlp"}),
     "knorm": (KnormPress, None, {}),
     "expected_attention": (ExpectedAttentionPress, None, {}),
     "surrogatekv-kvzip": (SurrogateKVPress, None, {"surrogate": "global", "scores": "kvzip"}),
@@ -80,15 +84,20 @@ def _field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)} - {"press", "compression_ratio"}
 
 
-def build_press(name: str, compression_ratio: float = 0.0, **options: Any) -> Press:
+def build_press(name: str, compression_ratio: float = 0.0, kv_budget: int | None = None, **options: Any) -> Press:
     """The press registered as ``name`` at ``compression_ratio`` (fraction of new entries removed per layer).
 
+    ``kv_budget``: a fixed number of entries per layer and KV head to keep instead of a ratio (kvpress #102): a prompt
+    of S > kv_budget tokens is compressed at ratio ``1 - kv_budget / S`` (global-budget presses such as KVzip keep
+    ``kv_budget`` per layer on average), a shorter one is kept whole.
     ``options`` set dataclass fields of the press, or of its inner scorer for wrappers (AdaKV, CriticalKV).
 
     Raises:
-        UserError: unknown name or option, ratio outside [0, 1), or an invalid option value.
+        UserError: unknown name or option, ratio outside [0, 1), a budget < 1, or an invalid option value.
     """
     check_press(name)
+    if kv_budget is not None and (not isinstance(kv_budget, int) or kv_budget < 1):
+        raise UserError(f"kv budget must be a whole number of entries >= 1, got {kv_budget!r}")
     try:
         ratio = float(compression_ratio)
     except (TypeError, ValueError):
@@ -112,6 +121,8 @@ def build_press(name: str, compression_ratio: float = 0.0, **options: Any) -> Pr
     except (ValueError, TypeError) as exc:
         raise UserError(f"press {name!r}: {exc}") from None
     press.registry_name = name  # type: ignore[attr-defined]  # reported in cache.info
+    if kv_budget is not None:
+        press.kv_budget = kv_budget  # type: ignore[attr-defined]  # read by CompressionSource.compress
     return press
 
 
@@ -119,12 +130,16 @@ __all__ = [
     "DESCRIPTIONS",
     "PRESSES",
     "AdaKVPress",
+    "BudgetPolicy",
     "CompressionSource",
     "CriticalAdaKVPress",
     "CriticalKVPress",
+    "DecodingPress",
     "ExpectedAttentionPress",
     "FullPress",
     "H2OPress",
+    "KVzapModel",
+    "KVzapPress",
     "KVzipHeadPress",
     "KVzipPress",
     "KnormPress",

@@ -23,6 +23,7 @@ from torch import Tensor
 from kvforge.cache import CacheSnapshot, KVCache, KVLayer
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, forward, prefill
 from kvforge.presses.base import LayerContext, Needs, Press, Selection
+from kvforge.presses.decoding import paused
 from kvforge.presses.hooks import Collector, ReplayAttention, attention_hooks, attention_modules, num_query_heads
 from kvforge.presses.kvzip import KVzipPress, header_length, replay_requests
 
@@ -50,7 +51,9 @@ def compress_prefill(
     Entries already in the cache (a reused prefix) are kept as they are. Returns the last token's logits ``(B, V)``.
     ``tokenizer`` is only used by KVzip to encode its "repeat the context" prompt.
     """
-    active = press.ratio() > 0 and bool(compressible_layers(cache))
+    budget = getattr(press, "kv_budget", None)
+    size = torch.as_tensor(input_ids).shape[-1]
+    active = (press.ratio() > 0 or (budget is not None and size > budget)) and bool(compressible_layers(cache))
     needs = press.needs() if active else Needs()
     source = CompressionSource(
         model, input_ids, cache, needs, chunk_size=chunk_size, tokenizer=tokenizer, on_chunk=on_chunk
@@ -96,9 +99,19 @@ class CompressionSource:
         self.start = [layer.length for layer in cache.layers]
         final_position = cache.next_position + ids.shape[1] - 1
         window = needs.window_size if self.layers else 0
-        self.collector = Collector(cache, self.layers, window, final_position, QUERY_SINKS if needs.query_stats else -1)
+        for scorer in needs.scorers if self.layers else ():
+            scorer.bind(model, tokenizer)  # load (or train once) what it needs for this model, before the prefill
+        self.collector = Collector(
+            cache,
+            self.layers,
+            window,
+            final_position,
+            QUERY_SINKS if needs.query_stats else -1,
+            needs.scorers if self.layers else (),
+        )
         clock = [time.perf_counter()]
-        with attention_hooks(model, self.collector):
+        # a decoding budget on this cache waits: the press sees the whole prompt (it cuts it to its own budget)
+        with paused(cache), attention_hooks(model, self.collector):
             # the window must lie in the last chunk; with no window keep the plain chunking (bit-identical logits)
             min_last = needs.window_size if self.layers else 0
             self.logits = prefill(model, ids, cache, chunk_size=chunk_size, min_last_chunk=min_last, on_chunk=on_chunk)
@@ -119,17 +132,68 @@ class CompressionSource:
 
     @torch.inference_mode()
     def compress(self, press: Press) -> KVCache:
-        """Restore the full cache, then compress its prompt entries with ``press``; returns the (same) cache."""
+        """Restore the full cache, then compress its prompt entries with ``press``; returns the (same) cache.
+
+        A press with a ``kv_budget`` (:func:`kvforge.presses.build_press`) runs at the ratio that keeps that many of
+        this prompt's entries per layer and KV head."""
+        budget = getattr(press, "kv_budget", None)
+        if budget is None:
+            return self._compress(press)
+        size = int(self.ids.shape[1])
+        before = press.ratio()
+        press.compression_ratio = max(0.0, 1.0 - budget / size) if size > budget else 0.0  # type: ignore[attr-defined]
+        try:
+            cache = self._compress(press)
+        finally:
+            press.compression_ratio = before  # type: ignore[attr-defined]
+        cache.info["press"]["kv_budget"] = budget
+        return cache
+
+    def _compress(self, press: Press) -> KVCache:
+        contexts, seconds, reused = self._contexts(press)
+        cache, name = self.cache, getattr(press, "registry_name", press.name)
+        clock = time.perf_counter()
+        kept: list[int | None] = [None] * cache.num_layers
+        selections = press.compress_all(contexts) if contexts else []
+        for idx, ctx, selection in zip(self.layers, contexts, selections, strict=True):
+            _check(selection, ctx, idx)
+        for idx, selection in zip(self.layers, selections, strict=True):
+            install(cache.layers[idx], self.start[idx], selection)
+            kept[idx] = int(selection.keep.sum())
+        seconds["compress"] += time.perf_counter() - clock
+        cache.info["press"] = {
+            "name": name,
+            "compression_ratio": press.ratio(),
+            "config": press.config(),
+            "compressed_tokens": int(self.ids.shape[1]),
+            "kept_entries_per_layer": kept,  # summed over KV heads; None = layer left as is (sliding window)
+            "uncompressed_layers": [i for i in range(cache.num_layers) if i not in self.layers],
+            "nbytes": cache.nbytes(),
+            "seconds": {stage: round(v, 4) for stage, v in seconds.items()},  # per stage, for overhead reports
+            "replay_reused": reused,  # the reconstruction ran for an earlier press of this source (not re-timed)
+        }
+        return cache
+
+    @torch.inference_mode()
+    def contexts(self, press: Press) -> list[LayerContext]:
+        """What ``press`` sees of each compressed layer of the full cache (its replay run, if it needs one), without
+        compressing: e.g. the scores a press would give (``press.score(ctx)``), to train a scorer on them."""
+        return self._contexts(press)[0]
+
+    def _contexts(self, press: Press) -> tuple[list[LayerContext], dict[str, float], bool]:
+        """Restore the full cache and build the press's layer contexts; ``(contexts, stage seconds, replay reused)``."""
         cache = self.restore()
         needs, name = press.needs(), getattr(press, "registry_name", press.name)
         active = press.ratio() > 0 and bool(self.layers)
         if press.ratio() > 0 and not self.layers:
             logger.warning("every layer has a sliding window: %s compresses nothing", name)
         short = needs.window_size > self.needs.window_size or needs.lookahead > self.needs.lookahead
+        short |= bool({s.key for s in needs.scorers} - {s.key for s in self.needs.scorers})
         if active and (short or (needs.query_stats and not self.needs.query_stats)):
             raise ValueError(
-                f"{press.name} needs a window of {needs.window_size} and {needs.lookahead} lookahead drafts; this "
-                f"prefill collected {self.needs.window_size} and {self.needs.lookahead}"
+                f"{press.name} needs a window of {needs.window_size}, {needs.lookahead} lookahead drafts and scorers "
+                f"{[s.key for s in needs.scorers]}; this prefill collected {self.needs.window_size}, "
+                f"{self.needs.lookahead} and {[s.key for s in self.needs.scorers]}"
             )
         prepare = getattr(press, "prepare", None)
         if active and prepare is not None:
@@ -156,7 +220,6 @@ class CompressionSource:
             self.collector.reconstruction, replay_seconds = self._replays[key]
         clock.append(time.perf_counter())
         modules = attention_modules(self.model)
-        kept: list[int | None] = [None] * cache.num_layers
         window = needs.window_size if active else 0
         lookahead = needs.lookahead if active else 0
         contexts = [
@@ -174,28 +237,11 @@ class CompressionSource:
             )
             for rank, idx in enumerate(self.layers)
         ]
-        selections = press.compress_all(contexts) if contexts else []
-        for idx, ctx, selection in zip(self.layers, contexts, selections, strict=True):
-            _check(selection, ctx, idx)
-        for idx, selection in zip(self.layers, selections, strict=True):
-            install(cache.layers[idx], self.start[idx], selection)
-            kept[idx] = int(selection.keep.sum())
         clock.append(time.perf_counter())
         seconds = {"prefill": self.seconds["prefill"], "lookahead": self.seconds["lookahead"] if lookahead else 0.0}
         # a replay shared with an earlier press reports what it cost when it ran (TTFT as if run alone)
         seconds |= {"reconstruction": replay_seconds, "compress": clock[2] - clock[1]}
-        cache.info["press"] = {
-            "name": name,
-            "compression_ratio": press.ratio(),
-            "config": press.config(),
-            "compressed_tokens": int(self.ids.shape[1]),
-            "kept_entries_per_layer": kept,  # summed over KV heads; None = layer left as is (sliding window)
-            "uncompressed_layers": [i for i in range(cache.num_layers) if i not in self.layers],
-            "nbytes": cache.nbytes(),
-            "seconds": {stage: round(v, 4) for stage, v in seconds.items()},  # per stage, for overhead reports
-            "replay_reused": reused,  # the reconstruction ran for an earlier press of this source (not re-timed)
-        }
-        return cache
+        return contexts, seconds, reused
 
     @torch.inference_mode()
     def calibrate_heads(self, skip: int) -> list[list[float] | None]:
@@ -250,15 +296,16 @@ def _reconstruct(
     snapshot = CacheSnapshot(cache)
     bounds = {i: (start[i], cache.layers[i].length) for i in compressible_layers(cache)}
     scorer = ReplayAttention(bounds, normalise=kvzip.normalise, sinks=kvzip.keep_first)
-    cache.attention_hook = scorer
-    try:
-        for a, request in replay_requests(kvzip, tokenizer, context):  # each chunk behind its request, then undone
-            scorer.chunk = (offset + a, offset + min(len(context), a + (kvzip.replay_chunk or len(context))))
-            prefill(model, torch.tensor([request]), cache, chunk_size=chunk_size)
+    with paused(cache):
+        cache.attention_hook = scorer
+        try:
+            for a, request in replay_requests(kvzip, tokenizer, context):  # each chunk behind its request, then undone
+                scorer.chunk = (offset + a, offset + min(len(context), a + (kvzip.replay_chunk or len(context))))
+                prefill(model, torch.tensor([request]), cache, chunk_size=chunk_size)
+                snapshot.restore()
+        finally:
+            cache.attention_hook = None
             snapshot.restore()
-    finally:
-        cache.attention_hook = None
-        snapshot.restore()
     return scorer.scores
 
 
@@ -290,6 +337,7 @@ def _layer_context(
         mean = total / count
         cov = outer / count - mean[..., :, None] * mean[..., None, :]
     look = collector.lookahead_queries.get(idx, [])[:lookahead]
+    scored = {key: torch.cat(per[idx], dim=-1) for key, per in collector.hidden_scores.items() if per.get(idx)}
     return LayerContext(
         keys=keys[:, :, start:],
         values=values[:, :, start:],
@@ -313,6 +361,7 @@ def _layer_context(
         model_layer=idx,
         query_mean=mean,
         query_cov=cov,
+        hidden_scores=scored or None,
     )
 
 

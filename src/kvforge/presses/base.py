@@ -9,14 +9,17 @@ window queries, lookahead draft queries, reconstruction scores) and installs the
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvforge.cache import KVCache
+from kvforge.hf import attach
 from kvforge.prefill import DEFAULT_CHUNK_SIZE
 
 
@@ -33,6 +36,20 @@ def check_ratio(compression_ratio: float) -> None:
         raise ValueError(f"compression_ratio must be in [0, 1), got {compression_ratio}")
 
 
+class HiddenScorer(Protocol):
+    """Scores every prompt entry from the attention input of its layer while the prompt is prefilled (KVzap).
+
+    ``bind`` runs once before the prefill (load, or train, what it needs for this model); the hooks then call it on
+    every prefill forward with the layer's attention input, and the press reads the scores collected under ``key``.
+    """
+
+    key: str
+
+    def bind(self, model: Any, tokenizer: Any) -> None: ...
+
+    def __call__(self, layer_idx: int, hidden_states: Tensor) -> Tensor | None: ...  # (B, Q, hidden) -> (B, H_kv, Q)
+
+
 @dataclass
 class Needs:
     """What a press needs the hooks to collect before it can score."""
@@ -41,13 +58,16 @@ class Needs:
     lookahead: int = 0  # greedy draft tokens decoded with the full cache; their queries join the window
     reconstruction: bool = False  # KVzip: max attention received while the model repeats the context
     query_stats: bool = False  # Expected Attention: mean/covariance of the prompt's pre-RoPE queries
+    scorers: tuple[HiddenScorer, ...] = ()  # learned scorers run on every prompt forward (KVzap)
 
     def merge(self, other: Needs) -> Needs:
+        keys = {s.key for s in self.scorers}
         return Needs(
             max(self.window_size, other.window_size),
             max(self.lookahead, other.lookahead),
             self.reconstruction or other.reconstruction,
             self.query_stats or other.query_stats,
+            self.scorers + tuple(s for s in other.scorers if s.key not in keys),
         )
 
 
@@ -86,6 +106,7 @@ class LayerContext:
         model_layer: the layer's index in the model (``layer_idx`` counts compressed layers only).
         query_mean, query_cov: ``(B, H, D)``, ``(B, H, D, D)`` mean and covariance of the prompt's pre-RoPE queries
             (positions >= 4, the sinks excluded), or None.
+        hidden_scores: ``{scorer key: (B, H_kv, S)}`` what each :class:`HiddenScorer` gave the new entries.
     """
 
     keys: Tensor
@@ -108,6 +129,7 @@ class LayerContext:
     query_mean: Tensor | None = None
     model_layer: int | None = None
     query_cov: Tensor | None = None
+    hidden_scores: dict[str, Tensor] | None = None
 
     @property
     def size(self) -> int:
@@ -244,9 +266,27 @@ class Press:
 
         See :func:`kvforge.hf.attach` (``tokenizer``: for KVzip's replay request; ``chunk_size``: the prefill's).
         """
-        from kvforge.hf import attach
-
         return attach(model, self, tokenizer=tokenizer, chunk_size=chunk_size)
+
+    def compress_prefill(
+        self,
+        model: Any,
+        input_ids: Tensor | list[int],
+        cache: KVCache,
+        *,
+        chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+        tokenizer: Any = None,
+        on_chunk: Callable[[int, int], None] | None = None,
+    ) -> Tensor:
+        """Prefill ``input_ids`` on ``cache`` and compress the new entries with this press (see
+        :func:`kvforge.presses.apply.compress_prefill`); the last token's logits."""
+        from kvforge.presses.apply import compress_prefill  # apply builds on this module
+
+        return compress_prefill(model, input_ids, cache, self, chunk_size, tokenizer, on_chunk)
+
+    def needs_tokenizer(self) -> bool:
+        """Whether compressing needs the tokenizer (KVzip encodes its "repeat the context" request with it)."""
+        return self.needs().reconstruction and getattr(self, "prompt_ids", None) is None
 
     def ratio(self) -> float:
         """The fraction of new entries removed per layer."""
@@ -258,6 +298,8 @@ class Press:
         for f in fields(self):
             value = getattr(self, f.name)
             out[f.name] = value.config() if isinstance(value, Press) else value
+        if getattr(self, "kv_budget", None) is not None:  # a fixed budget instead of the ratio (build_press)
+            out["kv_budget"] = self.kv_budget  # type: ignore[attr-defined]
         return out
 
 
@@ -302,6 +344,9 @@ class WrapperPress(Press):
 
     def needs(self) -> Needs:
         return self.press.needs()
+
+    def needs_tokenizer(self) -> bool:
+        return self.press.needs_tokenizer()
 
 
 def topk_mask_varying(scores: Tensor, k: Tensor) -> Tensor:

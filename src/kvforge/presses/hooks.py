@@ -58,15 +58,23 @@ def compute_queries(module: nn.Module, hidden_states: Tensor, rope: tuple[Tensor
 class Collector:
     """Hook state: what to record for which layers, and what was recorded.
 
-    Modes: ``"window"`` keeps the last ``window_size`` queries of the forward that ends at ``final_position``;
-    ``"lookahead"`` appends every draft token's query. ``reconstruction`` holds KVzip's replay scores
+    Modes: ``"window"`` keeps the last ``window_size`` queries of the forward that ends at ``final_position`` and runs
+    the ``scorers`` on every prompt forward; ``"lookahead"`` appends every draft token's query. ``reconstruction`` holds KVzip's replay scores
     (:class:`ReplayAttention`'s), per layer ``(B, H, S)``.
     """
 
     def __init__(
-        self, cache: KVCache, layers: list[int], window_size: int, final_position: int, query_stats: int = -1
+        self,
+        cache: KVCache,
+        layers: list[int],
+        window_size: int,
+        final_position: int,
+        query_stats: int = -1,
+        scorers: tuple[Any, ...] = (),
     ) -> None:
         self.cache = cache
+        self.scorers = scorers  # HiddenScorers run on every prompt forward (KVzap); their scores per layer below
+        self.hidden_scores: dict[str, dict[int, list[Tensor]]] = {s.key: {} for s in scorers}
         self.query_stats = query_stats  # >= 0: sum pre-RoPE query moments of prompt positions >= this (Exp. Attention)
         self.query_moments: dict[int, tuple[Tensor, Tensor, int]] = {}
         self.rope_angles: dict[int, Tensor] = {}
@@ -88,6 +96,10 @@ class Collector:
         if hidden is None or rope is None:
             raise RuntimeError(f"layer {idx}: attention hook got no hidden_states/position_embeddings")
         if self.mode == "window":
+            for scorer in self.scorers:
+                got = scorer(idx, hidden)
+                if got is not None:
+                    self.hidden_scores[scorer.key].setdefault(idx, []).append(got)
             if self.query_stats >= 0:
                 self._moments(idx, module, hidden, qpos)
             if int(qpos[:, -1].max()) == self.final_position:

@@ -25,6 +25,9 @@ As in the paper (and each switchable so its effect is measured):
   common prefix with the template's own rendering) and the first ``keep_first`` entries are always kept (they count
   in the budget). The header is never repeated (as KVzip), so with ``keep_header=False`` it scores 0 beyond the
   sinks and goes first, which is kvpress's behaviour.
+- ``pool`` (kvforge, 0 = off): before the top-k, each entry's score becomes the max over a window of ``pool`` entries
+  around it (odd; per KV head), so the tokens next to a surprising one (a needle's key words beside its value) are
+  kept with it. Measured on narrative needles in docs/presses.md.
 - ``value_aware`` (KVzip+): score x the entry's projected value contribution ``||V_i W_O||_1`` (CriticalKV's
   :func:`~kvforge.presses.criticalkv.projected_value_norms`), normalised by its mean over the layer's entries so that
   layers compare under a global budget (the paper normalises by the residual stream's norm; the layer mean of the
@@ -67,9 +70,12 @@ class KVzipPress(ScorerPress):
     value_aware: bool = False
     replay_turn: str = "continue"
     normalise: str = "chunk"
+    pool: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.pool < 0 or (self.pool > 1 and self.pool % 2 == 0):
+            raise ValueError(f"pool must be 0 (off) or an odd window, got {self.pool}")
         if self.budget not in BUDGETS:
             raise ValueError(f"budget must be one of {BUDGETS}, got {self.budget!r}")
         if self.replay_turn not in TURNS:
@@ -93,7 +99,7 @@ class KVzipPress(ScorerPress):
         if self.value_aware:
             norms = projected_value_norms(ctx)
             scores = scores * (norms / norms.mean(dim=(1, 2), keepdim=True).clamp_min(1e-12))
-        return scores.masked_fill(self.protected(ctx)[:, None, :], float("inf"))
+        return max_pool(scores, self.pool).masked_fill(self.protected(ctx)[:, None, :], float("inf"))
 
     def compress(self, ctx: LayerContext) -> Selection:
         if self.budget == "head":
@@ -102,27 +108,38 @@ class KVzipPress(ScorerPress):
 
     def compress_all(self, contexts: list[LayerContext]) -> list[Selection]:
         """One top-k over every KV head of each layer (``"layer"``) or of all ``contexts`` at once (``"global"``)."""
-        if all(num_kept(c.size, self.compression_ratio) >= c.size for c in contexts):
-            return [
-                Selection(keep=torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device)) for c in contexts
-            ]
         if self.budget != "global":
-            return [self._top([self.score(c)], [c])[0] for c in contexts]
-        return self._top([self.score(c) for c in contexts], contexts)
+            return [top_entries([self.score(c)], [c], self.compression_ratio)[0] for c in contexts]
+        return top_entries([self.score(c) for c in contexts], contexts, self.compression_ratio)
 
-    def _top(self, scores: list[Tensor], contexts: list[LayerContext]) -> list[Selection]:
-        b = scores[0].shape[0]
-        total = sum(c.keys.shape[1] * num_kept(c.size, self.compression_ratio) for c in contexts)
-        # every head keeps its best entry (a head with nothing left would attend to nothing); counts in the budget
-        forced = [s.float().nan_to_num(float("-inf")).masked_fill(topk_mask(s, 1), float("inf")) for s in scores]
-        flat = torch.cat([s.reshape(b, -1) for s in forced], dim=1)
-        keep = topk_mask(flat, total)
-        out, at = [], 0
-        for s in scores:
-            n = s[0].numel()
-            out.append(Selection(keep=keep[:, at : at + n].reshape(s.shape)))
-            at += n
-        return out
+
+def max_pool(scores: Tensor, window: int) -> Tensor:
+    """``(B, H, S)`` scores -> the max over ``window`` neighbouring entries (odd; <= 1 leaves them as they are)."""
+    if window <= 1:
+        return scores
+    b, h, s = scores.shape
+    pooled = torch.nn.functional.max_pool1d(scores.reshape(b * h, 1, s).float(), window, stride=1, padding=window // 2)
+    return pooled.reshape(b, h, s).to(scores.dtype)
+
+
+def top_entries(scores: list[Tensor], contexts: list[LayerContext], compression_ratio: float) -> list[Selection]:
+    """One top-k over every (layer, KV head, token) of ``scores`` ``[(B, H_kv, S)]``: the layers' budgets
+    ``H_kv * num_kept(S, ratio)`` summed, spent where the scores are highest (per-layer and per-head lengths differ;
+    every head keeps at least its best entry, counted in the budget)."""
+    if all(num_kept(c.size, compression_ratio) >= c.size for c in contexts):
+        return [Selection(keep=torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device)) for c in contexts]
+    b = scores[0].shape[0]
+    total = sum(c.keys.shape[1] * num_kept(c.size, compression_ratio) for c in contexts)
+    # every head keeps its best entry (a head with nothing left would attend to nothing); counts in the budget
+    forced = [s.float().nan_to_num(float("-inf")).masked_fill(topk_mask(s, 1), float("inf")) for s in scores]
+    flat = torch.cat([s.reshape(b, -1) for s in forced], dim=1)
+    keep = topk_mask(flat, total)
+    out, at = [], 0
+    for s in scores:
+        n = s[0].numel()
+        out.append(Selection(keep=keep[:, at : at + n].reshape(s.shape)))
+        at += n
+    return out
 
 
 def header_length(tokenizer: Any, ids: list[int]) -> int:

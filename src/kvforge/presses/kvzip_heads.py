@@ -101,7 +101,8 @@ def proportional_budgets(weights: Tensor, total: int, low: int, high: int) -> Te
     return budgets
 
 
-def _fingerprint(model: Any, tokenizer: Any) -> str:
+def fingerprint_of(model: Any, tokenizer: Any) -> str:
+    """The model fingerprint that keys per-model calibration files (a model without tokenizer: its weights only)."""
     from kvforge.model import model_fingerprint, weights_digest
 
     if tokenizer is not None:
@@ -126,11 +127,14 @@ class KVzipHeadPress(Press):
     def config(self) -> dict[str, object]:
         return {k: v for k, v in super().config().items() if k != "head_scores"}
 
+    def needs_tokenizer(self) -> bool:
+        return self.head_scores is None and not self.calibration  # calibrating replays the context once
+
     def prepare(self, source: Any) -> None:
         """Load the head scores of ``source``'s model (calibrating on its prompt and saving them the first time)."""
         if self.head_scores is not None:
             return
-        fingerprint = _fingerprint(source.model, source.tokenizer)
+        fingerprint = fingerprint_of(source.model, source.tokenizer)
         path = Path(self.calibration) if self.calibration else calibration_path(fingerprint)
         if path.exists():
             self.head_scores = load_head_scores(path, fingerprint)

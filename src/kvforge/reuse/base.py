@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
-import torch
+from torch import Tensor
 
 from kvforge.cache import KVCache
 from kvforge.types import KVSegment
 
 logger = logging.getLogger(__name__)
 
-ReuseKind = Literal["miss", "prefix", "semantic", "chunks"]
+ReuseKind = Literal["miss", "prefix", "semantic", "chunks", "given"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,45 @@ class PromptContext:
             raise ValueError(f"a prompt context needs at least one token, got num_tokens={self.num_tokens}")
 
 
+@dataclass(frozen=True)
+class ChatContext:
+    """The conversation before the user's last message: ``token_ids[:num_tokens]`` (the system prompt, the chat
+    template's header, earlier turns) and its text (earlier turns, ``role: content``). The user's words follow it.
+
+    A semantic strategy embeds only what the user wrote (the template and a default system prompt, the same in every
+    prompt, would make any two prompts look alike) and takes as candidates only prompts with exactly these leading
+    tokens. Other strategies ignore it: it is no document.
+    """
+
+    text: str
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError(f"a chat context needs at least one token, got num_tokens={self.num_tokens}")
+
+
+@dataclass
+class Check:
+    """An approximate lookup to label right or wrong after its answer (semantic reuse's verification).
+
+    The engine runs two greedy requests of ``num_tokens`` new tokens through its loop, after the answer that asked
+    for the check: ``asked_ids`` after a full prefill, and the donor's prompt on the stored KV the lookup found
+    (``load()``: ``(a fresh cache of the donor prompt's first tokens, the donor prompt's ids)``, None when that KV
+    is gone). Reuse was right when both continue with the same tokens (ending at the same step); ``report(agree)``
+    gets the outcome.
+    """
+
+    asked_ids: list[int]
+    load: Callable[[], tuple[KVCache, list[int]] | None]
+    report: Callable[[bool], None]
+    num_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError(f"a check continues at least one token, got num_tokens={self.num_tokens}")
+
+
 @dataclass
 class ReusePlan:
     """What reuse found for a prompt.
@@ -58,10 +97,14 @@ class ReusePlan:
         similarity: cosine similarity of the semantic match (None for exact reuse and misses).
         donor_prompt: the text of the matched stored prompt (semantic hits).
         info: extra facts for reports (keys, number of blocks loaded, load time...).
-        press_size: the first ``press_size`` tokens of ``prefill_ids`` are prefilled under the request's press (the
-            document part a compressed-document strategy did not find); the rest is prefilled as it is.
+        press_size: the first ``press_size`` tokens of ``prefill_ids`` are the document part a document strategy did
+            not find: prefilled under the request's press (when it has one) as one step unit, and recorded alone.
         prefill_positions: the RoPE position of each of ``prefill_ids`` when they are not the ones following
             ``cache`` (RAG chunk plans recompute tokens in the middle of the prompt); None = consecutive.
+        logits: the last prompt token's logits ``(1, V)`` when ``cache`` already covers the whole prompt.
+        check: a lookup the engine verifies after the answer (:class:`Check`; semantic reuse samples some).
+
+    ``prefill_ids`` is empty only when ``logits`` are given or the request generates nothing (storing a document).
     """
 
     cache: KVCache | None
@@ -74,10 +117,12 @@ class ReusePlan:
     info: dict[str, Any] = field(default_factory=dict)
     press_size: int = 0
     prefill_positions: list[int] | None = None
+    logits: Tensor | None = None
+    check: Check | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.prefill_ids:
-            raise ValueError("a reuse plan must leave at least one token to prefill (its logits start decoding)")
+        if not self.prefill_ids and self.cache is None:
+            raise ValueError("a miss must leave at least one token to prefill (its logits start decoding)")
         if (self.cache is None) != (self.reused_tokens == 0):
             raise ValueError("reused_tokens must be > 0 exactly when a cache is given")
 
@@ -117,13 +162,38 @@ class ReuseStrategy(Protocol):
     ) -> ReusePlan: ...
 
     def record(
-        self,
-        token_ids: Sequence[int],
-        cache: KVCache,
-        *,
-        text: str | None = None,
-        context: PromptContext | None = None,
+        self, token_ids: Sequence[int], cache: KVCache, *, text: str | None = None, context: PromptContext | None = None
     ) -> None: ...
+
+
+@dataclass
+class GivenCache:
+    """A cache the caller computed, as a strategy: with ``logits`` (the last prompt token's) it holds the whole prompt,
+    without them the prompt's first ``cache.next_position`` tokens. Plans it as it is; records nothing.
+
+    The evaluation compresses one prefill with many presses and runs each as a request on its cache this way.
+    """
+
+    cache: KVCache
+    logits: Tensor | None = None
+
+    def plan(
+        self, token_ids: Sequence[int], *, text: str | None = None, context: PromptContext | None = None
+    ) -> ReusePlan:
+        ids = list(token_ids)
+        if self.logits is not None:  # the whole prompt is in the cache (at whatever positions it placed it)
+            return ReusePlan(self.cache, len(ids), [], kind="given", logits=self.logits)
+        n = self.cache.next_position
+        if n >= len(ids) or (self.cache.token_ids and self.cache.token_ids[:n] != ids[:n]):
+            raise ValueError("the given cache must hold a prefix of the prompt (or come with the last logits)")
+        if n == 0:
+            return miss_plan(ids)
+        return ReusePlan(self.cache, n, ids[n:], kind="given")
+
+    def record(
+        self, token_ids: Sequence[int], cache: KVCache, *, text: str | None = None, context: PromptContext | None = None
+    ) -> None:
+        """Nothing is stored."""
 
 
 @runtime_checkable
@@ -159,59 +229,6 @@ def digest(*parts: bytes | str) -> str:
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
     return h.hexdigest()
-
-
-def segment_slice(cache: KVCache, start: int, end: int, model_id: str, token_ids: Sequence[int]) -> KVSegment:
-    """The cache entries at positions ``[start, end)`` as a segment (per layer; heads share positions).
-
-    Raises ValueError when the cache is head-wise (compressed per head): such a cache is not a reusable prefix.
-    """
-    keys, values, positions, valid = [], [], [], []
-    for layer in cache.layers:
-        k, v, p, m = layer.view()
-        if m is not None or layer.is_headwise:
-            raise ValueError("head-wise compressed caches cannot be stored as exact prefixes")
-        sel = (p[0, 0] >= start) & (p[0, 0] < end)  # (S,)
-        keys.append(k[0][:, sel].clone())
-        values.append(v[0][:, sel].clone())
-        positions.append(p[0][:, sel].clone())
-        valid.append(None)
-    return KVSegment(
-        token_ids=list(token_ids),
-        keys=keys,
-        values=values,
-        positions=positions,
-        valid=valid,
-        next_position=end,
-        model_id=model_id,
-        meta={},
-    )
-
-
-def cache_from_segments(
-    segments: Sequence[KVSegment],
-    token_ids: Sequence[int],
-    end: int,
-    layer_windows: Sequence[int | None] | None,
-    device: torch.device | str | None = None,
-) -> KVCache:
-    """Concatenate segments (in position order) into a cache holding the entries at positions ``< end``."""
-    num_layers = segments[0].num_layers
-    cache = KVCache(num_layers, layer_windows=None if layer_windows is None else list(layer_windows))
-    for i, layer in enumerate(cache.layers):
-        k = torch.cat([s.keys[i] for s in segments], dim=1)  # (H_kv, S, D)
-        v = torch.cat([s.values[i] for s in segments], dim=1)
-        p = torch.cat([s.positions[i] for s in segments], dim=1)  # (H_kv, S)
-        keep = p[0] < end  # (S,)
-        count = int(keep.sum())
-        if bool(keep[:count].all()):  # positions ascending: a slice, no gather copy
-            k, v, p = k[:, :count], v[:, :count], p[:, :count]
-        else:
-            k, v, p = k[:, keep], v[:, keep], p[:, keep]
-        layer.replace(k[None].to(device), v[None].to(device), p[None].to(device))
-    cache.next_position = end
-    cache.token_ids = list(token_ids[:end])
-    return cache
 
 
 def covers(segments: Sequence[KVSegment], end: int) -> bool:

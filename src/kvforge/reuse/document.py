@@ -1,4 +1,4 @@
-"""Compressed documents: the context part of a prompt, compressed query-agnostic under a press, stored whole.
+"""Document reuse: the document part of a prompt, compressed query-agnostic under a press (or not), stored whole.
 
 A document is stored once as ONE segment holding its compressed KV (ragged per layer, head-wise masks and the RoPE
 position of every kept entry preserved). Its key names the model, the document's token ids, the press with all its
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvforge.cache import KVCache
 from kvforge.reuse.base import PromptContext, ReusePlan, digest, encode_ids, miss_plan
-from kvforge.store.quant import GroupScheme, parse_scheme
+from kvforge.store.quant import canonical_quant
 
 if TYPE_CHECKING:
     from kvforge.store.base import KVStore
@@ -31,19 +31,22 @@ KEY_PREFIX = "doc-v1-"
 
 def press_spec(press: Any) -> dict[str, Any]:
     """The press as plain JSON values (type and every hyperparameter): part of the key and of the stored meta."""
+    if press is None:
+        return {"type": "none"}
     spec = press.config() if hasattr(press, "config") else {"type": type(press).__name__, **vars(press)}
     return json.loads(json.dumps(spec, sort_keys=True, default=str))
 
 
 def quant_name(quant: str | None) -> str:
     """Canonical name of a storage quantisation (``"none"`` for full precision): ``int8`` -> ``int8-kivi``."""
-    scheme = parse_scheme(quant)
-    return scheme.name if isinstance(scheme, GroupScheme) else (scheme or "none")
+    return canonical_quant(quant) or "none"
 
 
 @dataclass
 class DocumentReuse:
-    """Finds and records compressed documents in ``store`` (used by :class:`PrefixReuse` for contexts with a press).
+    """Finds and records documents in ``store``, compressed by the request's press when it has one (query-agnostic).
+
+    A prompt without a document part (no :class:`~kvforge.reuse.base.PromptContext`) is a miss and records nothing.
 
     Args:
         store: a ``KVStore``; its ``put`` takes ``quant=`` to store a document under another quantisation.
@@ -54,6 +57,8 @@ class DocumentReuse:
     store: KVStore
     model_id: str
     device: Any = None
+
+    stores_compressed = True  # the engine hands this strategy the query-agnostic press of a document request
 
     def quant_of(self, context: PromptContext) -> str:
         """The quantisation this document is stored under: the context's, else the store's own."""
@@ -67,12 +72,19 @@ class DocumentReuse:
     def meta(self, context: PromptContext) -> dict[str, Any]:
         return {"format": KEY_PREFIX, "press": press_spec(context.press), "quant": self.quant_of(context)}
 
-    def plan(self, token_ids: Sequence[int], context: PromptContext) -> ReusePlan:
-        """Load the compressed document ``token_ids[:context.num_tokens]``; on a miss, compress it (``press_size``)."""
+    def plan(
+        self, token_ids: Sequence[int], *, text: str | None = None, context: PromptContext | None = None
+    ) -> ReusePlan:
+        """Load the document ``token_ids[:context.num_tokens]``; on a miss, compress it (``press_size``).
+
+        A prompt that is the document alone (storing it) plans nothing to prefill when it is stored already.
+        """
         ids = list(token_ids)
+        if not isinstance(context, PromptContext):  # a plain prompt (a chat's context is no document)
+            return miss_plan(ids, reason="no document in the prompt")
         num_doc = context.num_tokens
-        if not 0 < num_doc < len(ids):
-            raise ValueError(f"a document of {num_doc} tokens needs a question after it (prompt of {len(ids)})")
+        if not 0 < num_doc <= len(ids):
+            raise ValueError(f"a document of {num_doc} tokens does not fit a prompt of {len(ids)}")
         t0 = time.perf_counter()
         key = self.key(ids[:num_doc], context)
         segment = self.store.get(key)
@@ -80,21 +92,22 @@ class DocumentReuse:
             logger.warning("stored document %s does not hold what its key names; treated as a miss", key)
             segment = None
         if segment is None:
-            plan = miss_plan(ids, reason="compressed document not stored", document_key=key)
-            plan.press_size = num_doc
+            plan = miss_plan(ids, reason="document not stored", document_key=key)
+            plan.press_size = num_doc if context.press is not None else 0
             return plan
         windows = segment.meta.get("layer_windows")
         cache = KVCache.from_segment(segment.to(self.device), layer_windows=windows)
         cache.info = {"reuse": {"kind": "prefix", "reused_tokens": num_doc, "approximate": False}}
+        press = context.press
         return ReusePlan(
             cache=cache,
             reused_tokens=num_doc,
             prefill_ids=ids[num_doc:],
             kind="prefix",
             info={
-                "compressed": True,
-                "press": context.press.name if hasattr(context.press, "name") else str(context.press),
-                "compression_ratio": float(context.press.ratio()) if hasattr(context.press, "ratio") else None,
+                "compressed": press is not None,
+                "press": None if press is None else getattr(press, "name", str(press)),
+                "compression_ratio": float(press.ratio()) if hasattr(press, "ratio") else None,
                 "quant": self.quant_of(context),
                 "kept_entries": segment.num_entries(),
                 "load_s": time.perf_counter() - t0,
@@ -113,8 +126,12 @@ class DocumentReuse:
             and meta.get("quant") == self.quant_of(context)
         )
 
-    def record(self, token_ids: Sequence[int], cache: KVCache, context: PromptContext) -> None:
-        """Store the compressed document held by ``cache`` (exactly the document's tokens, nothing after them)."""
+    def record(
+        self, token_ids: Sequence[int], cache: KVCache, *, text: str | None = None, context: PromptContext | None = None
+    ) -> None:
+        """Store the document held by ``cache`` (exactly the document's tokens, nothing after them)."""
+        if not isinstance(context, PromptContext):
+            return
         doc_ids = list(token_ids[: context.num_tokens])
         if cache.next_position != len(doc_ids) or list(cache.token_ids) != doc_ids:
             logger.debug("cache does not hold exactly the document: not recorded")
@@ -131,7 +148,7 @@ class DocumentReuse:
             if quant != quant_name(getattr(self.store, "quant", None)):
                 raise
             self.store.put(key, segment)
-        logger.debug("stored compressed document %s (%d tokens, %d entries)", key, len(doc_ids), cache.num_entries())
+        logger.debug("stored document %s (%d tokens, %d entries)", key, len(doc_ids), cache.num_entries())
 
 
 def _stored_bytes(store: Any, key: str, segment: Any) -> int:

@@ -4,24 +4,24 @@ After C. Lee (Samsung Electronics), "A Study on the Caching Strategies for Seman
 Storage Offloading" (embedding -> FAISS top-1 -> cosine >= 0.7 -> the matched prompt's tokens and KV). kvforge
 decides hit or miss per stored entry with a bounded error rate instead of a fixed threshold (after vCache: the user
 sets ``max_error``; :mod:`kvforge.reuse.policy`), learns from verified lookups shared through the store
-(:mod:`kvforge.reuse.stats`, :mod:`kvforge.reuse.verify`), refuses word substitutions, reorderings, other numbers and
-negations whatever the similarity (:mod:`kvforge.reuse.guards`), and embeds only what the user wrote
-(:mod:`kvforge.reuse.query`).
+(:mod:`kvforge.reuse.stats`), refuses word substitutions, reorderings, other numbers and negations whatever the
+similarity (:mod:`kvforge.reuse.guards`), and embeds only what the user wrote (the request's text: a chat's last user
+message, :func:`kvforge.request.encode_turn`).
 
 Modes:
     ``canonical`` (the paper): the prompt text is embedded, the top-1 stored prompt is the candidate, and on a hit
         the model is run on the candidate's tokens with its KV (only its last token is recomputed). The answer is to
         the stored prompt: the plan is flagged approximate with the similarity. With a :class:`PromptContext` (a
-        document, or the system prompt / template / earlier turns of a chat) only prompts with byte-identical
-        context tokens are candidates.
+        document) or a :class:`ChatContext` (a chat's system prompt, template header and earlier turns) only prompts
+        with byte-identical context tokens are candidates.
     ``context`` (ours): only the long document part is reused, exactly (same context tokens) or from a donor
         document that differs only slightly (the policy, the guards, and a word-level edit ratio >=
         ``min_text_ratio``). The user's question is always prefilled exactly.
 
-Verification: with a ``verifier`` (:class:`kvforge.reuse.verify.AgreementVerifier`), a share ``verify_ratio`` of the
-lookups whose best candidate has similarity >= 0.5 (hits and misses alike, so the sample is a uniform one) is also
-answered the other way after the answer was sent (in ``record``), and whether both agree is added to the shared
-statistics: every process sharing the store learns from it.
+Verification: a share ``verify_ratio`` of the lookups whose best candidate has similarity >= 0.5 (hits and misses
+alike, so the sample is a uniform one) carry a :class:`~kvforge.reuse.base.Check` in their plan: after the answer,
+the engine continues the prompt asked (full prefill) and the candidate's prompt (on its stored KV) greedily through
+its loop, and whether both agree is added to the shared statistics: every process sharing the store learns from it.
 
 The donor's KV is never stored under the new prompt's key (``record`` refuses a cache that does not hold exactly the
 prompt's tokens, or that was built on approximate reuse). The index lives in the store as one small record blob per
@@ -48,17 +48,16 @@ import numpy as np
 from kvforge.cache import KVCache
 from kvforge.errors import StoreUnavailableError
 from kvforge.reuse.base import (
-    Embedder,
+    ChatContext,
+    Check,
     PromptContext,
     ReusePlan,
-    cache_from_segments,
     covers,
     digest,
     encode_ids,
     full_layers_complete,
     holds_exactly,
     miss_plan,
-    segment_slice,
 )
 from kvforge.reuse.bound import to_bin
 from kvforge.reuse.guards import DEFAULT_GUARDS, check, check_names, failed, tokens
@@ -76,6 +75,7 @@ from kvforge.reuse.stats import SharedStats
 from kvforge.types import KVSegment
 
 if TYPE_CHECKING:
+    from kvforge.reuse.base import Embedder
     from kvforge.store.base import KVStore
 
 logger = logging.getLogger(__name__)
@@ -132,9 +132,8 @@ class SemanticReuse:
         device: where loaded entries go.
         reconcile_s: before a search, index stored segments that have no index record if the last such check is
             older than this (it also runs on open, after each write and when a damaged record is met).
-        verifier: labels sampled lookups right or wrong (None: no verification, the statistics only grow from
-            other processes).
-        verify_ratio: the share of lookups verified.
+        verify_ratio: the share of lookups verified (0: none; the statistics then grow from other processes only).
+        check_tokens: how many greedy tokens a verified lookup must agree on.
         stats_refresh_s: the shared statistics are re-read at most this often.
         seed: seed of the verification sampling.
     """
@@ -150,8 +149,8 @@ class SemanticReuse:
     min_text_ratio: float = 0.9
     device: Any = None
     reconcile_s: float = 60.0
-    verifier: Any = None
     verify_ratio: float = 0.05
+    check_tokens: int = 8
     stats_refresh_s: float = 5.0
     seed: int | None = None
     index: SemanticIndex = field(init=False, repr=False)
@@ -175,8 +174,7 @@ class SemanticReuse:
         embedder_name = str(getattr(self.embedder, "name", type(self.embedder).__name__))
         stats_ns = digest(self.namespace, self.mode, embedder_name)[:24]
         self.stats = SharedStats(self.store, f"{KEY_PREFIX}stats-{stats_ns}-", refresh_s=self.stats_refresh_s)
-        self._pending: dict[tuple[int, ...], tuple[str, float, frozenset[str], list[int]]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the sampling generator (plans run on the model thread and in tests' threads)
         self._rng = random.Random(self.seed)
         self.index = self._open_index()
 
@@ -185,9 +183,9 @@ class SemanticReuse:
         """Store key of the KV of exactly ``token_ids`` (a whole prompt, or a context part)."""
         return f"{KEY_PREFIX}{self.mode}-{digest(self.namespace, encode_ids(token_ids))}"
 
-    def _split(self, ids: list[int], context: PromptContext | None) -> tuple[list[int], str]:
+    def _split(self, ids: list[int], context: PromptContext | ChatContext | None) -> tuple[list[int], str]:
         """(tokens whose KV is stored/reused, namespace the candidates must share) for this mode."""
-        if self.mode == "context" and context is not None:
+        if self.mode == "context" and isinstance(context, PromptContext):
             if context.num_tokens > len(ids):
                 raise ValueError(f"context has {context.num_tokens} tokens, the prompt only {len(ids)}")
             return ids[: context.num_tokens], ""
@@ -196,27 +194,29 @@ class SemanticReuse:
 
     # ------------------------------------------------------------------------------------------------ plan
     def plan(
-        self, token_ids: Sequence[int], *, text: str | None = None, context: PromptContext | None = None
+        self, token_ids: Sequence[int], *, text: str | None = None, context: PromptContext | ChatContext | None = None
     ) -> ReusePlan:
-        ids = list(token_ids)
-        if not ids:
-            raise ValueError("empty prompt: nothing to prefill")
+        ids = list(token_ids)  # an empty prompt is refused by miss_plan
         t0 = time.perf_counter()
         reused_ids, namespace = self._split(ids, context)
         tail = ids[len(reused_ids) :]  # context mode: the question, always prefilled; canonical: nothing
         exact = self._load(self.entry_key(reused_ids), reused_ids)
         if exact is not None:
             return self._plan(exact, ids, tail, t0, kind="prefix")
-        query = context.text if (self.mode == "context" and context is not None) else text
-        if not query or (self.mode == "context" and context is None):
+        is_document = isinstance(context, PromptContext)
+        query = context.text if (self.mode == "context" and is_document) else text  # type: ignore[union-attr]
+        if not query or (self.mode == "context" and not is_document):
             return miss_plan(ids, reason="no text to match")
-        found = self._find(query, namespace, ids, tail)
+        found, check = self._find(query, namespace, ids, tail)
         if isinstance(found, str):
-            return miss_plan(ids, reason=found)
+            plan = miss_plan(ids, reason=found)
+            plan.check = check
+            return plan
         similarity, entry, segment = found
         plan = self._plan(segment, ids, tail, t0, kind="semantic")
-        plan.approximate, plan.similarity, plan.donor_prompt = True, similarity, entry.text
+        plan.check = check
         if plan.cache is not None:
+            plan.approximate, plan.similarity, plan.donor_prompt = True, similarity, entry.text
             plan.cache.info["reuse"] |= {"approximate": True, "similarity": similarity}
         return plan
 
@@ -227,7 +227,9 @@ class SemanticReuse:
         prefill_ids = tail if tail else reused_ids[-1:]
         if end == 0 or not covers([segment], end):
             return miss_plan(ids, reason="stored KV does not cover the reused part")
-        cache = cache_from_segments([segment], reused_ids, end, segment.meta.get("layer_windows"), self.device)
+        cache = KVCache.from_segments(
+            [segment], end=end, layer_windows=segment.meta.get("layer_windows"), device=self.device
+        )
         cache.info["reuse"] = {"kind": kind, "reused_tokens": end, "approximate": False}
         return ReusePlan(
             cache=cache,
@@ -243,10 +245,16 @@ class SemanticReuse:
         stats = self.stats.view() if isinstance(self.policy, BoundedErrorPolicy) else None
         return self.policy.threshold_for(entry_key, self.guards, stats)
 
+    def lookup(self, query: str, namespace: str = "") -> tuple[float, IndexEntry, KVSegment] | str:
+        """The top-1 stored entry for ``query`` in ``namespace`` with its KV if the policy serves it, or why not (no
+        verification is sampled)."""
+        return self._find(query, namespace, [], [], sample=False)[0]
+
     def _find(
-        self, query: str, namespace: str, ids: list[int] | None = None, tail: list[int] | None = None
-    ) -> tuple[float, IndexEntry, KVSegment] | str:
-        """Top-1 stored entry in ``namespace`` if the policy serves it, with its KV; or why not."""
+        self, query: str, namespace: str, ids: list[int], tail: list[int], sample: bool = True
+    ) -> tuple[tuple[float, IndexEntry, KVSegment] | str, Check | None]:
+        """(the top-1 stored entry in ``namespace`` if the policy serves it, with its KV, or why not; the check of
+        this lookup when it was sampled for verification)."""
         vector = self.embedder.embed([query])[0]
         self.refresh()  # entries other processes recorded since
         stale = []
@@ -256,48 +264,52 @@ class SemanticReuse:
                 reason, refused = decide(query, entry.text, similarity, self.threshold_for(entry.key), self.guards)
                 if reason is None and self.mode == "context" and text_ratio(query, entry.text) < self.min_text_ratio:
                     reason = f"documents differ by more than {1 - self.min_text_ratio:.0%} of their words"
-                if ids is not None:
-                    self._sample(ids, entry, similarity, refused, tail or [])
-                if reason is not None:
-                    return reason  # top-1 only: a worse candidate is never tried after a better one was refused
-                segment = self.store.get(entry.key)
+                segment = None
+                if reason is None:
+                    segment = self.store.get(entry.key)
+                    if segment is None:
+                        stale.append(vid)  # evicted: drop it from the index and look further
+                        continue
+                    if segment.model_id != self.model_id:
+                        return "stored KV made by another model", None
+                check = self._sample(ids, entry.key, similarity, refused, tail) if sample else None
                 if segment is None:
-                    stale.append(vid)  # evicted: drop it from the index and look further
-                    continue
-                if segment.model_id != self.model_id:
-                    return "stored KV made by another model"
-                return similarity, entry, segment
-            return "no similar prompt stored"
+                    return str(reason), check  # top-1 only: a worse candidate is never tried after a refused one
+                return (similarity, entry, segment), check
+            return "no similar prompt stored", None
         finally:
             if stale:
                 self._drop(stale)
 
     # ------------------------------------------------------------------------------------------------ verify
-    def _sample(self, ids: list[int], entry: IndexEntry, similarity: float, refused: frozenset[str],
-                tail: list[int]) -> None:  # fmt: skip
-        """Mark this lookup for verification (after its answer, in ``record``) with probability ``verify_ratio``."""
-        if self.verifier is None or similarity < POPULATION_FLOOR or self._rng.random() >= self.verify_ratio:
-            return
+    def _sample(
+        self, ids: list[int], key: str, similarity: float, refused: frozenset[str], tail: list[int]
+    ) -> Check | None:
+        """With probability ``verify_ratio``, a :class:`Check` of this lookup (hit or miss: a uniform sample of the
+        lookups whose candidate is in the bound's population) that the engine runs after the answer."""
+        if similarity < POPULATION_FLOOR or not self.verify_ratio:
+            return None
         with self._lock:
-            if len(self._pending) > 256:  # lookups never recorded (errors): forget the oldest
-                self._pending.pop(next(iter(self._pending)))
-            self._pending[tuple(ids)] = (entry.key, similarity, refused, tail)
+            if self._rng.random() >= self.verify_ratio:
+                return None
 
-    def verify_pending(self, ids: Sequence[int]) -> bool | None:
-        """Verify the lookup of ``ids`` if it was sampled: add the outcome to the shared statistics; returns
-        whether reuse was wrong (None: not sampled, or the candidate's KV is gone)."""
-        with self._lock:
-            pending = self._pending.pop(tuple(ids), None)
-        if pending is None or self.verifier is None:
-            return None
-        key, similarity, refused, tail = pending
-        segment = self.store.get(key)
-        if segment is None or segment.model_id != self.model_id:
-            return None
-        wrong = not self.verifier.agree(list(ids), segment, tail)
-        self.stats.observe(key, similarity, wrong, refused, to_bin(similarity))
-        logger.info("semantic lookup verified: %s at similarity %.3f", "wrong" if wrong else "right", similarity)
-        return wrong
+        def load() -> tuple[KVCache, list[int]] | None:
+            segment = self.store.get(key)
+            if segment is None or segment.model_id != self.model_id:
+                return None
+            donor_ids = list(segment.token_ids)
+            end = len(donor_ids) if tail else len(donor_ids) - 1
+            if end == 0 or not covers([segment], end):
+                return None
+            windows = segment.meta.get("layer_windows")
+            cache = KVCache.from_segments([segment], end=end, layer_windows=windows, device=self.device)
+            return cache, donor_ids + list(tail)
+
+        def report(agree: bool) -> None:
+            self.stats.observe(key, similarity, not agree, refused, to_bin(similarity))
+            logger.info("semantic lookup verified: %s at similarity %.3f", "right" if agree else "wrong", similarity)
+
+        return Check(list(ids), load, report, num_tokens=self.check_tokens)
 
     def _candidates(self, vector: np.ndarray, namespace: str) -> list[tuple[float, int]]:
         """Search results in ``namespace``, best first (widening the search until one is found or all are seen)."""
@@ -324,23 +336,21 @@ class SemanticReuse:
         cache: KVCache,
         *,
         text: str | None = None,
-        context: PromptContext | None = None,
+        context: PromptContext | ChatContext | None = None,
     ) -> None:
-        """Store the KV of the prompt (canonical) or of its context (context mode) and index its text."""
+        """Store the KV of the prompt (canonical) or of its document (context mode) and index its text."""
         ids = list(token_ids)
-        if not ids:
-            return
-        self.verify_pending(ids)
-        if self.mode == "context" and context is None:
+        is_document = isinstance(context, PromptContext)
+        if not ids or (self.mode == "context" and not is_document):
             return
         stored_ids, namespace = self._split(ids, context)
         if not holds_exactly(cache, stored_ids):
             return
         key = self.entry_key(stored_ids)
-        query = context.text if self.mode == "context" and context is not None else text
+        query = context.text if self.mode == "context" and is_document else text  # type: ignore[union-attr]
         if not self.store.contains(key):
             try:
-                segment = segment_slice(cache, 0, len(stored_ids), self.model_id, stored_ids)
+                segment = cache.to_segment(self.model_id, stored_ids, start=0, end=len(stored_ids))
             except ValueError as e:
                 logger.debug("not recording: %s", e)
                 return

@@ -7,7 +7,8 @@ shape (the server keeps serving).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvforge.errors import StoreUnavailableError, UserError
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 class APIError(Exception):
@@ -53,10 +55,32 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 def user_error(e: UserError, param: str | None = None) -> APIError:
     """A :class:`UserError` from the library (unknown press, prompt too long...) as a 400."""
     if isinstance(e, StoreUnavailableError):  # never describe a store (its URL, host, error) to an API client
-        return APIError(503, "store unavailable", type="store_unavailable", code="store_unavailable")
+        return store_unavailable()
     message = str(e)
     code = "context_length_exceeded" if "exceeds the model's context" in message else None
     return APIError(400, message, param=param, code=code)
+
+
+def store_unavailable(message: str = "store unavailable") -> APIError:
+    """503 ``store_unavailable``: where a request needs its KV stored and the store cannot keep it (the message
+    never describes the store: no URL, host or error)."""
+    return APIError(503, message, type="store_unavailable", code="store_unavailable", headers={"Retry-After": "5"})
+
+
+def stored_or_503(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``fn(*args, **kwargs)``, whose store writes must all be kept somewhere: a write the store skipped (Redis down,
+    a full or read-only disk, an entry over ``max_bytes``) makes it a 503, never a 200 that names what was not
+    stored. Entries already stored (nothing to write) are fine."""
+    from kvforge.store import track_writes
+
+    with track_writes() as writes:
+        out = fn(*args, **kwargs)
+    if writes.lost:
+        raise store_unavailable(
+            f"the KV store did not keep {len(writes.lost)} of the {len(writes.lost) + len(writes.stored)} entries "
+            "to write (unavailable, full or read-only): nothing is guaranteed stored; retry later"
+        )
+    return out
 
 
 def timeout_error(timeout_s: float) -> APIError:

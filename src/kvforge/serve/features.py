@@ -1,33 +1,30 @@
-"""Optional kvforge features behind the server: presses, the KV store, reuse strategies, document precompute.
+"""What a server builds on demand: presses by name, the one KV store, reuse strategies over it.
 
-Each feature's module is imported when first used, so the server runs on an installation without it; a request that
-asks for a missing feature or an unknown name gets a 400 (never a 500).
+A request that asks for an unknown name, or for a strategy whose optional dependency is missing (semantic reuse
+without faiss), gets a 400 (never a 500); a store that cannot be reached makes requests run without reuse.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
 import logging
 import threading
 import time
 from typing import Any
 
+from kvforge.engine import Engine
 from kvforge.errors import StoreUnavailableError, UserError
+from kvforge.presses import build_press
+from kvforge.presses.base import Press
+from kvforge.reuse import REUSE, build_reuse
+from kvforge.reuse.base import ReuseStrategy
+from kvforge.reuse.rag import ChunkReuse
 from kvforge.serve.errors import APIError
+from kvforge.store import open_store
+from kvforge.store.base import KVStore
 
 STORE_RETRY_S = 10  # a store found unreachable is not tried again for this long (no per-request connect wait)
 
 logger = logging.getLogger(__name__)
-
-
-def _import(module: str, feature: str, param: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise APIError(
-            400, f"{feature} is not available on this server ({module}: {e})", param=param, code="feature_unavailable"
-        ) from e
 
 
 def _bad(e: Exception, param: str) -> APIError:
@@ -35,47 +32,44 @@ def _bad(e: Exception, param: str) -> APIError:
 
 
 class Features:
-    """Builds and caches the optional components of one server (one store shared by every reuse strategy).
+    """Builds and caches the components of one server (one store shared by every reuse strategy).
 
     Args:
-        engine: the :class:`~kvforge.engine.Engine` (its model id keys the store).
+        engine: the served engine (its model id keys the store).
         store_url: ``kvforge.store.open_store`` URL; None = an in-memory store, opened when reuse first needs it.
         embedder: the semantic strategies' embedder (None = the reuse package's MiniLM one).
         semantic: options of the semantic strategies (``threshold``, ``max_error``, ``verify_ratio``).
     """
 
-    def __init__(self, engine: Any, store_url: str | None = None, embedder: Any = None,
-                 semantic: dict[str, Any] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, engine: Engine, store_url: str | None = None, embedder: Any = None, semantic: dict[str, Any] | None = None
+    ) -> None:
         self.engine = engine
         self.semantic = {k: v for k, v in (semantic or {}).items() if v is not None}
         self.store_url = store_url
         self.embedder = embedder
-        self._store: Any = None
-        self._strategies: dict[tuple[str, str], Any] = {}
+        self._store: KVStore | None = None
+        self._strategies: dict[tuple[str, str], ReuseStrategy] = {}
         self._lock = threading.Lock()
         self._store_retry_at = 0.0
 
-    # ------------------------------------------------------------------------------------------ press
-    def press(self, name: str | None, compression_ratio: float) -> Any:
+    def press(self, name: str | None, compression_ratio: float) -> Press | None:
         """The press ``name`` at ``compression_ratio`` (None when no press is asked for)."""
         if name is None or name == "none":
             return None
-        presses = _import("kvforge.presses", "KV compression (presses)", "kvforge.press")
         try:
-            return presses.build_press(name, compression_ratio=compression_ratio)
+            return build_press(name, compression_ratio=compression_ratio)
         except (UserError, ValueError, TypeError) as e:
             raise _bad(e, "kvforge.press") from e
 
-    # ------------------------------------------------------------------------------------------ store
     @property
-    def store(self) -> Any:
+    def store(self) -> KVStore:
         with self._lock:
             if self._store is None:
-                store_mod = _import("kvforge.store", "the KV store", "kvforge.reuse")
                 if time.monotonic() < self._store_retry_at:
                     raise StoreUnavailableError(f"store unavailable (retried after {STORE_RETRY_S}s)")
                 try:
-                    self._store = store_mod.open_store(self.store_url or "memory://")
+                    self._store = open_store(self.store_url or "memory://")
                 except StoreUnavailableError as e:
                     self._store_retry_at = time.monotonic() + STORE_RETRY_S
                     logger.warning("%s; requests run without KV reuse, retrying in %ds", e, STORE_RETRY_S)
@@ -91,9 +85,8 @@ class Features:
     def store_stats(self) -> dict[str, Any] | None:
         return self._store.stats() if self._store is not None else None
 
-    # ------------------------------------------------------------------------------------------ reuse
-    def reuse(self, kind: str | None, semantic_mode: str | None = None, strict: bool = False) -> Any:
-        """The strategy for ``kind`` ("prefix" | "semantic"; "none"/None -> None), built once per (kind, mode).
+    def reuse(self, kind: str | None, semantic_mode: str | None = None, strict: bool = False) -> ReuseStrategy | None:
+        """The strategy for ``kind`` ("prefix" | "semantic" | "document"; "none"/None -> None), built once per kind.
 
         A store that cannot be reached makes this None (the request runs without reuse) unless ``strict`` (server
         start, storing documents), where it raises :class:`StoreUnavailableError`.
@@ -104,119 +97,39 @@ class Features:
         key = (kind, mode if kind == "semantic" else "")
         if key in self._strategies:
             return self._strategies[key]
-        reuse_mod = _import("kvforge.reuse", "KV reuse", "kvforge.reuse")
-        registry = getattr(reuse_mod, "REUSE", {})
-        if kind not in registry:
-            raise APIError(
-                400,
-                f"unknown reuse strategy {kind!r}; choose from: none, {', '.join(sorted(registry))}",
-                param="kvforge.reuse",
-                code="invalid_value",
-            )
+        if kind not in REUSE or kind == "rag":
+            choices = ", ".join(k for k in REUSE if k != "rag")
+            raise APIError(400, f"unknown reuse strategy {kind!r}; choose from: none, {choices}",
+                           param="kvforge.reuse", code="invalid_value")  # fmt: skip
         try:
             store = self.store
         except StoreUnavailableError:
             if strict:
                 raise
             return None  # a store that cannot be reached is a miss: the request is answered without reuse
-        device = getattr(self.engine.model, "device", None)
+        engine = self.engine
         try:
-            if hasattr(reuse_mod, "build_reuse"):
-                extra = {"model": self.engine.model, "tokenizer": self.engine.tokenizer, **self.semantic}
-                strategy = reuse_mod.build_reuse(
-                    kind, store, self.engine.model_id, semantic_mode=mode, embedder=self.embedder, device=device,
-                    **(extra if kind == "semantic" else {}),
-                )  # fmt: skip
-            elif kind == "semantic":
-                embedder = self.embedder if self.embedder is not None else reuse_mod.EMBEDDERS["minilm"]()
-                strategy = registry[kind](store, self.engine.model_id, embedder, mode=mode, device=device)
-            else:
-                strategy = registry[kind](store, self.engine.model_id, device=device)
+            options = self.semantic if kind == "semantic" else {}
+            strategy = build_reuse(kind, store, engine.model_id, semantic_mode=mode, embedder=self.embedder,
+                                   device=getattr(engine.model, "device", None), **options)  # fmt: skip
+        except ImportError as e:  # an optional dependency of the strategy (faiss, sentence-transformers)
+            raise APIError(400, f"{kind} reuse is not available on this server ({e})", param="kvforge.reuse",
+                           code="feature_unavailable") from e  # fmt: skip
         except (UserError, ValueError, TypeError) as e:
             raise _bad(e, "kvforge.reuse") from e
         self._strategies[key] = strategy
         return strategy
 
-    # ------------------------------------------------------------------------------------------ documents
-    def precompute_documents(
-        self,
-        documents: list[str],
-        mode: str,
-        system: str | None,
-        strategy: Any,
-        press: Any = None,
-        quant: str | None = None,
-    ) -> list[dict[str, Any]]:
-        """Compute and store the KV of each document; returns one ``{"id", "tokens", ...}`` per document.
-
-        ``prefix`` mode stores the document as the context part of a chat prompt (system + user header + document +
-        separator, :meth:`Engine.encode_qa`) through ``strategy`` (a prefix reuse strategy), so a later chat request
-        whose user message is ``document + "\\n\\n" + question`` reuses it. ``chunks`` mode stores each document
-        as a RAG chunk (``kvforge.reuse.rag``), keyed by its chunk key (the id a chat request names it by in
-        ``kvforge.chunk_ids``; the chunk's text is stored with its KV). Runs on the worker thread.
-
-        With a ``press``, a prefix document is compressed query-agnostic and stored whole, keyed by the press, its
-        parameters and ``quant`` (None: the store's): a chat request naming the same press with
-        ``query_aware=false`` and prefix reuse loads it and prefills only its question.
-        """
-        if mode == "chunks":
-            return self._precompute_chunks(documents, system)
-        if strategy is None:
-            raise APIError(
-                400,
-                "prefix documents need a reuse strategy: start the server with --reuse prefix or send kvforge.reuse",
-                param="mode",
-                code="feature_unavailable",
-            )
-        out = []
-        for doc in documents:
-            ctx_ids, _ = self.engine.encode_qa(doc, "?", system=system)
-            self.engine.check_length(len(ctx_ids))
-            cache, _ = self.engine.prefill(ctx_ids, press=press)
-            entry = {"object": "kv.document", "mode": "prefix", "tokens": len(ctx_ids)}
-            if press is None:
-                strategy.record(ctx_ids, cache, text=doc)
-                digest = hashlib.sha256(repr((self.engine.model_id, ctx_ids)).encode()).hexdigest()[:32]
-                out.append({"id": f"kvdoc-{digest}", **entry})
-                continue
-            from kvforge.reuse.base import PromptContext
-            from kvforge.reuse.document import press_spec
-
-            if not getattr(strategy, "stores_compressed", False):
-                raise APIError(400, f"{type(strategy).__name__} does not store compressed documents", param="press")
-            context = PromptContext(doc, len(ctx_ids), press=press, quant=quant)
-            strategy.record(ctx_ids, cache, text=doc, context=context)
-            key = strategy.documents.key(ctx_ids, context)
-            size = getattr(strategy.store, "stored_size", None)
-            out.append(
-                {
-                    "id": key,
-                    **entry,
-                    "press": press_spec(press),
-                    "compression_ratio": press.ratio(),
-                    "quant": strategy.documents.quant_of(context),
-                    "kept_entries": cache.num_entries(),
-                    "stored_bytes": size(key) if size is not None else None,
-                }
-            )
-        return out
-
-    def chunk_reuse(self, method: str = "naive", recompute_ratio: float | None = None) -> Any:
-        """A RAG chunk reuse strategy over the server's store (``kvforge.reuse.rag.ChunkReuse``)."""
-        reuse_rag = _import("kvforge.reuse.rag", "RAG chunk reuse", "kvforge.rag")
+    def chunk_reuse(self, method: str = "naive", recompute_ratio: float | None = None) -> ChunkReuse:
+        """A RAG chunk reuse strategy over the server's store."""
+        engine = self.engine
         try:
-            return reuse_rag.ChunkReuse(
-                self.engine.model,
-                self.engine.tokenizer,
-                store=self.store,
-                model_id=self.engine.model_id,
-                method=method,
-                recompute_ratio=recompute_ratio,
-            )
+            return ChunkReuse(engine.model, engine.tokenizer, store=self.store, model_id=engine.model_id,
+                              method=method, recompute_ratio=recompute_ratio)  # fmt: skip
         except (UserError, ValueError, TypeError) as e:
             raise _bad(e, "kvforge.rag") from e
 
-    def chunk_texts(self, strategy: Any, chunk_ids: list[str]) -> list[str]:
+    def chunk_texts(self, strategy: ChunkReuse, chunk_ids: list[str]) -> list[str]:
         """The texts of chunks stored through ``POST /v1/kv/documents`` (``mode: chunks``), by their ids."""
         texts = []
         for i, key in enumerate(chunk_ids):
@@ -230,23 +143,3 @@ class Features:
                     code="invalid_value",
                 ) from None
         return texts
-
-    def _precompute_chunks(self, documents: list[str], system: str | None) -> list[dict[str, Any]]:
-        strategy = self.chunk_reuse()
-        try:
-            prompt = strategy.build_prompt(documents, "?", system=system)
-        except ValueError as e:
-            raise _bad(e, "documents") from e
-        self.engine.check_length(len(prompt.ids()))
-        strategy.warm(prompt)
-        from kvforge.rag import chunk_key
-
-        return [
-            {
-                "id": chunk_key(strategy.model_id, prompt.prefix_ids, chunk),
-                "object": "kv.document",
-                "mode": "chunks",
-                "tokens": len(chunk),
-            }
-            for chunk in prompt.chunk_ids
-        ]

@@ -1,4 +1,4 @@
-"""ASGI middleware: Bearer API key, request body size limit, per-request counters and latency."""
+"""ASGI middleware: shutdown answers, Bearer API key, request body size limit, per-request counters and latency."""
 
 from __future__ import annotations
 
@@ -15,15 +15,19 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/kv/do
 OPEN_PATHS = ("/health", "/metrics")  # no API key needed: probes and scrapers
 
 
-async def _send_error(send: Any, status: int, message: str, code: str, headers: list | None = None) -> None:
-    body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+async def _send_error(
+    send: Any, status: int, message: str, code: str, headers: list | None = None, kind: str = "invalid_request_error"
+) -> None:
+    body = json.dumps(error_body(message, kind, None, code)).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())] + (headers or [])
     await send({"type": "http.response.start", "status": status, "headers": head})
     await send({"type": "http.response.body", "body": body})
 
 
 class GuardMiddleware:
-    """Checks the API key and the body size before the app sees a request, and counts every answer.
+    """Checks the API key and the body size before the app sees a request, and counts every answer. While the server
+    drains after SIGTERM (``app.state.draining``, set by ``kvforge serve``), every new request is answered 503
+    ``shutting_down`` with ``Retry-After`` and ``Connection: close``: a client is told, never refused.
 
     Args:
         api_key: when set, paths other than :data:`OPEN_PATHS` need ``Authorization: Bearer <api_key>`` (else 401).
@@ -52,6 +56,16 @@ class GuardMiddleware:
             await send(message)
 
         try:
+            if getattr(getattr(scope.get("app"), "state", None), "draining", False):
+                await _send_error(
+                    send_counted,
+                    503,
+                    "the server is shutting down; retry on another replica",
+                    "shutting_down",
+                    [(b"retry-after", b"1"), (b"connection", b"close")],
+                    kind="server_error",
+                )
+                return
             if not self._authorized(scope, path):
                 await _send_error(
                     send_counted,

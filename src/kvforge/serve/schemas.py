@@ -3,6 +3,12 @@
 Every field a request may carry is listed here: any other (``logit_bias``, ``tools``, ``response_format``...) is a
 400 that names it, never silently ignored; so is an unknown key of the ``kvforge`` object (a typo is not a no-op).
 ``user`` is accepted: it names the end user and changes no output.
+
+This is the server's one edge for values: every id, count, ratio and sampling parameter is checked (or normalised)
+here, so the engine never sees a value it cannot use. Chunk ids follow the store's key rule
+(:data:`kvforge.names.STORE_KEY_PATTERN`: no path, NUL, wildcard or 10k-character id gets further); counts and token
+ids are bounded; a ``temperature`` below :data:`kvforge.decode.MIN_TEMPERATURE` (1e-5, vLLM's threshold) means greedy
+decoding, as 0 does (dividing logits by 1e-38 overflows to inf, and greedy is what such a temperature asks for).
 """
 
 from __future__ import annotations
@@ -12,11 +18,30 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
+
+from kvforge.decode import MIN_TEMPERATURE
+from kvforge.names import STORE_KEY_PATTERN
 
 REUSE_KINDS = ("prefix", "semantic", "none")
 RAG_METHODS = ("naive", "ape", "cacheblend", "cacheclip")
 SEMANTIC_MODES = ("canonical", "context")
+MAX_COUNT = 2**31 - 1  # the largest max_tokens / token id accepted (anything larger is surely a mistake)
+
+ChunkId = Annotated[str, StringConstraints(strict=True, max_length=200, pattern=STORE_KEY_PATTERN)]
+Name = Annotated[str, StringConstraints(strict=True, min_length=1, max_length=64)]  # press, quant: looked up later
+Count = Annotated[StrictInt, Field(ge=1, le=MAX_COUNT)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=MAX_COUNT)]
 
 
 class KVForgeOptions(BaseModel):
@@ -26,16 +51,16 @@ class KVForgeOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    press: StrictStr | None = None
+    press: Name | None = None
     compression_ratio: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] | None = None
     reuse: Literal["prefix", "semantic", "none"] | None = None
     semantic_mode: Literal["canonical", "context"] | None = None
     query_aware: StrictBool | None = None
-    quant: StrictStr | None = None  # how a compressed document is stored (query_aware=false + prefix reuse)
+    quant: Name | None = None  # how a compressed document is stored (query_aware=false + prefix reuse)
     rag: Literal["naive", "ape", "cacheblend", "cacheclip"] | None = None
     recompute_ratio: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
     chunks: Annotated[list[StrictStr], Field(min_length=1, max_length=256)] | None = None
-    chunk_ids: Annotated[list[StrictStr], Field(min_length=1, max_length=256)] | None = None
+    chunk_ids: Annotated[list[ChunkId], Field(min_length=1, max_length=256)] | None = None
 
 
 class StreamOptions(BaseModel):
@@ -51,8 +76,8 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: StrictStr
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # OpenAI's newer name for max_tokens
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None  # OpenAI's newer name for max_tokens
     presence_penalty: _Penalty | None = None
     frequency_penalty: _Penalty | None = None
     user: StrictStr | None = None
@@ -64,6 +89,12 @@ class _GenerationRequest(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     kvforge: KVForgeOptions | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_below_the_floor(cls, v: float | None) -> float | None:
+        """A temperature too small to divide logits by means greedy (0.0): the sampler never sees 1e-38."""
+        return 0.0 if v is not None and v < MIN_TEMPERATURE else v
 
     @field_validator("stop")
     @classmethod
@@ -95,7 +126,10 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: one raw prompt (text, or token ids), no chat template."""
 
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    # tried left to right: a 7 MiB list of token ids is validated once as ids (0.45 s), not against every member
+    prompt: Annotated[
+        StrictStr | list[TokenId] | list[StrictStr] | list[list[TokenId]], Field(union_mode="left_to_right")
+    ]
     echo: StrictBool = False
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
 
@@ -165,9 +199,9 @@ class DocumentsRequest(BaseModel):
     documents: Annotated[list[StrictStr], Field(min_length=1, max_length=256)]
     mode: Literal["prefix", "chunks"] = "prefix"
     system: StrictStr | None = None
-    press: StrictStr | None = None  # prefix mode: store each document compressed (query-agnostic) by this press
+    press: Name | None = None  # prefix mode: store each document compressed (query-agnostic) by this press
     compression_ratio: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)] | None = None
-    quant: StrictStr | None = None  # storage quantisation (none, int8, int4, int2; default: the store's)
+    quant: Name | None = None  # storage quantisation (none, int8, int4, int2; default: the store's)
 
     @field_validator("documents")
     @classmethod

@@ -13,8 +13,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvforge.errors import UserError
 from kvforge.paths import cache_dir, default_store_url
-from kvforge.redact import redact_url
-from kvforge.store.base import ByteStore, KVStore, check_key, parse_size
+from kvforge.redact import names_after_secret, redact_url, spilled_userinfo, split_urls
+from kvforge.store.base import ByteStore, ClearResult, KVStore, WriteLog, check_key, parse_size, track_writes
 from kvforge.store.codec import check_segment, decode, encode, quant_roundtrip
 from kvforge.store.disk import DiskStore
 from kvforge.store.memory import MemoryStore
@@ -25,12 +25,9 @@ _PARAMS = {
     "memory": {"max_bytes", "quant"},
     "file": {"max_bytes", "fsync", "quant", "read_only"},
     "redis": {"max_bytes", "chunk_bytes", "prefix", "quant", "timeout", "connect_timeout"},
-}
-# redis-py ``from_url`` options passed through to the client; anything else in a redis URL is an error
-_REDIS_CLIENT_PARAMS = {
-    "client_name", "health_check_interval", "password", "socket_keepalive", "ssl_ca_certs", "ssl_cert_reqs",
-    "ssl_certfile", "ssl_keyfile", "username",
-}  # fmt: skip
+}  # a redis URL's other options go to the client (kvforge.store.redis.client_options checks them)
+
+
 def _bool(value: str) -> bool:
     if value.lower() in ("1", "true", "yes", "on"):
         return True
@@ -51,11 +48,19 @@ def _number(name: str, text: str, low: float, high: float) -> float:
 
 def _open_one(url: str) -> ByteStore:
     shown = redact_url(url)
+    if spilled_userinfo(url) and ("@" in url or url.startswith("redis")):
+        raise UserError(
+            f"bad store URL {shown!r}: its user name or password holds a character that must be percent-encoded "
+            "('#' as %23, '?' as %3F, '/' as %2F, '@' as %40), or give the password as ?password=..."
+        )
     try:
         parts = urlsplit(url)
+    except ValueError:
+        raise UserError(f"bad store URL {shown!r}: cannot parse it (e.g. an unclosed '[' of an IPv6 host)") from None
+    try:
         parts.port  # noqa: B018 (validates the port)
-    except ValueError as e:
-        raise UserError(f"bad store URL {shown!r}: {e}") from None
+    except ValueError:  # its message would echo the text after ':', which may be a password
+        raise UserError(f"bad store URL {shown!r}: the port must be a number in 0..65535") from None
     scheme = "redis" if parts.scheme == "rediss" else parts.scheme
     if scheme not in _PARAMS or "://" not in url:
         raise UserError(
@@ -63,10 +68,16 @@ def _open_one(url: str) -> ByteStore:
             "redis://127.0.0.1:6379/0), or a comma-separated list of them for a tiered store"
         )
     params = dict(parse_qsl(parts.query, keep_blank_values=True))
-    unknown = set(params) - _PARAMS[scheme] - (_REDIS_CLIENT_PARAMS if scheme == "redis" else set())
-    if unknown:
-        allowed = sorted(_PARAMS[scheme] | (_REDIS_CLIENT_PARAMS if scheme == "redis" else set()))
-        raise UserError(f"unknown option(s) {sorted(unknown)} in store URL {shown!r}; {scheme} takes {allowed}")
+    unknown = set(params) - _PARAMS[scheme]
+    if unknown & names_after_secret(url):  # never name them: they may be part of the password
+        raise UserError(
+            f"bad store URL {shown!r}: an unknown option follows the password; if the password holds '&', write it "
+            "as %26"
+        )
+    if unknown and scheme != "redis":
+        raise UserError(
+            f"unknown option(s) {sorted(unknown)} in store URL {shown!r}; {scheme} takes {sorted(_PARAMS[scheme])}"
+        )
     kwargs: dict[str, Any] = {}
     try:
         if "max_bytes" in params:
@@ -90,7 +101,7 @@ def _open_one(url: str) -> ByteStore:
 
         db = parts.path.strip("/") or "0"
         if not db.isdigit() or int(db) > 65535:
-            raise ValueError(f"the database must be a number (redis://host:port/0), got {parts.path!r}")
+            raise ValueError("the database must be a number (redis://host:port/0)")
         if "chunk_bytes" in params:
             kwargs["chunk_bytes"] = parse_size(params["chunk_bytes"])
         if "prefix" in params:
@@ -99,7 +110,7 @@ def _open_one(url: str) -> ByteStore:
             kwargs["timeout_s"] = _number("timeout", params["timeout"], 0.01, 3600)
         if "connect_timeout" in params:
             kwargs["connect_timeout_s"] = _number("connect_timeout", params["connect_timeout"], 0.01, 3600)
-        client_query = urlencode({k: v for k, v in params.items() if k in _REDIS_CLIENT_PARAMS})
+        client_query = urlencode({k: v for k, v in params.items() if k in unknown})  # the client's own options
         client_url = urlunsplit((parts.scheme, parts.netloc, f"/{int(db)}", client_query, ""))
         return RedisStore(client_url, **kwargs)
     except (ValueError, OverflowError) as e:
@@ -113,7 +124,9 @@ def open_store(url: str) -> KVStore:
         UserError: unknown scheme or option.
         StoreUnavailableError: a single Redis store that cannot be reached (in a tiered store it is skipped instead).
     """
-    urls = [u.strip() for u in url.split(",") if u.strip()]
+    if not isinstance(url, str):
+        raise UserError(f"a store URL must be text, got {type(url).__name__}")
+    urls = split_urls(url)
     if not urls:
         raise UserError("empty store URL")
     stores = [_open_one(u) for u in urls]
@@ -126,10 +139,12 @@ def open_store(url: str) -> KVStore:
 __all__ = [
     "SCHEMES",
     "ByteStore",
+    "ClearResult",
     "DiskStore",
     "KVStore",
     "MemoryStore",
     "TieredStore",
+    "WriteLog",
     "check_key",
     "check_segment",
     "decode",
@@ -137,4 +152,5 @@ __all__ = [
     "encode",
     "open_store",
     "quant_roundtrip",
+    "track_writes",
 ]

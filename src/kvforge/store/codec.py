@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from kvforge.errors import CorruptSegmentError, ModelMismatchError
+from kvforge.store import transform
 from kvforge.store.checksum import checksum, default_algo, hasher
 from kvforge.store.payload import index_json, parse_index, read_payload, tensor_index, write_parts
 from kvforge.store.quant import (
@@ -39,13 +40,16 @@ from kvforge.store.quant import (
     quantize,
     quantize_groups,
 )
+from kvforge.store.transform import KVBasis, MissingBasisError, TransformScheme
 from kvforge.types import KVSegment
 
 FORMAT = "kvforge-segment"
-# 3: a plain safetensors file, the header in its metadata; 2: the header carries a checksum of itself
-# (``header_checksum``); 1: payload checksum only. 1 and 2 put a custom prefix before the safetensors bytes.
-VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# 4: head-wise layers stored without padding (valid entries only, mask as bits), transform coding (kvtc); 3: a plain
+# safetensors file, the header in its metadata; 2: the header carries a checksum of itself (``header_checksum``); 1:
+# payload checksum only. 1 and 2 put a custom prefix before the safetensors bytes. A segment that needs none of
+# version 4's layouts is written as version 3 (older readers still read it).
+VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 METADATA_KEY = "kvforge"  # the safetensors metadata entry holding the header
 MAGIC = b"KVFORGE\n"  # formats 1 and 2 start with it
 _PREFIX = struct.Struct("<8sQ")  # formats 1 and 2: magic, header length
@@ -65,7 +69,9 @@ def _dtype_from_name(name: str) -> torch.dtype:
 
 
 # ------------------------------------------------------------------------------------------------ encode
-def _layer_tensors(i: int, seg: KVSegment, quant: str | None) -> tuple[dict[str, Tensor], dict[str, Any]]:
+def _layer_tensors(
+    i: int, seg: KVSegment, quant: str | None, basis: KVBasis | None = None
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The payload tensors of layer ``i`` and its header entry."""
     k, v, p, m = (
         t.detach().cpu() if t is not None else None
@@ -82,6 +88,11 @@ def _layer_tensors(i: int, seg: KVSegment, quant: str | None) -> tuple[dict[str,
     }
     out: dict[str, Tensor] = {}
     scheme = parse_scheme(quant)
+    if isinstance(scheme, TransformScheme):
+        assert basis is not None
+        return _transform_tensors(i, k, v, p, m, scheme, basis, info), info
+    if scheme is None and m is not None:  # head-wise: the valid entries only, no padding
+        return _packed_tensors(i, k, v, p, m, info), info
     if scheme is None:
         out[f"k.{i}"], out[f"v.{i}"] = k, v
     elif isinstance(scheme, GroupScheme):
@@ -98,6 +109,80 @@ def _layer_tensors(i: int, seg: KVSegment, quant: str | None) -> tuple[dict[str,
     if m is not None:
         out[f"m.{i}"] = m.to(torch.bool)
     return out, info
+
+
+def _packed_tensors(i: int, k: Tensor, v: Tensor, p: Tensor, m: Tensor | None, info: dict[str, Any]) -> dict[str, Tensor]:
+    """A head-wise layer without its padding: the valid entries of every head, head after head (``k.{i}``
+    ``(N, D)``), their positions as per-head deltas (DEFLATE) and the mask as bits."""
+    mask = m.bool()
+    info["layout"] = "packed"
+    out = {f"k.{i}": k[mask], f"v.{i}": v[mask]}
+    out |= _compact_positions(i, p, mask, info)
+    return out
+
+
+def _compact_positions(i: int, p: Tensor, mask: Tensor | None, info: dict[str, Any]) -> dict[str, Tensor]:
+    """Positions of the valid entries (all entries without a mask) as DEFLATEd per-head int64 deltas (the first of
+    each head absolute); the mask as DEFLATEd bits."""
+    import zlib
+
+    rows = [p[h][mask[h]] if mask is not None else p[h] for h in range(p.shape[0])]
+    shared = mask is None and p.shape[0] > 1 and p.shape[1] > 0 and bool((p == p[:1]).all())
+    rows = rows[:1] if shared else rows
+    deltas = torch.cat([torch.diff(r.long(), prepend=r.new_zeros(1).long()) for r in rows]) if rows else p.new_zeros(0)
+    info["p_layout"], info["p_shared"] = "delta-deflate", shared
+    out = {f"p.{i}": _bytes_tensor(zlib.compress(deltas.numpy().astype("<i8").tobytes(), 6))}  # runs: LZ77 helps
+    if mask is not None:
+        out[f"m.{i}"] = _bytes_tensor(zlib.compress(np.packbits(mask.numpy().reshape(-1)).tobytes(), 6))
+    return out
+
+
+def _bytes_tensor(data: bytes) -> Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+
+
+def _transform_tensors(
+    i: int, k: Tensor, v: Tensor, p: Tensor, m: Tensor | None, scheme: TransformScheme, basis: KVBasis,
+    info: dict[str, Any],
+) -> dict[str, Tensor]:  # fmt: skip
+    """Layer ``i`` transform-coded (:mod:`kvforge.store.transform`): per KV head, the valid entries' keys (before
+    RoPE when the basis says so) and values as PCA coefficients with bits by variance, DEFLATEd."""
+    h, _, d = k.shape
+    if i >= basis.num_layers or tuple(basis.key_basis[i].shape) != (h, d, d) or basis.value_basis[i].shape[0] != h:
+        raise ValueError(f"layer {i}: KV of {h} heads x {d} dims does not fit the KV basis of {basis.model_id!r}")
+    mask = None if m is None else m.bool()
+    freq = basis.inv_freq[i]
+    out: dict[str, Tensor] = {}
+    streams: dict[str, list[bytes]] = {"k": [], "v": []}
+    side: dict[str, list[list[Tensor]]] = {"k": [[], [], []], "v": [[], [], []]}
+    exact: dict[str, list[Tensor]] = {"k": [], "v": []}
+    for head in range(h):
+        rows = mask[head] if mask is not None else slice(None)
+        positions = p[head][rows]
+        sink = positions < transform.SINKS  # attention sinks: outliers, kept as they are
+        exact["k"].append(k[head][rows][sink])
+        exact["v"].append(v[head][rows][sink])
+        keys = k[head][rows][~sink].float()
+        if freq is not None:
+            keys = transform.unrotate(keys, positions[~sink], freq)
+        parts = (
+            ("k", keys, basis.key_mean[i][head], basis.key_basis[i][head], scheme.key_bits),
+            ("v", v[head][rows][~sink].float(), basis.value_mean[i][head], basis.value_basis[i][head],
+             scheme.value_bits),
+        )  # fmt: skip
+        for name, x, mean, base, bits in parts:
+            data, b, lo, step = transform.encode_matrix(x, mean, base, bits)
+            streams[name].append(data)
+            for j, t in enumerate((b, lo, step)):
+                side[name][j].append(t)
+    info["layout"] = "kvtc"
+    for name in ("k", "v"):
+        info[f"{name}_sizes"] = [len(x) for x in streams[name]]
+        out[f"{name}.{i}"] = _bytes_tensor(b"".join(streams[name]))
+        out[f"{name}.{i}.bits"], out[f"{name}.{i}.min"], out[f"{name}.{i}.step"] = (torch.stack(t) for t in side[name])
+        out[f"{name}.{i}.exact"] = torch.cat(exact[name])
+    out |= _compact_positions(i, p, mask, info)
+    return out
 
 
 def _group_tensors(
@@ -140,33 +225,37 @@ def _group_layer(
 
 def quant_roundtrip(segment: KVSegment, quant: str | None) -> KVSegment:
     """``segment`` encoded under ``quant`` and decoded again, exactly as a store would (one home for "what does this
-    quantisation do to my KV"): ``quant=None`` returns a bit-exact copy. Accepts the names of
-    :func:`kvforge.store.quant.parse_scheme` (``int8``, ``int4``, ``int2-g64-r128``, ...)."""
+    quantisation do to my KV"): ``quant=None`` returns a bit-exact copy (head-wise padding as zeros). Accepts the
+    names of :func:`kvforge.store.quant.parse_scheme` (``int8``, ``int4``, ``int2-g64-r128``, ``kvtc-b2``, ...)."""
     return decode(bytearray(encode(segment, quant)))
 
 
 def encode_parts(
-    segment: KVSegment, quant: str | None = None, checksum_algo: str | None = None
+    segment: KVSegment, quant: str | None = None, checksum_algo: str | None = None, basis: KVBasis | None = None
 ) -> list[bytes | memoryview]:
     """The encoded segment as a list of buffers (write them in order; ``b"".join`` gives :func:`encode`).
 
     Args:
-        quant: None or an int8 mode of :data:`kvforge.store.quant.QUANT_MODES`.
+        quant: None, an int8 mode of :data:`kvforge.store.quant.QUANT_MODES`, ``int4``/``int2`` or ``kvtc``.
         checksum_algo: ``xxh3_128`` or ``sha256``; default xxh3_128 when ``xxhash`` is installed.
+        basis: ``kvtc`` only: the PCA basis to code with (default: the model's, :data:`kvforge.store.transform.BOOK`).
     """
     scheme = parse_scheme(quant)  # ValueError naming the choices for an unknown name
-    quant = scheme.name if isinstance(scheme, GroupScheme) else scheme
+    quant = scheme.name if isinstance(scheme, GroupScheme | TransformScheme) else scheme
+    if isinstance(scheme, TransformScheme) and basis is None:
+        basis = transform.BOOK.for_model(segment.model_id, sample=segment)
     tensors: dict[str, Tensor] = {}
     layers = []
     for i in range(segment.num_layers):
-        layer_tensors, info = _layer_tensors(i, segment, quant)
+        layer_tensors, info = _layer_tensors(i, segment, quant, basis)
         tensors |= layer_tensors
         layers.append(info)
     index, buffers = tensor_index(tensors)
     algo = checksum_algo or default_algo()
+    version4 = any("layout" in info for info in layers)
     header = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": VERSION if version4 else 3,
         "model_id": segment.model_id,
         "tokenizer_id": segment.meta.get("tokenizer_id"),
         "dtype": layers[0]["dtype"] if layers else None,
@@ -179,6 +268,7 @@ def encode_parts(
         "checksum_algo": algo,
         "checksum": checksum([index_json(index), *buffers], algo),  # tensor index + data
         "quant": quant,
+        "basis": basis.digest if isinstance(scheme, TransformScheme) and basis is not None else None,
         "layers": layers,
         "token_ids": [int(t) for t in segment.token_ids],
         "meta": segment.meta,
@@ -197,10 +287,13 @@ def _header_json(header: dict[str, Any]) -> bytes:
                       allow_nan=False).encode()  # fmt: skip
 
 
-def encode(segment: KVSegment, quant: str | None = None, checksum_algo: str | None = None) -> bytes:
-    """Encode a segment, optionally quantised (``"int8-channel"``, ``"int8-token"``, ``"int8-kivi"`` = ``"int8"``, or
-    group-wise ``"int4"``/``"int2"`` with ``-g<group>``/``-r<recent tokens>``: see :mod:`kvforge.store.quant`)."""
-    return b"".join(encode_parts(segment, quant, checksum_algo))
+def encode(
+    segment: KVSegment, quant: str | None = None, checksum_algo: str | None = None, basis: KVBasis | None = None
+) -> bytes:
+    """Encode a segment, optionally quantised (``"int8-channel"``, ``"int8-token"``, ``"int8-kivi"`` = ``"int8"``,
+    group-wise ``"int4"``/``"int2"`` with ``-g<group>``/``-r<recent tokens>``: see :mod:`kvforge.store.quant`; or
+    transform-coded ``"kvtc"``: see :mod:`kvforge.store.transform`)."""
+    return b"".join(encode_parts(segment, quant, checksum_algo, basis))
 
 
 # ------------------------------------------------------------------------------------------------ decode
@@ -334,6 +427,7 @@ def decode(
     verify: bool = True,
     payload_checksum: tuple[int, str] | None = None,
     parsed: Parsed | None = None,
+    basis_source: Any = None,
 ) -> KVSegment:
     """Decode bytes made by :func:`encode` into a CPU segment, bit-exact (quantised ones back in their dtype).
 
@@ -342,6 +436,8 @@ def decode(
     algorithm, computed by the caller while it read them (the disk store hashes each chunk as it arrives, while it is
     in cache); used instead of hashing again when ``offset`` is where the payload starts, ignored otherwise.
     ``parsed``: what :func:`payload_hasher` parsed from the first bytes of this same ``data`` (not parsed again).
+    ``basis_source``: ``fetch(blob key) -> bytes | None`` where a transform-coded segment's basis may be found besides
+    this process and the kvforge cache dir (a store passes its own blobs).
 
     Raises:
         ModelMismatchError: another format version, or not the expected model / tokenizer / dtype.
@@ -373,19 +469,34 @@ def decode(
             if digest != header["checksum"]:
                 raise CorruptSegmentError("segment checksum mismatch (the stored bytes were altered)")
         tensors = read_payload(payload) if index is None else read_payload(buf, (index, start))
-        return _segment_from(header, tensors)
+        basis = None
+        if header.get("basis"):
+            basis = transform.BOOK.by_digest(header["basis"], fetch=basis_source)
+            if basis is None:
+                raise MissingBasisError(
+                    f"the segment is transform-coded with KV basis {header['basis']}, which is neither in this "
+                    "process, the kvforge cache dir nor the store"
+                )
+        return _segment_from(header, tensors, basis)
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         if isinstance(e, CorruptSegmentError):
             raise
         raise CorruptSegmentError(f"segment payload does not match its header: {e}") from e
 
 
-def _segment_from(header: dict[str, Any], tensors: dict[str, Tensor]) -> KVSegment:
+def _segment_from(header: dict[str, Any], tensors: dict[str, Tensor], basis: KVBasis | None = None) -> KVSegment:
     keys, values, positions, valid = [], [], [], []
     quant = header.get("quant")
     scheme = parse_scheme(quant)
     for i, info in enumerate(header["layers"]):
         dtype, v_dtype = _dtype_from_name(info["dtype"]), _dtype_from_name(info["v_dtype"])
+        if "layout" in info:  # version 4: packed head-wise or transform-coded
+            k, v, p, m = _compact_layer(i, info, tensors, basis)
+            keys.append(k)
+            values.append(v)
+            positions.append(p)
+            valid.append(m)
+            continue
         m = tensors[f"m.{i}"] if info["valid"] else None
         if quant is None:
             k, v = tensors[f"k.{i}"], tensors[f"v.{i}"]
@@ -420,6 +531,74 @@ def _segment_from(header: dict[str, Any], tensors: dict[str, Tensor]) -> KVSegme
     )
 
 
+def _compact_layer(
+    i: int, info: dict[str, Any], tensors: dict[str, Tensor], basis: KVBasis | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Keys, values, positions and mask of a version-4 layer (padding slots zero, as every KVCache holds them)."""
+    import zlib
+
+    h, s, d = info["k_shape"]
+    dv = info["v_shape"][2]
+    dtype, v_dtype, p_dtype = (_dtype_from_name(info[x]) for x in ("dtype", "v_dtype", "p_dtype"))
+    mask = None
+    if info["valid"]:
+        bits = np.frombuffer(zlib.decompress(tensors[f"m.{i}"].numpy().tobytes()), dtype=np.uint8)
+        mask = torch.from_numpy(np.unpackbits(bits)[: h * s].astype(bool).reshape(h, s))
+    counts = [int(mask[x].sum()) for x in range(h)] if mask is not None else [s] * h
+    deltas = torch.from_numpy(np.frombuffer(zlib.decompress(tensors[f"p.{i}"].numpy().tobytes()), dtype="<i8").copy())
+    rows = list(torch.split(deltas, counts[:1] if info["p_shared"] else counts))
+    flat = torch.cat([r.cumsum(0) for r in rows]) if rows else deltas
+    if info["p_shared"]:
+        flat = flat.repeat(h)
+    if info["layout"] == "packed":
+        k_flat, v_flat = tensors[f"k.{i}"], tensors[f"v.{i}"]
+    else:
+        if basis is None:
+            raise CorruptSegmentError(f"layer {i} is transform-coded but the segment names no basis")
+        k_parts, v_parts, at_k, at_v, start, at_exact = [], [], 0, 0, 0, 0
+        freq = basis.inv_freq[i]
+        k_exact, v_exact = tensors[f"k.{i}.exact"], tensors[f"v.{i}.exact"]
+        for head, n in enumerate(counts):
+            positions = flat[start : start + n]
+            sink = positions < transform.SINKS
+            coded = int((~sink).sum())
+            k_head = _decode_head(tensors, info, "k", i, head, at_k, coded, basis.key_mean[i][head],
+                                  basis.key_basis[i][head])  # fmt: skip
+            if freq is not None:
+                k_head = transform.rotate(k_head, positions[~sink], freq)
+            v_head = _decode_head(tensors, info, "v", i, head, at_v, coded, basis.value_mean[i][head],
+                                  basis.value_basis[i][head])  # fmt: skip
+            num_exact = n - coded
+            k_full = torch.empty(n, d, dtype=dtype)
+            v_full = torch.empty(n, dv, dtype=v_dtype)
+            k_full[sink], k_full[~sink] = k_exact[at_exact : at_exact + num_exact], k_head.to(dtype)
+            v_full[sink], v_full[~sink] = v_exact[at_exact : at_exact + num_exact], v_head.to(v_dtype)
+            k_parts.append(k_full)
+            v_parts.append(v_full)
+            at_k += info["k_sizes"][head]
+            at_v += info["v_sizes"][head]
+            at_exact += num_exact
+            start += n
+        k_flat, v_flat = torch.cat(k_parts).to(dtype), torch.cat(v_parts).to(v_dtype)
+    if mask is None:
+        return k_flat.reshape(h, s, d), v_flat.reshape(h, s, dv), flat.reshape(h, s).to(p_dtype), None
+    k = torch.zeros(h, s, d, dtype=dtype)
+    v = torch.zeros(h, s, dv, dtype=v_dtype)
+    p = torch.zeros(h, s, dtype=p_dtype)
+    k[mask], v[mask], p[mask] = k_flat, v_flat, flat.to(p_dtype)
+    return k, v, p, mask
+
+
+def _decode_head(
+    tensors: dict[str, Tensor], info: dict[str, Any], name: str, i: int, head: int, at: int, n: int, mean: Tensor,
+    basis: Tensor,
+) -> Tensor:  # fmt: skip
+    size = info[f"{name}_sizes"][head]
+    data = tensors[f"{name}.{i}"].numpy()[at : at + size].tobytes()
+    bits, lo, step = (tensors[f"{name}.{i}.{x}"][head] for x in ("bits", "min", "step"))
+    return transform.decode_matrix(data, n, bits, lo, step, mean, basis)
+
+
 def summarize(header: dict[str, Any], stored_bytes: int | None = None) -> dict[str, Any]:
     """A small description of a stored segment (for ``kvforge cache ls`` and stats): no token ids, no layers."""
     meta = header.get("meta") or {}
@@ -440,21 +619,28 @@ def summarize(header: dict[str, Any], stored_bytes: int | None = None) -> dict[s
 
 
 def segments_equal(a: KVSegment, b: KVSegment) -> bool:
-    """Bit-exact equality of two segments (tensors with ``torch.equal``, dtypes included)."""
+    """Bit-exact equality of two segments (tensors with ``torch.equal``, dtypes included). In a head-wise layer (a
+    validity mask) only the valid entries are compared: padding slots hold nothing (stores keep them as zeros)."""
 
-    def same(x: Sequence[Tensor | None], y: Sequence[Tensor | None]) -> bool:
-        return len(x) == len(y) and all(
-            (s is None and t is None) or (s is not None and t is not None and s.dtype == t.dtype and torch.equal(s, t))
-            for s, t in zip(x, y, strict=True)
-        )
+    def same(x: Tensor | None, y: Tensor | None, m: Tensor | None) -> bool:
+        if x is None or y is None:
+            return x is None and y is None
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        return torch.equal(x, y) if m is None else torch.equal(x[m], y[m])
 
+    layers = len(a.keys) == len(b.keys) and all(
+        same(ma, mb, None)
+        and same(ka, kb, ma)
+        and same(va, vb, ma)
+        and same(pa, pb, ma)
+        for ka, kb, va, vb, pa, pb, ma, mb in zip(a.keys, b.keys, a.values, b.values, a.positions, b.positions,
+                                                  a.valid, b.valid, strict=True)
+    )  # fmt: skip
     return (
-        a.token_ids == b.token_ids
+        layers
+        and a.token_ids == b.token_ids
         and a.next_position == b.next_position
         and a.model_id == b.model_id
         and a.meta == b.meta
-        and same(a.keys, b.keys)
-        and same(a.values, b.values)
-        and same(a.positions, b.positions)
-        and same(a.valid, b.valid)
     )

@@ -8,7 +8,12 @@ Layout under the root folder::
     tmp/                             files being written (tmp + fsync + rename: a reader never sees a partial entry)
 
 The in-memory LRU index is rebuilt from the files on open (ordered by mtime) and re-synced from the folder when an
-eviction is due, so several processes can share one folder. Files that do not follow the layout are ignored.
+eviction is due, so several processes can share one folder. Files that do not follow the layout are ignored. Folders
+are made by the first write, never by opening: looking into a store (``kvforge cache ls``) creates nothing.
+
+Errors: every method raises what the file system raises (a read-only mount, a full disk, a quota, ``ulimit -f``,
+permissions...) after cleaning up after itself (a failed write leaves no file; the cleanup never raises a second
+error); :class:`~kvforge.store.base.ByteStore` turns them into misses and skipped writes, with one warning per cause.
 
 Stores written by kvforge before the hashed layout kept segments in ``segments/<key[:2]>/``: such files are moved into
 their hashed folder when a writable store scans the folder (on open, and on each re-scan, so a straggler written by an
@@ -32,14 +37,13 @@ import numpy as np
 
 from kvforge.errors import UserError
 from kvforge.store import buffers, codec
-from kvforge.store.base import _KEY_RE, ByteStore, Kind, check_key
+from kvforge.store.base import _KEY_RE, ByteStore, ClearResult, Kind, check_key
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DISK_BYTES = 10 * 1024**3
 SEG_SUFFIX, BLOB_SUFFIX, TMP_SUFFIX = ".kvseg", ".blob", ".tmp"
 STALE_TMP_S = 3600.0  # a tmp file older than this is a crashed write: removed on open
-_READ_ONLY_ERRNOS = (errno.EACCES, errno.EROFS, errno.EPERM)
 READ_CHUNK = 512 << 10  # read and hashed at once, while in the CPU's cache (a helper thread hashing 8 MiB chunks
 # behind the read was slower once reads fill recycled memory, and needs a free core: see docs/store.md)
 
@@ -82,23 +86,27 @@ def shard(key: str) -> str:
     return hashlib.blake2b(key.encode(), digest_size=1).hexdigest()
 
 
-def _is_read_only_error(e: BaseException) -> bool:
-    return isinstance(e, OSError) and e.errno in _READ_ONLY_ERRNOS
+def _discard(path: Path) -> None:
+    """Remove ``path`` if it is there: a cleanup, which never raises (on a read-only or vanished folder it does
+    nothing; the error being cleaned up after is the one reported)."""
+    with contextlib.suppress(OSError):
+        path.unlink()
 
 
 class DiskStore(ByteStore):
     """Entries as files under ``root``, least recently used evicted past ``max_bytes``.
 
     Args:
-        root: folder (created if missing).
+        root: folder (created by the first write if missing).
         max_bytes: bound on the bytes of segment files plus the partial writes in ``tmp/`` (a writer killed mid-write
             leaves one; it counts until it is removed, by age, when a store opens the folder). Blobs are not counted.
         fsync: fsync each file and its folder before the write returns (durable across power loss).
         quant: optional int8 quantisation of stored segments.
         rescan_s: on a write, re-read the folder's listing when the last scan is older than this, so files written
             by other processes count against ``max_bytes`` (it is always re-read before evicting).
-        read_only: serve hits, never write (``?read_only=1``); also switched on, with ONE warning, the first time the
-            folder refuses a write (a read-only mount, another user's folder): hits are still served.
+        read_only: serve hits, never write nor remove (``?read_only=1``). A folder that refuses writes without it (a
+            read-only mount, another user's folder, a full disk) serves hits too: each write is tried, and skipped
+            with one warning per cause.
     """
 
     scheme = "file"
@@ -122,18 +130,12 @@ class DiskStore(ByteStore):
         self._last_scan = 0.0
         self._last_ns = 0
         self._legacy: set[str] = set()  # keys still in the pre-hash layout (a read-only store cannot move them)
-        self._full_warned = False  # ONE warning per stretch of full-disk write failures
         self.read_only = read_only
         if read_only and not self.root.is_dir():
             raise UserError(f"read-only disk store {self.root} does not exist")
-        try:
-            for sub in ("segments", "blobs", "tmp"):
-                if not (self.root / sub).is_dir():
-                    (self.root / sub).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            if not (_is_read_only_error(e) and self.root.is_dir()):
-                raise UserError(f"cannot use {self.root} as a disk store: {e}") from e
-            self._went_read_only(e)
+        existing = next((p for p in (self.root, *self.root.parents) if p.exists()), self.root)
+        if not existing.is_dir():  # e.g. a path under a file: no write could ever succeed
+            raise UserError(f"cannot use {self.root} as a disk store: {existing} is not a folder")
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recently used first
         self._bytes = 0
         self._tmp_bytes = 0  # partial writes (other processes' in flight, or left by a killed writer)
@@ -196,11 +198,9 @@ class DiskStore(ByteStore):
             os.replace(old, new)  # keeps the mtime: the LRU order survives the move
         except FileNotFoundError:  # moved or removed meanwhile by another process
             return new if new.is_file() else None
-        except OSError as e:
-            if _is_read_only_error(e):
-                self._went_read_only(e)
-            elif not self._legacy:
-                log.warning("disk store: could not move %s into the hashed layout (%s); read in place", old, e)
+        except OSError as e:  # a read-only mount, a full disk...: read in place
+            if not self._legacy:
+                log.warning("disk store: could not move %s into the hashed layout (%s); read in place", old, e.strerror)
             self._legacy.add(key)
             return old
         self._legacy.discard(key)
@@ -222,10 +222,9 @@ class DiskStore(ByteStore):
                 total += p.stat().st_size
         return total
 
-    def _went_read_only(self, e: OSError) -> None:
-        if not self.read_only:
-            self.read_only = True
-            log.warning("disk store %s is read-only (%s): hits are served, writes are skipped", self.root, e.strerror)
+    @property
+    def display(self) -> str:
+        return str(self.root)
 
     def _remove_stale_tmp(self) -> None:
         if self.read_only:
@@ -270,21 +269,23 @@ class DiskStore(ByteStore):
                 self._bytes += size
         return data
 
-    def write(self, key: str, data: bytes, kind: Kind = "seg") -> None:
-        self.write_parts(key, [data], kind)
+    def write(self, key: str, data: bytes, kind: Kind = "seg") -> bool:
+        return self.write_parts(key, [data], kind)
 
-    def write_parts(self, key: str, parts: list[bytes | memoryview], kind: Kind = "seg") -> None:
+    def write_parts(self, key: str, parts: list[bytes | memoryview], kind: Kind = "seg") -> bool:
         check_key(key)
         size = sum(memoryview(p).nbytes for p in parts)
         if self.read_only:
-            return
+            return False
         if kind == "seg" and size > self.max_bytes:
             log.warning("disk store: entry %s (%d bytes) exceeds max_bytes=%d; not stored", key, size, self.max_bytes)
-            return
+            return False
         path = self.root / "segments" / shard(key) / f"{key}{SEG_SUFFIX}" if kind == "seg" else self.path(key, kind)
         tmp = self.root / "tmp" / f"{key}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)  # inside the try: a full disk here is handled too
+            for folder in (tmp.parent, path.parent):  # made by the first write (opening a store creates nothing)
+                if not folder.is_dir():
+                    folder.mkdir(parents=True, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             with open(fd, "wb") as f:
                 for part in parts:
@@ -294,25 +295,9 @@ class DiskStore(ByteStore):
                     os.fsync(f.fileno())
             self._stamp(tmp)
             os.replace(tmp, path)  # atomic: readers see the old file or the new one
-        except BaseException as e:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                # a cache that cannot grow is not an error for the caller; ONE warning until a write succeeds again
-                (log.debug if self._full_warned else log.warning)(
-                    "disk store: no space left for %s (%s); not stored (writes are skipped while the disk is full)",
-                    key,
-                    e.strerror,
-                )
-                self._full_warned = True
-                return
-            if _is_read_only_error(e):
-                self._went_read_only(e)  # type: ignore[arg-type]
-                return
+        except BaseException:
+            _discard(tmp)  # whatever failed (EROFS, ENOSPC, EFBIG, EDQUOT, EACCES, an interrupt): no partial file
             raise
-        if self._full_warned:
-            self._full_warned = False
-            log.warning("disk store %s: writes succeed again", self.root)
         if self.fsync:
             self._fsync_dir(path.parent)
         if kind == "seg":
@@ -322,6 +307,7 @@ class DiskStore(ByteStore):
                 self._index[key] = size
                 self._bytes += size
             self._evict(keep=key)
+        return True
 
     def _stamp(self, path: Path) -> None:
         """Set the mtime to now with ns precision, strictly increasing in this process (the kernel's own file
@@ -359,22 +345,16 @@ class DiskStore(ByteStore):
                 self._index.move_to_end(keep)
             while self._bytes + self._tmp_bytes > self.max_bytes and len(self._index) > 1:
                 old = next(iter(self._index))
-                self.remove(old)
+                self._forget(old)  # an entry that cannot be removed is not tried again by this eviction
+                self.discard(old)
                 self.num_evicted += 1
                 log.debug("disk store: evicted %s", old)
 
     def remove(self, key: str, kind: Kind = "seg") -> None:
         if self.read_only:
-            return
-        try:
+            raise OSError(errno.EROFS, "the store was opened read-only (?read_only=1)", str(self.root))
+        with contextlib.suppress(FileNotFoundError):
             self.path(key, kind).unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            if not _is_read_only_error(e):
-                raise
-            self._went_read_only(e)
-            return
         if kind == "seg":
             self._forget(key)
 
@@ -397,7 +377,7 @@ class DiskStore(ByteStore):
             return None
         return codec.read_header(prefix + rest)
 
-    def stored_size(self, key: str) -> int | None:
+    def stored_size_raw(self, key: str) -> int | None:
         try:
             return self.path(key).stat().st_size
         except FileNotFoundError:
@@ -411,11 +391,10 @@ class DiskStore(ByteStore):
                 if key in self._index:
                     self._index.move_to_end(key)
 
-    def clear(self) -> None:
-        if self.read_only:
-            raise UserError(f"disk store {self.root} is read-only: nothing was cleared")
-        super().clear()
+    def clear(self) -> ClearResult:
+        result = super().clear()
         self._remove_stale_tmp()
+        return result
 
     def usage(self) -> dict[str, Any]:
         self._rescan()

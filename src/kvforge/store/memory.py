@@ -42,17 +42,17 @@ class MemoryStore(ByteStore):
                 self._entries.move_to_end(key)
             return data
 
-    def write(self, key: str, data: bytes, kind: Kind = "seg") -> None:
+    def write(self, key: str, data: bytes, kind: Kind = "seg") -> bool:
         data = bytes(data)
         with self.lock:
             if kind == "blob":
                 self._blobs[check_key(key)] = data
-                return
+                return True
             if len(data) > self.max_bytes:
                 log.warning(
                     "memory store: entry %s (%d bytes) exceeds max_bytes=%d; not stored", key, len(data), self.max_bytes
                 )
-                return
+                return False
             self.remove(key)
             self._entries[key] = data
             self._bytes += len(data)
@@ -61,6 +61,7 @@ class MemoryStore(ByteStore):
                 self._bytes -= len(old_data)
                 self.num_evicted += 1
                 log.debug("memory store: evicted %s (%d bytes)", old, len(old_data))
+        return True
 
     def remove(self, key: str, kind: Kind = "seg") -> None:
         with self.lock:
@@ -78,7 +79,7 @@ class MemoryStore(ByteStore):
         with self.lock:
             return list(self._blobs if kind == "blob" else self._entries)
 
-    def stored_size(self, key: str) -> int | None:
+    def stored_size_raw(self, key: str) -> int | None:
         data = self._entries.get(key)
         return None if data is None else len(data)
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvforge.store.transform import TransformScheme, parse_transform
+
 # mode -> (axis for keys, axis for values)
 QUANT_MODES = {
     "int8-channel": ("channel", "channel"),
@@ -75,24 +77,36 @@ class GroupScheme:
             f"-r{self.residual}" if self.residual else "")  # fmt: skip
 
 
-def parse_scheme(quant: str | None) -> str | GroupScheme | None:
-    """``None`` / an int8 mode name / a :class:`GroupScheme`; ``ValueError`` with the choices for an unknown name."""
+def parse_scheme(quant: str | None) -> str | GroupScheme | TransformScheme | None:
+    """``None`` / an int8 mode name / a :class:`GroupScheme` / a :class:`~kvforge.store.transform.TransformScheme`
+    (``kvtc...``); ``ValueError`` with the choices for an unknown name."""
     if quant in (None, "", "none"):
         return None
     if quant == "int8":
         return "int8-kivi"
     if quant in QUANT_MODES:
         return quant
+    transform = parse_transform(str(quant))
+    if transform is not None:
+        return transform
     m = _GROUP_RE.match(str(quant))
     if m is None:
         raise ValueError(
             f"unknown quantisation {quant!r}; choose from none, int8, {', '.join(sorted(QUANT_MODES))}, int4, int2 "
-            "(int4/int2 take -g<group size> and -r<recent tokens kept in full precision>, e.g. int4-g64-r128)"
+            "(int4/int2 take -g<group size> and -r<recent tokens kept in full precision>, e.g. int4-g64-r128), kvtc "
+            "(transform coding: -b<bits per element>, default 2, or -k<bits>-v<bits>, e.g. kvtc-b1.5)"
         )
     group = int(m["g"] or DEFAULT_GROUP)
     if group < 4 or group % 4:
         raise ValueError(f"quantisation {quant!r}: the group size must be a positive multiple of 4, got {group}")
     return GroupScheme(int(m["bits"]), group, int(m["r"] or 0))
+
+
+def canonical_quant(quant: str | None) -> str | None:
+    """The canonical name of a quantisation (``int8`` -> ``int8-kivi``, ``int4-g32`` -> ``int4``, ``kvtc-b2`` ->
+    ``kvtc``), None for full precision; ``ValueError`` for an unknown name."""
+    scheme = parse_scheme(quant)
+    return scheme.name if isinstance(scheme, GroupScheme | TransformScheme) else scheme
 
 
 def pack_bits(codes: Tensor, bits: int) -> Tensor:

@@ -18,6 +18,7 @@ recently used entries are evicted past that many bytes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
@@ -25,12 +26,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
-from urllib.parse import urlsplit
 
-from kvforge.errors import StoreUnavailableError, redis_unavailable
-from kvforge.redact import redact_url
+from kvforge.errors import StoreUnavailableError, UserError, redis_unavailable
+from kvforge.redact import redact_text, redact_url
 from kvforge.store import codec
-from kvforge.store.base import ByteStore, Kind
+from kvforge.store.base import ByteStore, Kind, describe_error
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,86 @@ return 1
 """
 
 
+# string-valued options of redis-py's connections that a URL may carry (those it parses itself are added at run time:
+# redis.connection.URL_QUERY_ARGUMENT_PARSERS); each is passed through only if the installed client's connection class
+# for the URL's scheme takes it (ssl_* need rediss://)
+_STRING_OPTIONS = (
+    "username", "password", "client_name", "lib_name", "lib_version", "ssl_keyfile", "ssl_certfile", "ssl_cert_reqs",
+    "ssl_ca_certs", "ssl_ca_path", "ssl_ca_data", "ssl_password", "ssl_ciphers", "ssl_ocsp_expected_cert",
+)  # fmt: skip
+_OWN_OPTIONS = ("timeout", "retry_on_error")  # kvforge's `timeout` is the socket timeout; an error list is not text
+
+
+def _keywords(cls: type) -> set[str]:
+    """Keyword arguments accepted by ``cls`` and its bases (redis-py passes ``**kwargs`` up the chain)."""
+    import inspect
+
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            names |= {n for n, p in inspect.signature(init).parameters.items() if p.kind is p.KEYWORD_ONLY
+                      or p.kind is p.POSITIONAL_OR_KEYWORD} - {"self"}  # fmt: skip
+    return names
+
+
+def client_options(url: str) -> dict[str, Any]:
+    """The options redis-py's ``from_url`` would read from ``url`` (its own parser), checked against what the
+    installed client takes for the URL's scheme: an unknown option, an SSL option on a plain ``redis://`` URL or a
+    value the client cannot parse is a one-line :class:`UserError` (never a TypeError at the first command)."""
+    from redis import connection
+
+    shown = redact_url(url)
+    try:
+        options = connection.parse_url(url)
+    except ValueError as e:  # redis-py's messages name the option, not its value
+        raise UserError(f"bad store URL {shown}: {redact_text(str(e))}") from None
+    conn_class = options.pop("connection_class", connection.Connection)
+    takes = _keywords(conn_class) | _keywords(connection.ConnectionPool)
+    passable = (set(connection.URL_QUERY_ARGUMENT_PARSERS) | set(_STRING_OPTIONS)) - set(_OWN_OPTIONS)
+    for name in sorted(options):
+        if name in ("host", "port", "db", "username", "password"):
+            continue
+        if name not in passable:
+            raise UserError(
+                f"unknown option {name!r} in store URL {shown}; redis:// also takes the client's options "
+                f"{', '.join(sorted(passable & takes))}"
+            )
+        if name not in takes:
+            needs = "rediss:// (TLS)" if name.startswith("ssl") else "another redis client version"
+            raise UserError(f"option {name!r} in store URL {shown} needs {needs}")
+    _check_files(options, shown)
+    return options
+
+
+def _check_files(options: dict[str, Any], shown: str) -> None:
+    """TLS files named in the URL exist (the client would raise a TypeError or OSError at its first command)."""
+    from pathlib import Path
+
+    for name, kind in (("ssl_keyfile", "file"), ("ssl_certfile", "file"), ("ssl_ca_certs", "file"),
+                       ("ssl_ca_path", "folder")):  # fmt: skip
+        value = options.get(name)
+        if value is not None and not (Path(value).is_file() if kind == "file" else Path(value).is_dir()):
+            raise UserError(f"{name} in store URL {shown}: no such {kind} {redact_text(str(value))!r}")
+    if options.get("ssl_keyfile") and not options.get("ssl_certfile"):
+        raise UserError(f"ssl_keyfile in store URL {shown} needs ssl_certfile (the certificate of that key)")
+
+
+def client_from_url(url: str, connect_timeout_s: float, timeout_s: float) -> Any:
+    """A redis-py client for ``url`` whose options were checked (:func:`client_options`) and whose connection was
+    built once (not connected) so that a bad value fails now, in one line."""
+    import redis
+
+    client_options(url)
+    client = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s)
+    pool = client.connection_pool
+    try:
+        pool.connection_class(**pool.connection_kwargs).disconnect()
+    except (TypeError, ValueError, redis.exceptions.RedisError) as e:
+        raise UserError(f"bad store URL {redact_url(url)}: {redact_text(str(e))}") from None
+    return client
+
+
 class RedisStore(ByteStore):
     """A store in Redis through the ``redis`` client (``pip install 'kvforge[store]'``).
 
@@ -84,8 +164,8 @@ class RedisStore(ByteStore):
         timeout_s: how long one socket read or write may wait (a hung server is then unavailable, never a stall).
 
     Once opened, a Redis that stops answering is a miss for reads and a skipped write, with ONE warning per outage
-    (and one when it answers again): a request never fails because its cache tier went away. The URL appears in
-    messages only redacted (``redis://:***@host``).
+    (and one when it answers again; the rule of :class:`~kvforge.store.base.ByteStore`): a request never fails because
+    its cache tier went away. The URL appears in messages only redacted (``redis://***@host``).
     """
 
     scheme = "redis"
@@ -112,83 +192,40 @@ class RedisStore(ByteStore):
         self.url, self.max_bytes, self.chunk_bytes, self.prefix = url, max_bytes, chunk_bytes, prefix
         self.display_url = redact_url(url)
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
-        self._response_error = redis.exceptions.ResponseError
-        self._down = False
-        self._failed_at = 0.0
-        self.retry_s = 5.0  # after a failed call, answer misses at once for this long before asking Redis again
-        self.client = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s)
+        self._redis_error = redis.exceptions.RedisError
+        self.io_errors = (*ByteStore.io_errors, redis.exceptions.RedisError)  # e.g. OOM under maxmemory, NOAUTH
+        self.retry_s = 5.0  # after an outage, answer misses at once for this long before asking Redis again
+        self.client = client_from_url(url, connect_timeout_s, timeout_s)
         self._commit_script = self.client.register_script(_COMMIT)
         self._remove_script = self.client.register_script(_REMOVE)
 
     def __repr__(self) -> str:
         return f"RedisStore({self.display_url!r})"
 
+    @property
+    def display(self) -> str:
+        return self.display_url
+
     @contextmanager
     def _guard(self) -> Iterator[None]:
         try:
             yield
         except self._errors as e:
-            raise redis_unavailable(self.display_url, self._scrub(str(e))) from e
+            raise redis_unavailable(self.display_url, redact_text(str(e))) from e
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         with self._guard():
             return fn()
 
-    def _scrub(self, text: str) -> str:
-        """``text`` without the URL's password (client errors name the host only, but never trust that)."""
-        password = urlsplit(self.url).password
-        return text.replace(password, "***") if password else text
-
     def ping(self) -> None:
         try:
             self._call(self.client.ping)
-        except self._response_error as e:  # e.g. "DB index is out of range"
-            message = f"Redis store {self.display_url} refused the connection: {self._scrub(str(e))}"
+        except self._redis_error as e:  # e.g. "DB index is out of range", a wrong password
+            message = f"Redis store {self.display_url} refused the connection: {redact_text(str(e))}"
             raise StoreUnavailableError(message) from None
-
-    def _soft(self, fn: Callable[[], Any], default: Any) -> Any:
-        """``fn()``, or ``default`` with one warning per outage when Redis does not answer (dead or hung).
-
-        After a failure Redis is not asked again for ``retry_s`` seconds, so an outage costs one timeout, not one
-        per call."""
-        if self._down and time.monotonic() < self._failed_at + self.retry_s:
-            return default
-        try:
-            out = fn()
-        except StoreUnavailableError as e:
-            self._failed_at = time.monotonic()
-            if not self._down:
-                self._down = True
-                log.warning("%s: reads are misses and writes are skipped until it answers again", e)
-            return default
-        if self._down:
-            self._down = False
-            log.warning("Redis store %s is available again", self.display_url)
-        return out
-
-    def get(self, key: str) -> Any:
-        return self._soft(lambda: super(RedisStore, self).get(key), None)
-
-    def put(self, key: str, segment: Any, quant: str | None = None) -> None:
-        self._soft(lambda: super(RedisStore, self).put(key, segment, quant), None)
-
-    def contains(self, key: str) -> bool:
-        return bool(self._soft(lambda: super(RedisStore, self).contains(key), False))
-
-    def keys(self) -> list[str]:
-        return list(self._soft(lambda: super(RedisStore, self).keys(), []))
-
-    def get_blob(self, key: str) -> bytes | None:
-        return self._soft(lambda: super(RedisStore, self).get_blob(key), None)
-
-    def put_blob(self, key: str, data: bytes) -> None:
-        self._soft(lambda: super(RedisStore, self).put_blob(key, data), None)
-
-    def delete_blob(self, key: str) -> None:
-        self._soft(lambda: super(RedisStore, self).delete_blob(key), None)
-
-    def blob_keys(self) -> list[str]:
-        return list(self._soft(lambda: super(RedisStore, self).blob_keys(), []))
+        except (TypeError, ValueError, OSError) as e:  # the client could not even connect (e.g. a TLS setting)
+            message = f"Redis store {self.display_url} cannot connect: {type(e).__name__}: {redact_text(str(e))}"
+            raise StoreUnavailableError(message) from None
 
     def close(self) -> None:
         self.client.close()
@@ -239,12 +276,12 @@ class RedisStore(ByteStore):
             return None
         return bytearray().join(chunks)
 
-    def write(self, key: str, data: bytes, kind: Kind = "seg") -> None:
+    def write(self, key: str, data: bytes, kind: Kind = "seg") -> bool:
         view = memoryview(data).cast("B")
         size = view.nbytes
         if kind == "seg" and self.max_bytes is not None and size > self.max_bytes:
             log.warning("redis store: entry %s (%d bytes) exceeds max_bytes=%d; not stored", key, size, self.max_bytes)
-            return
+            return False
         meta: dict[str, Any] = {
             "nonce": secrets.token_hex(6),
             "chunks": -(-size // self.chunk_bytes),
@@ -265,16 +302,20 @@ class RedisStore(ByteStore):
                     args=[json.dumps(meta), key, size, repr(meta["time"]), self._data_prefix(key, kind),
                           int(kind == "seg")],
                 )  # fmt: skip
-        except self._response_error as e:  # e.g. OOM under maxmemory: a failed write is not fatal
-            log.warning("redis store: could not write %s (%s)", key, e)
-            self._call(lambda: self.client.delete(*chunk_keys) if chunk_keys else 0)
-            return
+        except self._redis_error:  # e.g. OOM under maxmemory: the rule skips the write; its chunks go now
+            with contextlib.suppress(self._redis_error, StoreUnavailableError):
+                self._call(lambda: self.client.delete(*chunk_keys) if chunk_keys else 0)
+            raise
         if not committed:  # a chunk was dropped (maxmemory) between the two steps: nothing was committed
             log.warning("redis store: %s lost data before its commit (Redis maxmemory?); not stored", key)
             self._call(lambda: self.client.delete(*chunk_keys) if chunk_keys else 0)
-            return
+            return False
         if kind == "seg":
-            self._evict(keep=key)
+            try:
+                self._evict(keep=key)
+            except self.io_errors as e:  # the entry is stored; the eviction is tried again by the next write
+                log.debug("redis store: eviction after %s failed: %s", key, describe_error(e))
+        return True
 
     def _evict(self, keep: str) -> None:
         if self.max_bytes is None:
@@ -289,7 +330,7 @@ class RedisStore(ByteStore):
                 break
             if old == keep:
                 continue
-            self.remove(old)
+            self.discard(old)
             total -= sizes.get(old, 0)
             self.num_evicted += 1
             log.debug("redis store: evicted %s", old)
@@ -314,10 +355,10 @@ class RedisStore(ByteStore):
         self._call(lambda: self.client.zadd(self._lru(), {key: time.time()}, xx=True))
 
     def describe(self, key: str) -> dict[str, Any] | None:
-        meta = self._soft(lambda: self._meta(key, "seg"), None)  # the summary travels in the metadata: no data
+        meta = self._io("read", key, lambda: self._meta(key, "seg"), None)  # the summary is in the metadata: no data
         return None if meta is None else meta.get("summary")
 
-    def stored_size(self, key: str) -> int | None:
+    def stored_size_raw(self, key: str) -> int | None:
         meta = self._meta(key, "seg")
         return None if meta is None else int(meta["bytes"])
 

@@ -4,8 +4,10 @@ Promotion into the memory tier is immediate; into slower tiers (a Redis hit copi
 thread, so a hit is not delayed by a disk write; ``flush()`` waits for it (``close()`` too, and so does interpreter
 exit: the worker finishes its queue).
 
-A tier that becomes unreachable (Redis down) is skipped with ONE warning; it is retried after ``retry_s`` and a
-recovery is logged. Entries move between tiers as encoded bytes (no decode/encode on promotion).
+Each tier applies the stores' one rule for I/O errors (:class:`~kvforge.store.base.ByteStore`): a tier that cannot
+read is a miss and the next tier is asked, a tier that cannot write (Redis down, a full or read-only disk) is skipped
+with ONE warning per cause, and a recovery is logged. A tier found down when the store opens is warned about then.
+Entries move between tiers as encoded bytes (no decode/encode on promotion).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from typing import Any
 
 from kvforge.errors import StoreUnavailableError
 from kvforge.store import codec
-from kvforge.store.base import ByteStore, Kind, check_key, summarize_entries, wrap_blob
+from kvforge.store.base import ByteStore, ClearResult, Kind, check_key, describe_error, summarize_entries, wrap_blob
 from kvforge.store.memory import MemoryStore
+from kvforge.store.transform import basis_for_put
 from kvforge.types import KVSegment
 
 log = logging.getLogger(__name__)
@@ -48,7 +51,13 @@ class TieredStore:
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvforge-promote")
         self._pending: list[Future] = []
         for i, tier in enumerate(tiers):
-            self._run(i, tier.ping, None)  # warn now, at open, if a tier is already down
+            try:
+                tier.ping()
+            except StoreUnavailableError as e:  # warn now, at open, once: the tier's own rule then stays quiet
+                log.warning("tiered store: tier %d (%s) is unavailable, continuing without it: %s", i, tier.scheme, e)
+                tier.mark_unavailable(e)
+                self._down_until[i] = time.monotonic() + self.retry_s
+                self._warned.add(i)
 
     # ------------------------------------------------------------------------------------------ availability
     def _available(self, i: int) -> bool:
@@ -84,7 +93,7 @@ class TieredStore:
         """The first tier holding a readable copy answers; the bytes are then copied into the faster tiers."""
         check_key(key)
         for i, tier in enumerate(self.tiers):
-            data = self._run(i, partial(tier.read, key), None)
+            data = tier.load(key)
             if data is None:
                 tier.misses += 1
                 continue
@@ -102,7 +111,7 @@ class TieredStore:
     def _promote(self, i: int, key: str, data: bytes, kind: Kind = "seg") -> None:
         """Copy an entry found in tier ``i`` into the faster tiers (memory now, others in the background)."""
         for j in range(i):
-            write = partial(self._run, j, partial(self.tiers[j].write, key, data, kind), None)
+            write = partial(self.tiers[j].save, key, [data], kind)
             if isinstance(self.tiers[j], MemoryStore):
                 write()
             else:
@@ -120,52 +129,59 @@ class TieredStore:
         tiers' own)."""
         check_key(key)
         encoded: dict[str | None, list[bytes | memoryview]] = {}
-        for i, tier in enumerate(self.tiers):
+        for tier in self.tiers:
             tier_quant = tier.quant if quant is None else quant
             if tier_quant not in encoded:
-                encoded[tier_quant] = codec.encode_parts(segment, tier_quant)
-            self._run(i, partial(tier.write_parts, key, encoded[tier_quant]), None)
+                basis = basis_for_put(self, segment, tier_quant)  # kvtc: its basis kept as a blob of every tier
+                encoded[tier_quant] = codec.encode_parts(segment, tier_quant, basis=basis)
+            tier.save(key, encoded[tier_quant])
 
     def contains(self, key: str) -> bool:
         check_key(key)
-        return any(self._run(i, partial(t.has, key), False) for i, t in enumerate(self.tiers))
+        return any(t.contains(key) for t in self.tiers)
 
     def touch(self, key: str) -> None:
-        for i, t in enumerate(self.tiers):
-            self._run(i, partial(t.touch, key), None)
+        for t in self.tiers:
+            t.touch(key)
 
     def delete(self, key: str) -> None:
         check_key(key)
-        for i, t in enumerate(self.tiers):
-            self._run(i, partial(t.remove, key), None)
+        for t in self.tiers:
+            t.discard(key)
 
     def keys(self) -> list[str]:
         seen: dict[str, None] = {}
-        for i, t in enumerate(self.tiers):
-            seen.update(dict.fromkeys(self._run(i, t.keys, [])))
+        for t in self.tiers:
+            seen.update(dict.fromkeys(t.keys()))
         return list(seen)
 
     def describe(self, key: str) -> dict[str, Any] | None:
-        for i, t in enumerate(self.tiers):
-            found = self._run(i, partial(_describe, t, key), None)
+        for t in self.tiers:
+            found = t.describe(key) if t.contains(key) else None
             if found is not None:
                 return found
         return None
 
-    def clear(self) -> None:
+    def clear(self) -> ClearResult:
+        """Clear every tier; a tier that cannot be reached is reported as not cleared (key ``tier <i>``)."""
+        result = ClearResult()
         for i, t in enumerate(self.tiers):
-            self._run(i, t.clear, None)
+            try:
+                result += t.clear()
+            except t.io_errors as e:
+                result.failed[f"tier {i} ({t.scheme})"] = describe_error(e)
+        return result
 
     def put_blob(self, key: str, data: bytes) -> None:
         check_key(key)
         wrapped = wrap_blob(data)
-        for i, t in enumerate(self.tiers):
-            self._run(i, partial(t.write, key, wrapped, "blob"), None)
+        for t in self.tiers:
+            t.save(key, [wrapped], "blob")
 
     def get_blob(self, key: str) -> bytes | None:
         check_key(key)
         for i, t in enumerate(self.tiers):
-            found = self._run(i, partial(t.get_blob, key), None)
+            found = t.get_blob(key)
             if found is not None:
                 self._promote(i, key, wrap_blob(found), "blob")
                 return found
@@ -173,13 +189,13 @@ class TieredStore:
 
     def blob_keys(self) -> list[str]:
         seen: dict[str, None] = {}
-        for i, t in enumerate(self.tiers):
-            seen.update(dict.fromkeys(self._run(i, t.blob_keys, [])))
+        for t in self.tiers:
+            seen.update(dict.fromkeys(t.blob_keys()))
         return list(seen)
 
     def delete_blob(self, key: str) -> None:
-        for i, t in enumerate(self.tiers):
-            self._run(i, partial(t.delete_blob, key), None)
+        for t in self.tiers:
+            t.discard(key, "blob")
 
     def stats(self, deep: bool = False) -> dict[str, Any]:
         """Overall hits/misses, plus each tier's own stats (``hits`` there = requests that tier answered)."""
@@ -212,10 +228,6 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _describe(tier: ByteStore, key: str) -> dict[str, Any] | None:
-    return tier.describe(key) if tier.has(key) else None
 
 
 def _logged(fn: Callable[[], Any]) -> None:

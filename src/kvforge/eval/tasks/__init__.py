@@ -14,7 +14,13 @@ from kvforge.eval.data import Example
 from kvforge.eval.tasks.base import Measure, TaskConfig
 from kvforge.eval.tasks.longbench import QA_SETS, SUMM_SETS, leval_task, longbench_task
 from kvforge.eval.tasks.musique import musique_task
-from kvforge.eval.tasks.needle import multi_needle_task, needle_docs_task, needle_task
+from kvforge.eval.tasks.needle import (
+    multi_needle_task,
+    narrative_multi_task,
+    narrative_needle_task,
+    needle_docs_task,
+    needle_task,
+)
 from kvforge.eval.tasks.ruler import common_words_task, ruler_mix, variable_tracking_task
 from kvforge.eval.tasks.semantic import semantic_long_task, semantic_task
 from kvforge.eval.tasks.squad import squad_task
@@ -25,6 +31,8 @@ TASKS: dict[str, Callable[[TaskConfig], list[Example]]] = {
     "needle": needle_task,
     "needle-docs": needle_docs_task,
     "needle-multi": multi_needle_task,
+    "needle-narrative": narrative_needle_task,
+    "needle-multi-narrative": narrative_multi_task,
     "ruler-mk": partial(needle_task, variant="mk"),
     "ruler-mv": partial(needle_task, variant="mv"),
     "ruler-mq": partial(needle_task, variant="mq"),

@@ -2,7 +2,11 @@
 
 A needle is RULER's sentence "One of the special magic numbers for {key} is: {value}." inserted into natural text
 (by default the Paul Graham essays, then the Gutenberg novels, of ``data_dir/haystack_*``; without them the
-public-domain Moby-Dick excerpt shipped in ``kvforge/data``). The context is
+public-domain Moby-Dick excerpt shipped in ``kvforge/data``). ``needle-narrative`` uses other wordings instead
+(:data:`WORDINGS`): a plain statement that could sit in the story ("Mr. Hale kept the spare key of the chapel in a
+tin box under stone number 4417."), asked about in its own words, so that a method tuned to RULER's one template is
+seen to carry over or not. A haystack file ``books.jsonl#pride_and_prejudice`` reads only that row of a JSONL file.
+The context is
 ``length`` units long (model tokens with a tokenizer, else characters, see :class:`~.base.Measure`); the queried
 needle starts ``depth`` of the way through the haystack, moved to the nearest sentence boundary (at most
 ``SNAP_WINDOW`` characters away) so no sentence is cut. Everything is drawn from ``TaskConfig.seed``.
@@ -12,7 +16,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import re
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -37,17 +43,112 @@ NOUNS = tuple(
 VARIANTS = {"single": (1, 1, 1), "mk": (4, 1, 1), "mv": (1, 4, 1), "mq": (4, 1, 4)}  # (keys, values/key, queried)
 
 
+@dataclass(frozen=True)
+class Wording:
+    """A needle that is a plain statement of the story, its question and the start of the answer.
+
+    The templates take ``{who}`` (a title and surname), ``{what}`` (a thing of the wording's ``things``) and
+    ``{value}`` (a number in ``[low, high]``, or one of ``words``).
+    """
+
+    needle: str
+    question: str
+    prefix: str
+    things: tuple[str, ...]
+    low: int = 1000
+    high: int = 9999
+    words: tuple[str, ...] = ()
+
+    def draw(self, rng: random.Random) -> dict[str, str]:
+        who = f"{rng.choice(TITLES)} {rng.choice(SURNAMES)}"
+        value = rng.choice(self.words) if self.words else str(rng.randint(self.low, self.high))
+        return {"who": who, "what": rng.choice(self.things), "value": value}
+
+
+TITLES = ("Mr.", "Mrs.", "Miss", "Captain", "Doctor")
+SURNAMES = tuple(
+    str.split(
+        "Hale Pendry Ashcombe Thorne Vickery Marlow Quill Fenwick Braddock Cotterell Drummond Everard Galloway "
+        "Hartigan Ingram Jessop Kettering Lumley Northcott Ormsby Pilbeam Rackham Stanhope Tolliver Wainwright"
+    )
+)
+# plain statements of a story, asked about in their own words (none says "special magic number")
+WORDINGS: dict[str, Wording] = {
+    "key": Wording(
+        "{who} kept the spare key of the {what} in a tin box under the stone marked {value}.",
+        "Under which stone did {who} keep the spare key of the {what}?",
+        "{who} kept the spare key of the {what} under the stone marked",
+        ("chapel", "boathouse", "granary", "old mill", "vestry", "counting-house"),
+    ),
+    "schooner": Wording(
+        "The schooner that {who} bought that spring was entered in the harbour register of {what} as number {value}.",
+        "As what number was the schooner that {who} bought entered in the harbour register?",
+        "The schooner that {who} bought was entered in the harbour register as number",
+        ("Whitby", "Falmouth", "Leith", "Bristol", "Dundee", "Harwich"),
+        low=100_000,
+        high=999_999,
+    ),
+    "debt": Wording(
+        "When the accounts were settled at last, {who} found that {what} still owed {value} pounds.",
+        "How many pounds did {what} still owe {who} when the accounts were settled?",
+        "When the accounts were settled, {what} still owed",
+        ("the miller", "the vicar", "the blacksmith", "the landlord", "the schoolmaster", "the ferryman"),
+    ),
+    "room": Wording(
+        "The room that {who} took at the {what} was number {value}, at the top of the back stairs.",
+        "What was the number of the room that {who} took at the {what}?",
+        "The room that {who} took at the {what} was number",
+        ("Blue Boar", "Golden Fleece", "Crown and Anchor", "Red Lion", "Three Feathers", "White Hart"),
+        low=100,
+        high=999,
+    ),
+    "password": Wording(
+        "The word that {who} had to whisper at the gate of the {what} was {value}.",
+        "What was the word that {who} had to whisper at the gate of the {what}?",
+        "The word that {who} had to whisper at the gate of the {what} was",
+        ("walled garden", "old priory", "lower orchard", "cemetery", "stable yard", "deer park"),
+        words=("marigold", "tinderbox", "juniper", "lodestar", "quicksilver", "periwinkle", "saltpetre", "hawthorn",
+               "candlewick", "bergamot", "pennyroyal", "cormorant"),  # fmt: skip
+    ),
+    "born": Wording(
+        "{who} was born in the year {value}, in a farmhouse near {what}.",
+        "In what year was {who} born?",
+        "{who} was born in the year",
+        ("Ashford", "Carlow", "Dunmore", "Hexham", "Kelso", "Ludlow"),
+        low=1701,
+        high=1899,
+    ),
+}
+
+
 @lru_cache(maxsize=4)
 def read_haystack(files: tuple[Path, ...]) -> str:
-    """The text of haystack files (plain text, or JSONL with a ``text`` field per line), joined in order."""
+    """The text of haystack files (plain text, or JSONL with a ``text`` field per line), joined in order.
+
+    ``books.jsonl#row_id`` reads only the JSONL row whose ``id`` is ``row_id`` (one book of a collection)."""
     texts: list[str] = []
     for path in files:
-        if path.suffix == ".jsonl":
-            with path.open(encoding="utf-8") as f:
-                texts.extend(json.loads(line)["text"] for line in f if line.strip())
+        file, row = split_row(path)
+        if file.suffix == ".jsonl":
+            with file.open(encoding="utf-8") as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            picked = [r["text"] for r in rows if row is None or r.get("id") == row]
+            if not picked:
+                ids = ", ".join(str(r.get("id")) for r in rows)
+                raise UserError(f"haystack {file} has no row with id {row!r} (ids: {ids})")
+            texts.extend(picked)
         else:
-            texts.append(path.read_text(encoding="utf-8"))
+            texts.append(file.read_text(encoding="utf-8"))
     return "\n\n".join(t.strip() for t in texts)
+
+
+def split_row(path: Path) -> tuple[Path, str | None]:
+    """``books.jsonl#pride_and_prejudice`` -> (``books.jsonl``, ``"pride_and_prejudice"``); other paths: (path, None)."""
+    text = str(path)
+    if "#" in Path(text).name:
+        file, row = text.rsplit("#", 1)
+        return Path(file), row
+    return Path(text), None
 
 
 def load_haystack(cfg: TaskConfig) -> str:
@@ -55,7 +156,7 @@ def load_haystack(cfg: TaskConfig) -> str:
     files = tuple(cfg.haystack) if cfg.haystack else tuple(haystack_files(cfg.data_dir))
     if not files:
         raise UserError(f"no haystack files under {cfg.data_dir}/haystack_* nor in the package (set --haystack)")
-    missing = [str(f) for f in files if not Path(f).is_file()]
+    missing = [str(f) for f in files if not split_row(Path(f))[0].is_file()]
     if missing:
         raise UserError(f"haystack file(s) not found: {', '.join(missing)}")
     text = read_haystack(files)
@@ -165,6 +266,84 @@ def needle_task(cfg: TaskConfig, variant: str = "single") -> list[Example]:
     ]
 
 
+def make_narrative_example(cfg: TaskConfig, name: str, length: int, depth: float, index: int) -> Example:
+    """One needle of wording ``name`` (:data:`WORDINGS`) in ``length`` units of haystack at ``depth``."""
+    wording = WORDINGS[name]
+    rng = cfg.rng("needle-narrative", name, length, depth, index)
+    measure = Measure(cfg.tokenizer)
+    fields = wording.draw(rng)
+    needle = wording.needle.format(**fields)
+    needle_size = measure.size(" " + needle + " ")
+    if needle_size >= length:
+        raise UserError(f"needle length {length} is too short for the needle ({needle_size} units)")
+    hay = filler_text(load_haystack(cfg), length - needle_size, measure, rng.random())
+    at = measure.prefix_chars(hay, round(depth * measure.size(hay)))
+    # a statement of the story starts where a sentence ends (a line break of a wrapped book is no sentence end)
+    ends = [m.end() for m in _STORY_SENTENCE_END.finditer(hay, max(0, at - 4 * SNAP_WINDOW), at + 4 * SNAP_WINDOW)]
+    end = min(ends, key=lambda e: abs(e - at)) if ends else None
+    context = insert_needles(hay, [needle], [depth], measure)[0] if end is None else f"{hay[:end]}{needle} {hay[end:]}"
+    prefix = wording.prefix.format(**fields)
+    return Example(
+        id=f"needle-narrative-{name}-L{length}-d{depth:.2f}-{index}",
+        context=context,
+        question=wording.question.format(**fields),
+        answers=[fields["value"]],
+        metric="contains",
+        task="needle-narrative",
+        max_new_tokens=24,
+        answer_prefix=prefix[0].upper() + prefix[1:],
+        needles=[needle],
+    )
+
+
+def narrative_needle_task(cfg: TaskConfig, wordings: tuple[str, ...] = tuple(WORDINGS)) -> list[Example]:
+    """The lengths x depths x samples grid with the narrative wordings, taken in turn (each cell its own wording)."""
+    cells = [(n, d, i) for n in cfg.lengths for d in cfg.depths for i in range(cfg.num_samples)]
+    offset = cfg.rng("needle-narrative-order").randrange(len(wordings))
+    return [
+        make_narrative_example(cfg, wordings[(offset + j) % len(wordings)], n, d, i)
+        for j, (n, d, i) in enumerate(cells)
+    ]
+
+
+def narrative_multi_task(cfg: TaskConfig, num_needles: int = 4) -> list[Example]:
+    """``needle-multi`` with narrative needles: per length and sample ONE document holding ``num_needles`` statements
+    of different wordings at evenly spread depths (each at a sentence end), one question per needle."""
+    measure = Measure(cfg.tokenizer)
+    out = []
+    for length in cfg.lengths:
+        for index in range(cfg.num_samples):
+            rng = cfg.rng("needle-multi-narrative", length, index)
+            names = rng.sample(list(WORDINGS), min(num_needles, len(WORDINGS)))
+            drawn = [(n, WORDINGS[n].draw(rng)) for n in names]
+            needles = [WORDINGS[n].needle.format(**f) for n, f in drawn]
+            hay = filler_text(load_haystack(cfg), length - sum(measure.size(" " + x + " ") for x in needles), measure,
+                              rng.random())  # fmt: skip
+            context = hay
+            for j in reversed(range(len(needles))):  # insert from the end so earlier offsets stay valid
+                at = measure.prefix_chars(context, round((j + 0.5) / len(needles) * measure.size(context)))
+                ends = [m.end() for m in _STORY_SENTENCE_END.finditer(context, max(0, at - 4 * SNAP_WINDOW),
+                                                                       at + 4 * SNAP_WINDOW)]  # fmt: skip
+                at = min(ends, key=lambda e: abs(e - at)) if ends else at
+                context = f"{context[:at]}{needles[j]} {context[at:]}"
+            for j, ((name, fields), needle) in enumerate(zip(drawn, needles, strict=True)):
+                prefix = WORDINGS[name].prefix.format(**fields)
+                out.append(
+                    Example(
+                        id=f"needle-multi-narrative-L{length}-{index}-q{j}",
+                        context=context,
+                        question=WORDINGS[name].question.format(**fields),
+                        answers=[fields["value"]],
+                        metric="contains",
+                        task="needle-multi-narrative",
+                        max_new_tokens=24,
+                        answer_prefix=prefix[0].upper() + prefix[1:],
+                        needles=[needle],
+                    )
+                )
+    return out
+
+
 def multi_needle_task(cfg: TaskConfig, num_needles: int = 4) -> list[Example]:
     """Per length and sample, ONE document holding ``num_needles`` needles at evenly spread depths and one question
     per needle: examples share their context (the "store once, ask many" case of :mod:`kvforge.eval.stored`)."""
@@ -203,6 +382,8 @@ NUM_DOCS = 10
 
 
 _SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]?\s+")
+# a sentence end that is no abbreviation ("Mrs. Bennet"), followed by the start of the next sentence
+_STORY_SENTENCE_END = re.compile(r"(?<!\bMr)(?<!\bMrs)(?<!\bDr)(?<!\bSt)(?<!\bMs)[.!?][\"'\u201d\u2019)\]]?\s+(?=[\"\u201c]?[A-Z])")
 
 
 def _sentence_end_near(text: str, pos: int, lo: int, hi: int) -> int | None:

@@ -9,20 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from kvforge.cache import AttentionHook, KVCache
 from kvforge.prefill import forward, sort_by_position
-from kvforge.rag.assemble import Assembly, build_cache, truncated
-from kvforge.rag.attend import APEAttention
-from kvforge.rag.aux import AuxScorer, select_top
-from kvforge.rag.chunks import RagPrompt
-
-if TYPE_CHECKING:
-    from kvforge.reuse.rag import ChunkReuse
+from kvforge.reuse.rag.assemble import Assembly, ChunkSource, build_cache, truncated
+from kvforge.reuse.rag.attend import APEAttention
+from kvforge.reuse.rag.aux import AuxScorer, select_top
+from kvforge.reuse.rag.prompt import RagPrompt
 
 EARLY_CHUNK_SIZE = 512  # CacheBlend's early-layer pass runs the prompt in chunks of this many tokens
 
@@ -52,7 +49,7 @@ class ChunkMethod(Protocol):
 
     name: str
 
-    def select(self, reuse: ChunkReuse, prompt: RagPrompt) -> Selection: ...
+    def select(self, reuse: ChunkSource, prompt: RagPrompt) -> Selection: ...
 
 
 def _nothing(asm: Assembly) -> Tensor:
@@ -72,7 +69,7 @@ class NaiveStrategy:
 
     name: str = "naive"
 
-    def select(self, reuse: ChunkReuse, prompt: RagPrompt) -> Selection:
+    def select(self, reuse: ChunkSource, prompt: RagPrompt) -> Selection:
         asm = reuse.load(prompt)
         return Selection(asm, _nothing(asm))
 
@@ -93,7 +90,7 @@ class APEStrategy:
         if self.temperature <= 0 or self.scale <= 0:
             raise ValueError("APE temperature and scale must be > 0")
 
-    def select(self, reuse: ChunkReuse, prompt: RagPrompt) -> Selection:
+    def select(self, reuse: ChunkSource, prompt: RagPrompt) -> Selection:
         asm = reuse.load(prompt, ape=True)
         p, end = asm.prefix_len, asm.prefix_len + max(len(c) for c in prompt.chunk_ids)
 
@@ -124,7 +121,7 @@ class CacheBlendStrategy:
         if self.check_layer < 0:
             raise ValueError("check_layer must be >= 0")
 
-    def select(self, reuse: ChunkReuse, prompt: RagPrompt) -> Selection:
+    def select(self, reuse: ChunkSource, prompt: RagPrompt) -> Selection:
         asm = reuse.load(prompt)
         check = min(self.check_layer, reuse.num_layers - 1)
         # early layers: every non-prefix token, over the prefix only
@@ -160,7 +157,7 @@ class CacheClipStrategy:
     """
 
     recompute_ratio: float = 0.2
-    aux: ChunkReuse | None = None
+    aux: ChunkSource | None = None
     window_size: int = 8
     window_threshold: int = 5
     name: str = "cacheclip"
@@ -169,16 +166,16 @@ class CacheClipStrategy:
     def __post_init__(self) -> None:
         _check_ratio(self.recompute_ratio)
 
-    def _scorer(self, reuse: ChunkReuse) -> AuxScorer:
+    def _scorer(self, reuse: ChunkSource) -> AuxScorer:
         aux = self.aux if self.aux is not None else reuse
         return self._scorers.setdefault(id(aux), AuxScorer(aux))
 
-    def warm(self, reuse: ChunkReuse, prompt: RagPrompt) -> None:
+    def warm(self, reuse: ChunkSource, prompt: RagPrompt) -> None:
         """Precompute the auxiliary model's chunks (when it will score)."""
         if 0.0 < self.recompute_ratio < 1.0:
             self._scorer(reuse).warm(prompt)
 
-    def select(self, reuse: ChunkReuse, prompt: RagPrompt) -> Selection:
+    def select(self, reuse: ChunkSource, prompt: RagPrompt) -> Selection:
         asm = reuse.load(prompt)
         recompute = _nothing(asm)
         if self.recompute_ratio >= 1.0:
@@ -198,7 +195,7 @@ class FixedSelection:
     chosen: Tensor
     name: str = "fixed"
 
-    def select(self, reuse: ChunkReuse, prompt: RagPrompt) -> Selection:
+    def select(self, reuse: ChunkSource, prompt: RagPrompt) -> Selection:
         asm = reuse.load(prompt)
         if self.chosen.shape != (prompt.num_context_tokens,):
             raise ValueError(f"selection of {tuple(self.chosen.shape)} for {prompt.num_context_tokens} context tokens")

@@ -34,7 +34,7 @@ class APEAttention:
     def __call__(
         self, module: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool,
         scaling: float | None, softcap: float | None,
-    ) -> Tensor:
+    ) -> Tensor:  # fmt: skip
         scores = attention_scores(query, key, mask, is_causal, scaling, softcap)  # (B, H, Q, K)
         _, _, pos, _ = self.cache.layers[module.layer_idx].view()  # (B, H_kv, K)
         pos = pos.repeat_interleave(query.shape[1] // pos.shape[1], 1)[:, :, None, :]  # (B, H, 1, K)
@@ -69,7 +69,7 @@ class AttentionCapture:
     def __call__(
         self, module: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool,
         scaling: float | None, softcap: float | None,
-    ) -> Tensor:
+    ) -> Tensor:  # fmt: skip
         probs = torch.softmax(attention_scores(query, key, mask, is_causal, scaling, softcap), dim=-1)
         if module.layer_idx in self.layers:
             q_pos = self.cache.query_positions

@@ -1,31 +1,31 @@
 """RAG chunk reuse as a reuse strategy: stored chunk KV assembled at new positions, selected tokens recomputed.
 
-``ChunkReuse.plan`` loads the prefix and chunks of a :class:`~kvforge.rag.RagPrompt` (computing and storing the
-misses), re-rotates their keys to their offsets in this prompt, and lists the tokens left to run: the ones its
-method recomputes (CacheBlend, CacheClip), the separators and the question, each with its position. ``Engine``
-executes that plan like any other (:meth:`kvforge.engine.Engine.prefill_plan`), so RAG answers, evaluation rows and
-server requests all go through ``Engine``:
-
->>> rag = ChunkReuse(model, tokenizer, method=make_strategy("cacheclip", 0.2))  # doctest: +SKIP
->>> Engine(model, tokenizer).answer_chunks(docs, "Who wrote it?", rag=rag)  # doctest: +SKIP
+``ChunkReuse.plan`` loads the prefix and chunks of a :class:`~kvforge.reuse.rag.prompt.RagPrompt` (computing and
+storing the misses), re-rotates their keys to their offsets in this prompt, and lists the tokens left to run: the
+ones its method recomputes (CacheBlend, CacheClip), the separators and the question, each with its position. The
+engine runs that list as one step unit (:func:`kvforge.prefill.prefill_at`), then decodes the request with the others.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvforge.cache import KVCache
 from kvforge.errors import UserError
 from kvforge.model import model_fingerprint
-from kvforge.rag.assemble import Assembly, assemble, build_cache
-from kvforge.rag.chunks import ChunkCache, RagPrompt, SegmentStore, build_prompt
-from kvforge.rag.rope import RopeSpec, rope_spec
-from kvforge.rag.strategies import ChunkMethod, FullStrategy, make_strategy
 from kvforge.reuse.base import PromptContext, ReusePlan, miss_plan
+from kvforge.reuse.rag.assemble import Assembly, assemble, build_cache
+from kvforge.reuse.rag.chunks import ChunkCache
+from kvforge.reuse.rag.methods import ChunkMethod, FullStrategy, make_strategy
+from kvforge.reuse.rag.prompt import RagPrompt, build_prompt
+from kvforge.reuse.rag.rope import RopeSpec, rope_spec
+
+if TYPE_CHECKING:
+    from kvforge.store.base import KVStore
 
 
 @dataclass
@@ -57,34 +57,33 @@ class ChunkPlan(ReusePlan):
         return super().summary() | {"recomputed_tokens": self.recomputed_tokens, "fresh_tokens": self.fresh_tokens}
 
 
+@dataclass(eq=False)
 class ChunkReuse:
     """Reuse of per-chunk KV (RAG): each document chunk is prefilled once, after the shared prefix, and stored.
 
     Args:
         model, tokenizer: the model the chunks are computed with (CacheBlend runs it, CacheClip scores with it).
-        store: where chunk KV lives (any :class:`kvforge.store.KVStore`; default: an in-process dict).
+        store: where chunk KV lives (a :class:`kvforge.store.KVStore`; default: an in-memory store).
         model_id: fingerprint used in chunk keys (default: :func:`kvforge.model.model_fingerprint`).
-        method: a :data:`kvforge.rag.STRATEGIES` option or its name (``naive``, ``ape``, ``cacheblend``,
+        method: a :data:`kvforge.reuse.rag.STRATEGIES` option or its name (``naive``, ``ape``, ``cacheblend``,
             ``cacheclip``; ``full`` reuses nothing).
         recompute_ratio: with a method name, the share of chunk tokens that CacheBlend/CacheClip recompute.
     """
 
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        store: SegmentStore | None = None,
-        model_id: str | None = None,
-        method: ChunkMethod | FullStrategy | str = "naive",
-        recompute_ratio: float | None = None,
-    ) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.model_id = model_id or model_fingerprint(model, tokenizer)
-        self.chunks = ChunkCache(model, self.model_id, store)
-        self.method = make_strategy(method, recompute_ratio) if isinstance(method, str) else method
+    model: Any
+    tokenizer: Any
+    store: KVStore | None = None
+    model_id: str = ""
+    method: ChunkMethod | FullStrategy | str = "naive"
+    recompute_ratio: float | None = None
+    on_chunk_loaded: Callable[[int, int], None] | None = None  # progress: (chunk tokens done, total)
+
+    def __post_init__(self) -> None:
+        self.model_id = self.model_id or model_fingerprint(self.model, self.tokenizer)
+        self.chunks = ChunkCache(self.model, self.model_id, self.store)
+        if isinstance(self.method, str):
+            self.method = make_strategy(self.method, self.recompute_ratio)
         self._rope: RopeSpec | None = None
-        self.on_chunk_loaded: Callable[[int, int], None] | None = None  # progress: (chunk tokens done, total)
 
     @property
     def name(self) -> str:
@@ -103,15 +102,9 @@ class ChunkReuse:
             self._rope = rope_spec(self.model)
         return self._rope
 
-    def build_prompt(
-        self,
-        docs: Sequence[str],
-        question: str,
-        system: str | None = None,
-        separator: str = "\n\n",
-        answer_prefix: str = "",
-    ) -> RagPrompt:
-        return build_prompt(self.tokenizer, list(docs), question, system, separator, answer_prefix)
+    def build_prompt(self, docs: Sequence[str], question: str, **options: Any) -> RagPrompt:
+        """The prompt's pieces with this strategy's tokenizer (``options``: see :func:`build_prompt`)."""
+        return build_prompt(self.tokenizer, list(docs), question, **options)
 
     def warm(self, prompt: RagPrompt) -> None:
         """Precompute and store the prefix and chunks of ``prompt`` (and the auxiliary model's, for CacheClip)."""
@@ -144,7 +137,9 @@ class ChunkReuse:
     ) -> ReusePlan:
         """Assemble the chunks of ``context`` (the :class:`RagPrompt` whose ``ids()`` are ``token_ids``)."""
         if not isinstance(context, RagPrompt):
-            raise UserError("RAG chunk reuse needs the prompt's chunks: use Engine.answer_chunks, not generate/answer")
+            raise UserError(
+                "RAG chunk reuse needs the prompt's chunks: a Request whose prompt is Chunks(texts, question)"
+            )
         if list(token_ids) != context.ids():
             raise ValueError("token ids are not the RAG prompt's")
         if isinstance(self.method, FullStrategy):

@@ -8,18 +8,13 @@ of ``window_size`` tokens holding more than ``window_threshold`` selected ones (
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
 from kvforge.prefill import prefill_at
-from kvforge.rag.assemble import build_cache
-from kvforge.rag.attend import AttentionCapture
-from kvforge.rag.chunks import RagPrompt
-
-if TYPE_CHECKING:
-    from kvforge.reuse.rag import ChunkReuse
+from kvforge.reuse.rag.assemble import ChunkSource, build_cache
+from kvforge.reuse.rag.attend import AttentionCapture
+from kvforge.reuse.rag.prompt import RagPrompt, build_prompt
 
 
 def map_scores(
@@ -67,11 +62,11 @@ class AuxScorer:
     token (CacheClip).
     """
 
-    def __init__(self, aux: ChunkReuse) -> None:
+    def __init__(self, aux: ChunkSource) -> None:
         self.aux = aux
 
     def aux_prompt(self, prompt: RagPrompt) -> RagPrompt:
-        return self.aux.build_prompt(prompt.chunk_texts, prompt.question, prompt.system, prompt.separator)
+        return build_prompt(self.aux.tokenizer, prompt.chunk_texts, prompt.question, prompt.system, prompt.separator)
 
     def warm(self, prompt: RagPrompt) -> None:
         self.aux.chunks.warm(self.aux_prompt(prompt))

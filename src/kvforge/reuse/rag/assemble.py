@@ -13,15 +13,29 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from kvforge.cache import KVCache
-from kvforge.rag.chunks import RagPrompt
-from kvforge.rag.rope import RopeSpec
+from kvforge.reuse.rag.chunks import ChunkCache
+from kvforge.reuse.rag.prompt import RagPrompt
+from kvforge.reuse.rag.rope import RopeSpec
 from kvforge.types import KVSegment
+
+
+class ChunkSource(Protocol):
+    """What RAG methods and the auxiliary scorer use of a chunk reuse strategy (:class:`ChunkReuse` is one)."""
+
+    model: Any
+    tokenizer: Any
+    chunks: ChunkCache
+
+    @property
+    def num_layers(self) -> int: ...
+
+    def load(self, prompt: RagPrompt, ape: bool = False) -> Assembly: ...
 
 
 @dataclass
@@ -129,13 +143,24 @@ def build_cache(
 
     ``overrides[l] = (keys, values)`` ``(H_kv, S_c, D)`` replaces layer l's reused KV (CacheBlend's fresh layers).
     """
-    cache = KVCache.for_model(model)
     keep = ~recompute[asm.cached_idx]  # (S_c,)
-    pos = asm.positions[asm.cached_idx][keep]
-    device = next(model.parameters()).device
-    for li, layer in enumerate(cache.layers):
+    pos = asm.positions[asm.cached_idx][keep]  # (S_kept,)
+    keys, values = [], []
+    for li in range(len(asm.keys)):
         k, v = overrides[li] if overrides and li in overrides else (asm.keys[li], asm.values[li])
-        layer.replace(k[:, keep][None].to(device), v[:, keep][None].to(device), pos[None].to(device))
+        keys.append(k[:, keep])
+        values.append(v[:, keep])
+    segment = KVSegment(
+        token_ids=asm.ids[asm.cached_idx][keep].tolist(),
+        keys=keys,
+        values=values,
+        positions=[pos[None].expand(k.shape[0], -1) for k in keys],
+        valid=[None] * len(keys),
+        next_position=int(pos.max()) + 1 if pos.numel() else 0,
+    )
+    device = next(model.parameters()).device
+    cache = KVCache.from_segments([segment], model, device=device)
+    cache.token_ids = []  # tokens in prompt order are set once the plan's recomputation ran
     return cache
 
 

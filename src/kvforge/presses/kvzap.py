@@ -1,0 +1,251 @@
+"""KVzap-style learned scorer (NVIDIA, arXiv 2601.07891): KVzip+ scores predicted from hidden states, no replay.
+
+KVzip+ (:class:`~kvforge.presses.kvzip.KVzipPress` with ``value_aware=True``) scores every entry by the max attention
+it receives while the model repeats the context, times its projected value contribution: the best query-agnostic
+ranking kvforge has, at the price of a second pass over the context (~1.8-1.9x the prefill). KVzap replaces the
+replay by a small model per layer that reads the layer's attention input (``hidden_states`` of the token, after the
+input norm) and predicts the log KVzip+ score of the token's entry in each KV head: one ``(hidden, H_kv)`` linear
+map (``kind="linear"``) or a 2-layer MLP with 64 hidden units (``kind="mlp"``). The predictions are computed by the
+prefill's own hooks, chunk by chunk, so scoring costs a matmul per layer and chunk (under 1% of the prefill for the
+linear model on SmolLM2-135M) and the selection is KVzip's: one top-k over every (layer, KV head, token), the chat
+template header and the first ``keep_first`` entries always kept.
+
+The model is trained by kvforge on the model's own replay scores (:mod:`kvforge.presses.kvzap_train`): on the
+public-domain sample text shipped with kvforge by default (or a user's files, ``kvforge presses train``), once per
+model fingerprint, and saved as a small safetensors file under ``<kvforge cache dir>/kvzap/`` (a file made for
+another model is refused). ``KVzapPress(model="path.safetensors")`` loads a shipped file instead.
+
+Departures from the paper: trained on kvforge's own KVzip+ scores (chunk-normalised replay x ``||V W_O||_1`` over
+its layer mean) on a small sample, not on Nemotron pre-training data; used with a ratio (a fixed budget) and
+KVzip's global top-k instead of a score threshold.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvforge.errors import UserError
+from kvforge.paths import cache_dir
+from kvforge.presses.base import LayerContext, Needs, ScorerPress, Selection, num_kept
+from kvforge.presses.kvzip import BUDGETS, max_pool, top_entries
+
+logger = logging.getLogger(__name__)
+FORMAT = "kvforge-kvzap/1"
+KINDS = ("linear", "mlp")
+MLP_HIDDEN = 64
+
+
+def model_path(fingerprint: str, kind: str, folder: Path | None = None) -> Path:
+    """Where the trained scorer of ``kind`` for the model with ``fingerprint`` lives."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", fingerprint)
+    return (folder if folder is not None else cache_dir() / "kvzap") / f"{safe}-{kind}.safetensors"
+
+
+@dataclass
+class KVzapModel:
+    """Per-layer predictors of log KVzip+ scores from a layer's attention input.
+
+    Args:
+        kind: ``"linear"`` (``w1`` ``(H_kv, hidden)``, ``b1`` ``(H_kv,)``) or ``"mlp"`` (``w1`` ``(64, hidden)``, ``b1``,
+            then SiLU, ``w2`` ``(H_kv, 64)``, ``b2``).
+        fingerprint: the model these predict for (:func:`kvforge.model.model_fingerprint`).
+        layers: per model layer, its parameters, or None for a layer that is not compressed (sliding window).
+        info: how it was trained (texts, tokens, seconds, validation), saved with it.
+    """
+
+    kind: str
+    fingerprint: str
+    layers: list[dict[str, Tensor] | None]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        self._on: dict[torch.device, list[dict[str, Tensor] | None]] = {}
+
+    def predict(self, layer: int, hidden_states: Tensor) -> Tensor | None:
+        """Log-score ``(B, H_kv, Q)`` of each token's entry from ``hidden_states`` ``(B, Q, hidden)``; None for a
+        layer without a predictor."""
+        params = self._params(hidden_states.device)
+        p = params[layer] if layer < len(params) else None
+        if p is None:
+            return None
+        x = hidden_states.float()
+        y = torch.addmm(p["b1"], x.reshape(-1, x.shape[-1]), p["w1"].T)
+        if self.kind == "mlp":
+            y = torch.addmm(p["b2"], torch.nn.functional.silu(y), p["w2"].T)
+        return y.view(*x.shape[:2], -1).transpose(1, 2)
+
+    def _params(self, device: torch.device) -> list[dict[str, Tensor] | None]:
+        if device not in self._on:
+            self._on[device] = [
+                None if p is None else {k: v.to(device=device, dtype=torch.float32) for k, v in p.items()}
+                for p in self.layers
+            ]
+        return self._on[device]
+
+    def save(self, path: Path) -> None:
+        """Write atomically (temp file + rename) as safetensors; the kind, fingerprint and info in its metadata."""
+        from safetensors.torch import save_file
+
+        tensors = {f"{i}.{k}": v.contiguous() for i, p in enumerate(self.layers) if p is not None for k, v in p.items()}
+        meta = {"format": FORMAT, "kind": self.kind, "fingerprint": self.fingerprint, "num_layers": len(self.layers),
+                "info": self.info}  # fmt: skip
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        save_file(tensors, str(tmp), metadata={"kvforge": json.dumps(meta)})
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path, fingerprint: str | None = None) -> KVzapModel:
+        """Read a file written by :meth:`save`; refuse one made for another model than ``fingerprint``.
+
+        Raises:
+            UserError: unreadable or foreign file, or one trained for another model.
+        """
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = json.loads((f.metadata() or {}).get("kvforge", "{}"))
+                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
+        except Exception as exc:
+            raise UserError(f"cannot read KVzap model {path}: {exc}") from None
+        if meta.get("format") != FORMAT or meta.get("kind") not in KINDS:
+            raise UserError(f"{path} is not a KVzap model file ({FORMAT})")
+        if fingerprint is not None and meta.get("fingerprint") != fingerprint:
+            raise UserError(
+                f"KVzap model {path} was trained for model {meta.get('fingerprint')!r}, not {fingerprint!r}; train "
+                "one for this model (kvforge presses train) or pass another file"
+            )
+        layers: list[dict[str, Tensor] | None] = [None] * int(meta["num_layers"])
+        for name, t in tensors.items():
+            i, key = name.split(".", 1)
+            entry = layers[int(i)]
+            if entry is None:
+                entry = layers[int(i)] = {}
+            entry[key] = t
+        return cls(meta["kind"], meta["fingerprint"], layers, meta.get("info") or {})
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for p in self.layers if p is not None for t in p.values())
+
+
+@dataclass(eq=False)
+class KVzapScorer:
+    """The :class:`~kvforge.presses.base.HiddenScorer` of :class:`KVzapPress`: binds the trained model of the model
+    being prefilled (loading it, or training it once on the bundled sample text) and predicts per prefill chunk."""
+
+    kind: str = "linear"
+    path: str | None = None
+    model: KVzapModel | None = field(default=None, repr=False)
+
+    @property
+    def key(self) -> str:
+        return f"kvzap:{self.kind}:{self.path or 'cache'}"
+
+    def bind(self, model: Any, tokenizer: Any) -> None:
+        from kvforge.presses.kvzip_heads import fingerprint_of
+
+        fingerprint = fingerprint_of(model, tokenizer)
+        if self.model is not None and self.model.fingerprint == fingerprint:
+            return
+        if self.path:
+            path = Path(self.path)
+            if not path.exists():
+                raise UserError(f"KVzap model {path} does not exist")
+            self.model = KVzapModel.load(path, fingerprint)
+            return
+        path = model_path(fingerprint, self.kind)
+        if path.exists():
+            self.model = KVzapModel.load(path, fingerprint)
+            return
+        from kvforge.presses.kvzap_train import auto_train_size, train_kvzap
+
+        if tokenizer is None:
+            raise UserError(
+                f"KVzap has no trained {self.kind} scorer for {fingerprint} and needs the model's tokenizer to train "
+                "one (pass tokenizer=..., run `kvforge presses train`, or give KVzapPress(model=FILE))"
+            )
+        logger.warning(
+            "KVzap: no %s scorer for %s yet: training one on the bundled sample text (once, minutes on a CPU; "
+            "`kvforge presses train` does it ahead), saving %s", self.kind, fingerprint, path
+        )  # fmt: skip
+        window, windows = auto_train_size()
+        self.model = train_kvzap(model, tokenizer, kind=self.kind, window=window, max_windows=windows)
+        self.model.save(path)
+
+    def __call__(self, layer_idx: int, hidden_states: Tensor) -> Tensor | None:
+        if self.model is None:
+            raise RuntimeError("KVzap scorer used before bind()")
+        return self.model.predict(layer_idx, hidden_states)
+
+
+@dataclass
+class KVzapPress(ScorerPress):
+    """Learned query-agnostic scores (KVzap), KVzip's selection: one top-k over the model, header and sinks kept.
+
+    Args:
+        kind: ``"linear"`` or ``"mlp"``.
+        model: a trained file (``kvforge presses train --out``); None = this model's file in the kvforge cache dir,
+            trained on first use.
+        budget: ``"global"`` (KVzip's default), ``"layer"`` or ``"head"``, as :class:`KVzipPress`.
+        keep_first, keep_header: entries always kept, as :class:`KVzipPress`.
+        pool: max over a window of neighbouring entries' scores before the top-k, as :class:`KVzipPress`.
+    """
+
+    kind: str = "linear"
+    model: str | None = None
+    budget: str = "global"
+    keep_first: int = 4
+    keep_header: bool = True
+    pool: int = 0
+    scorer: KVzapScorer = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.budget not in BUDGETS:
+            raise ValueError(f"budget must be one of {BUDGETS}, got {self.budget!r}")
+        if self.keep_first < 0:
+            raise ValueError(f"keep_first must be >= 0, got {self.keep_first}")
+        if self.pool < 0 or (self.pool > 1 and self.pool % 2 == 0):
+            raise ValueError(f"pool must be 0 (off) or an odd window, got {self.pool}")
+        self.scorer = KVzapScorer(self.kind, self.model)
+
+    def config(self) -> dict[str, object]:
+        return {k: v for k, v in super().config().items() if k != "scorer"}
+
+    def needs(self) -> Needs:
+        return Needs(scorers=(self.scorer,))
+
+    def score(self, ctx: LayerContext) -> Tensor:
+        got = (ctx.hidden_scores or {}).get(self.scorer.key)
+        if got is None:
+            raise ValueError("KVzap needs the scores its scorer gave during the prefill (run it through compress_prefill)")
+        return max_pool(got, self.pool).masked_fill(ctx.protected(self.keep_first, self.keep_header)[:, None, :],
+                                                    float("inf"))  # fmt: skip
+
+    def compress(self, ctx: LayerContext) -> Selection:
+        if self.budget == "head":
+            return super().compress(ctx)
+        return self.compress_all([ctx])[0]
+
+    def compress_all(self, contexts: list[LayerContext]) -> list[Selection]:
+        if all(num_kept(c.size, self.compression_ratio) >= c.size for c in contexts):  # nothing to remove
+            return [Selection(keep=torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device)) for c in contexts]
+        if self.budget == "head":
+            return [self.compress(c) for c in contexts]
+        if self.budget == "layer":
+            return [top_entries([self.score(c)], [c], self.compression_ratio)[0] for c in contexts]
+        return top_entries([self.score(c) for c in contexts], contexts, self.compression_ratio)

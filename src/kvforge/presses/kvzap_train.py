@@ -1,0 +1,302 @@
+"""Train a KVzap scorer on the model's own KVzip+ replay scores (kvforge's, not a downloaded model).
+
+For each window of training text (``window`` tokens, as a document in a chat turn, the way the evaluation and the
+server put a document before a question): one prefill records every layer's attention input, one KVzip replay gives
+every entry's KVzip+ score (:class:`~kvforge.presses.kvzip.KVzipPress` with ``value_aware=True``: max replay
+attention x ``||V W_O||_1`` over its layer mean); the header and sinks (always kept, never scored) are left out.
+The last window is held out: the regularisation is chosen on it and the model's quality on it is saved with the
+model (``info["validation"]``: correlation with the replay's log-scores and the overlap of the entries each keeps at
+25% under one global top-k).
+
+- ``linear``: ridge regression per layer from the attention input to the ``H_kv`` log-scores, solved in closed form
+  from accumulated normal equations (memory independent of the number of tokens).
+- ``mlp``: per layer ``hidden -> 64 -> H_kv`` with SiLU, Adam on the mean squared error (inputs standardised, the
+  standardisation folded into the first layer), on at most ``max_samples`` tokens per layer.
+
+The default text is the public-domain Moby-Dick excerpt shipped in ``kvforge/data`` (about 15k SmolLM2 tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvforge.errors import UserError
+from kvforge.paths import bundled_data_dir
+from kvforge.presses.base import Needs
+from kvforge.presses.kvzap import KINDS, MLP_HIDDEN, KVzapModel
+
+logger = logging.getLogger(__name__)
+DEFAULT_WINDOW = 2048  # KVzip replays in chunks of 2048 context tokens: the same softmax width as at run time
+QUESTION = "What is this text about?"  # only splits the prompt: the context part is what is scored
+ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strength, relative to the mean feature variance
+
+
+def auto_train_size() -> tuple[int, int | None]:
+    """``(tokens per window, max windows)`` of the training a kvzap press runs on first use:
+    ``$KVFORGE_KVZAP_WINDOW`` (default 2048) and ``$KVFORGE_KVZAP_WINDOWS`` (default: every window of the text)."""
+    import os
+
+    try:
+        window = int(os.environ.get("KVFORGE_KVZAP_WINDOW") or DEFAULT_WINDOW)
+        windows = os.environ.get("KVFORGE_KVZAP_WINDOWS")
+        return window, int(windows) if windows else None
+    except ValueError:
+        raise UserError("KVFORGE_KVZAP_WINDOW and KVFORGE_KVZAP_WINDOWS must be whole numbers") from None
+
+
+def default_texts() -> list[Path]:
+    """The public-domain sample text shipped with kvforge."""
+    return sorted((bundled_data_dir() / "haystack_gutenberg").glob("*.txt"))
+
+
+def read_texts(files: Sequence[Path]) -> list[tuple[str, str]]:
+    """``(name, text)`` of plain-text files, or of every line of JSONL files (its ``text`` or ``context`` field)."""
+    out: list[tuple[str, str]] = []
+    for path in files:
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"training text not found: {path}")
+        if path.suffix == ".jsonl":
+            with path.open(encoding="utf-8") as f:
+                for i, line in enumerate(f):
+                    if line.strip():
+                        row = json.loads(line)
+                        text = row.get("text") or row.get("context")
+                        if not isinstance(text, str):
+                            raise UserError(f"{path}:{i + 1}: no 'text' or 'context' string")
+                        out.append((f"{path.name}:{i + 1}", text))
+        else:
+            out.append((path.name, path.read_text(encoding="utf-8")))
+    return out
+
+
+def text_windows(tokenizer: Any, texts: Sequence[tuple[str, str]], window: int) -> list[str]:
+    """Each text cut into consecutive windows of ``window`` tokens (a last piece under half a window is dropped)."""
+    out = []
+    for _, text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for a in range(0, len(ids), window):
+            piece = ids[a : a + window]
+            if len(piece) >= window // 2 or (a == 0 and len(piece) >= 64):
+                out.append(tokenizer.decode(piece))
+    return out
+
+
+@dataclass(eq=False)
+class Recorder:
+    """A :class:`~kvforge.presses.base.HiddenScorer` that scores nothing and keeps every layer's attention input."""
+
+    key: str = "kvzap:record"
+    hidden: dict[int, list[Tensor]] = field(default_factory=dict)
+
+    def bind(self, model: Any, tokenizer: Any) -> None:
+        self.hidden.clear()
+
+    def __call__(self, layer_idx: int, hidden_states: Tensor) -> None:
+        self.hidden.setdefault(layer_idx, []).append(hidden_states[0].float().cpu())
+
+
+@torch.inference_mode()
+def replay_targets(model: Any, tokenizer: Any, text: str, chunk_size: int | None = 512) -> dict[int, tuple[Tensor, Tensor]]:
+    """``{layer: (X (N, hidden), Y (N, H_kv))}``: attention inputs and log KVzip+ scores of ``text``'s entries as a
+    document (chat template header and sinks left out)."""
+    from kvforge.engine import Engine
+    from kvforge.presses.apply import CompressionSource
+    from kvforge.presses.kvzip import KVzipPress
+
+    engine = Engine(model, tokenizer, chunk_size=chunk_size)
+    ctx_ids, _ = engine.encode_qa(text, QUESTION)
+    recorder = Recorder()
+    needs = Needs(reconstruction=True, scorers=(recorder,))
+    source = CompressionSource(model, ctx_ids, engine.new_cache(), needs, chunk_size=chunk_size, tokenizer=tokenizer)
+    target = KVzipPress(compression_ratio=0.5, value_aware=True)
+    out = {}
+    for ctx in source.contexts(target):
+        layer = ctx.model_layer if ctx.model_layer is not None else ctx.layer_idx
+        y = target.score(ctx)[0]  # (H_kv, S), inf where always kept
+        scored = torch.isfinite(y).all(dim=0)
+        x = torch.cat(recorder.hidden[layer], dim=0)
+        out[layer] = (x[scored], y[:, scored].float().clamp_min(1e-12).log().T.contiguous())
+    return out
+
+
+class _Gram:
+    """Normal equations of a ridge regression with an unpenalised intercept, accumulated in float64."""
+
+    def __init__(self) -> None:
+        self.xtx: Tensor | None = None
+        self.xty: Tensor | None = None
+
+    def add(self, x: Tensor, y: Tensor) -> None:
+        xa = torch.cat([x.double(), x.new_ones(x.shape[0], 1, dtype=torch.float64)], dim=1)
+        xtx, xty = xa.T @ xa, xa.T @ y.double()
+        self.xtx = xtx if self.xtx is None else self.xtx + xtx
+        self.xty = xty if self.xty is None else self.xty + xty
+
+    def solve(self, alpha: float) -> tuple[Tensor, Tensor]:
+        assert self.xtx is not None and self.xty is not None
+        n = float(self.xtx[-1, -1])
+        d = self.xtx.shape[0] - 1
+        mean = self.xtx[-1, :-1] / n
+        variance = (torch.diagonal(self.xtx)[:-1] / n - mean**2).mean().clamp_min(1e-12)
+        penalty = torch.full((d + 1,), alpha * float(variance) * n, dtype=torch.float64)
+        penalty[-1] = 0.0
+        coef = torch.linalg.solve(self.xtx + torch.diag(penalty), self.xty)  # (d + 1, H_kv)
+        return coef[:-1].T.float().contiguous(), coef[-1].float().contiguous()
+
+
+def _fit_mlp(x: Tensor, y: Tensor, epochs: int, seed: int) -> dict[str, Tensor]:
+    """A ``hidden -> 64 -> H_kv`` SiLU MLP on standardised inputs, the standardisation folded into ``w1``/``b1``."""
+    generator = torch.Generator().manual_seed(seed)
+    x = x.float()
+    mean, std = x.mean(dim=0), x.std(dim=0).clamp_min(1e-6)
+    xs = (x - mean) / std
+    with torch.inference_mode(False), torch.enable_grad():
+        first = torch.nn.Linear(x.shape[1], MLP_HIDDEN)
+        second = torch.nn.Linear(MLP_HIDDEN, y.shape[1])
+        torch.nn.init.normal_(first.weight, std=x.shape[1] ** -0.5, generator=generator)
+        torch.nn.init.zeros_(first.bias)
+        torch.nn.init.zeros_(second.weight)
+        with torch.no_grad():
+            second.bias.copy_(y.mean(dim=0))
+        params = [*first.parameters(), *second.parameters()]
+        opt = torch.optim.Adam(params, lr=3e-3)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs)
+        xs_t, y_t = xs.clone(), y.float().clone()
+        for _ in range(epochs):
+            order = torch.randperm(xs_t.shape[0], generator=generator)
+            for i in range(0, len(order), 256):
+                idx = order[i : i + 256]
+                loss = torch.nn.functional.mse_loss(second(torch.nn.functional.silu(first(xs_t[idx]))), y_t[idx])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            sched.step()
+        w1 = first.weight.detach() / std
+        b1 = first.bias.detach() - w1 @ mean
+        return {"w1": w1.contiguous(), "b1": b1, "w2": second.weight.detach().clone(), "b2": second.bias.detach().clone()}
+
+
+def _validation(model: KVzapModel, held: dict[int, tuple[Tensor, Tensor]], kept: float = 0.25) -> dict[str, float]:
+    """Correlation of predicted and replay log-scores over every (layer, head, token) of the held-out window, and the
+    overlap of the entries each keeps at ``kept`` under one global top-k."""
+    preds, targets = [], []
+    for layer, (x, y) in sorted(held.items()):
+        got = model.predict(layer, x[None])
+        if got is not None:
+            preds.append(got[0].T.reshape(-1))
+            targets.append(y.reshape(-1))
+    p, t = torch.cat(preds), torch.cat(targets)
+    k = max(1, int(kept * p.numel()))
+    overlap = len(set(p.topk(k).indices.tolist()) & set(t.topk(k).indices.tolist())) / k
+    corr = float(torch.corrcoef(torch.stack([p, t]))[0, 1])
+    return {"corr": round(corr, 4), f"kept_overlap_{round(kept * 100)}": round(overlap, 4), "mse": round(float(
+        (p - t).pow(2).mean()), 4)}  # fmt: skip
+
+
+def train_kvzap(
+    model: Any,
+    tokenizer: Any,
+    kind: str = "linear",
+    files: Sequence[Path] | None = None,
+    window: int = DEFAULT_WINDOW,
+    max_windows: int | None = None,
+    chunk_size: int | None = 512,
+    epochs: int = 30,
+    max_samples: int = 8192,
+    seed: int = 0,
+    on_window: Callable[[int, int], None] | None = None,
+) -> KVzapModel:
+    """Train a KVzap scorer of ``kind`` for ``model`` on ``files`` (default: the bundled sample text).
+
+    Args:
+        window: tokens of text per training document; the last window is held out for validation.
+        max_windows: use at most this many windows (the held-out one included).
+        max_samples: MLP only: tokens per layer it trains on (a random subset).
+        on_window: ``(done, total)`` after each window's replay (progress bars).
+    """
+    from kvforge.presses.kvzip_heads import fingerprint_of
+
+    if kind not in KINDS:
+        raise UserError(f"KVzap kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    paths = list(files) if files else default_texts()
+    texts = read_texts(paths)
+    windows = text_windows(tokenizer, texts, window)
+    if max_windows is not None:
+        windows = windows[:max_windows]
+    if len(windows) < 2:
+        raise UserError(f"KVzap training needs at least 2 windows of {window} tokens of text (got {len(windows)})")
+    start, cpu_start = time.perf_counter(), time.process_time()
+    rng = random.Random(seed)
+    grams: dict[int, _Gram] = {}
+    samples: dict[int, list[tuple[Tensor, Tensor]]] = {}
+    held: dict[int, tuple[Tensor, Tensor]] = {}
+    num_tokens = 0
+    per_window = max(1, max_samples // max(1, len(windows) - 1))
+    for i, text in enumerate(windows):
+        targets = replay_targets(model, tokenizer, text, chunk_size)
+        if i == len(windows) - 1:
+            held = targets
+        else:
+            for layer, (x, y) in targets.items():
+                grams.setdefault(layer, _Gram()).add(x, y)
+                if kind == "mlp":
+                    pick = sorted(rng.sample(range(x.shape[0]), min(per_window, x.shape[0])))
+                    samples.setdefault(layer, []).append((x[pick].half(), y[pick]))
+            num_tokens += next(iter(targets.values()))[0].shape[0]
+        if on_window is not None:
+            on_window(i + 1, len(windows))
+    replay_s = time.perf_counter() - start
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    num_layers = int(config.num_hidden_layers)
+    fingerprint = fingerprint_of(model, tokenizer)
+    best: tuple[float, float, KVzapModel] | None = None
+    for alpha in ALPHAS:  # ridge strength chosen on the held-out window
+        layers: list[dict[str, Tensor] | None] = [None] * num_layers
+        for layer, gram in grams.items():
+            w, b = gram.solve(alpha)
+            layers[layer] = {"w1": w, "b1": b}
+        candidate = KVzapModel("linear", fingerprint, layers)
+        mse = _validation(candidate, held)["mse"]
+        if best is None or mse < best[0]:
+            best = (mse, alpha, candidate)
+    assert best is not None
+    _, alpha, linear = best
+    result = linear
+    if kind == "mlp":
+        layers = [None] * num_layers
+        for layer, parts in samples.items():
+            x = torch.cat([p[0] for p in parts]).float()
+            y = torch.cat([p[1] for p in parts])
+            layers[layer] = _fit_mlp(x, y, epochs, seed + layer)
+        result = KVzapModel("mlp", fingerprint, layers)
+    texts_info = [name for name, _ in texts][:20]
+    result.info = {
+        "texts": texts_info,
+        "windows": len(windows) - 1,
+        "window_tokens": window,
+        "train_tokens": num_tokens,
+        "held_out_tokens": next(iter(held.values()))[0].shape[0] if held else 0,
+        "ridge_alpha": alpha,
+        "epochs": epochs if kind == "mlp" else None,
+        "seconds": {"replay": round(replay_s, 1), "fit": round(time.perf_counter() - start - replay_s, 1),
+                    "cpu": round(time.process_time() - cpu_start, 1), "threads": torch.get_num_threads()},
+        "validation": _validation(result, held),
+        "linear_validation": _validation(linear, held) if kind == "mlp" else None,
+    }
+    linear.info = {**result.info, "validation": result.info["linear_validation"] or result.info["validation"],
+                   "linear_validation": None, "epochs": None}  # fmt: skip
+    result.linear = linear  # type: ignore[attr-defined]  # the MLP's training also fits the linear model
+    logger.info("KVzap %s trained on %d tokens in %.0f s: %s", kind, num_tokens, time.perf_counter() - start,
+                result.info["validation"])  # fmt: skip
+    return result

@@ -1,0 +1,178 @@
+"""One served engine as the routes see it: parse and tokenise off the event loop and off the model thread, submit to
+the scheduler, wait for the answer (client gone or deadline passed: the job is cancelled), report what it did."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, TypeVar
+
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+
+from kvforge.engine import Engine
+from kvforge.errors import Aborted, UserError
+from kvforge.request import Request
+from kvforge.serve.errors import APIError, timeout_error, user_error
+from kvforge.serve.features import Features
+from kvforge.serve.jobs import Job, QueueFullError, ShuttingDownError
+from kvforge.serve.metrics import Metrics
+from kvforge.serve.scheduler import Scheduler
+from kvforge.serve.translate import ServerOptions, Translated, Translator
+from kvforge.types import Generation
+
+_Body = TypeVar("_Body", bound=BaseModel)
+_POLL_S = 0.25  # how often a waiting non-streaming request checks for a client disconnect
+DONE = object()  # the end of a stream's deltas
+
+
+class Server:
+    """The engine, its scheduler (the model thread), the translator, the features and the metrics of one app."""
+
+    def __init__(
+        self, engine: Engine, options: ServerOptions, features: Features, scheduler: Scheduler, metrics: Metrics
+    ) -> None:
+        self.engine, self.options, self.features = engine, options, features
+        self.scheduler, self.metrics = scheduler, metrics
+        self.translator = Translator(engine, features, options)
+        # Body parsing, templating and tokenising run here, off the event loop and off the model thread, so /health
+        # answers and generations go on while a 7 MiB request is prepared.
+        self.prep = ThreadPoolExecutor(1, thread_name_prefix="kvforge-prep")
+
+    def close(self) -> None:
+        self.scheduler.close()  # cancels waiting jobs, ends the running ones
+        self.prep.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.prep, partial(fn, *args))
+
+    async def parse(self, request: HTTPRequest, model: type[_Body]) -> _Body:
+        """The JSON body validated as ``model``, parsed in the prep thread (errors as FastAPI's 400s)."""
+        body = await request.body()
+
+        def validate() -> _Body:
+            try:
+                return model.model_validate_json(body)
+            except ValidationError as e:
+                raise RequestValidationError(e.errors(include_url=False)) from None
+
+        return await self.off_loop(validate)  # type: ignore[no-any-return]
+
+    def submit(self, request: Request | None, fn: Callable[[Job], Any] | None = None, deltas: Any = None) -> Job:
+        """Queue ``request`` (its text deltas go to the ``deltas`` queue) or ``fn`` (run alone between steps)."""
+        loop = asyncio.get_running_loop()
+
+        def put(item: Any) -> None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
+                loop.call_soon_threadsafe(deltas.put_nowait, item)
+
+        timeout_s = self.options.request_timeout_s
+        try:
+            if request is None:
+                assert fn is not None
+                return self.scheduler.submit(fn, loop, timeout_s)
+            emit, close = (put, lambda: put(DONE)) if deltas is not None else (None, None)
+            return self.scheduler.submit_request(request, loop, timeout_s, emit, close)
+        except QueueFullError as e:
+            self.metrics.rejected.inc()
+            raise queue_full(e) from e
+        except ShuttingDownError as e:
+            raise shutting_down() from e
+
+    async def wait(self, request: HTTPRequest, job: Job, until_started: bool = False) -> Any:
+        """The job's result (with ``until_started``: True once it runs); None when the client went away.
+
+        A client that goes away or a deadline that passes cancels the job; one the scheduler refused as too late is a
+        429.
+        """
+        started = asyncio.ensure_future(job.started_event.wait())
+        try:
+            while True:
+                done, _ = await asyncio.wait({job.future, started} if until_started else {job.future}, timeout=_POLL_S)
+                if job.future in done or (until_started and started in done):
+                    break
+                if time.monotonic() > job.deadline:
+                    job.cancel("timeout")
+                    break
+                if await request.is_disconnected():
+                    job.cancel("cancelled")
+                    break
+        finally:
+            started.cancel()
+        if until_started and job.started_event.is_set() and job.abort_reason is None:
+            return True
+        error = job.future.exception() if job.future.done() else None
+        if isinstance(error, QueueFullError):
+            self.metrics.rejected.inc()
+            raise queue_full(error)
+        if not job.future.done() or isinstance(error, Aborted):
+            reason = job.abort_reason or (error.reason if isinstance(error, Aborted) else "cancelled")
+            self.metrics.aborted.labels(reason).inc()
+            if reason == "timeout":
+                raise timeout_error(self.options.request_timeout_s)
+            if reason == "shutdown":
+                raise shutting_down()
+            return None  # client gone: nobody reads the answer
+        if isinstance(error, UserError):
+            raise user_error(error) from error
+        if error is not None:
+            raise error
+        return job.future.result()
+
+    def kvforge_field(self, gen: Generation, job: Job, t: Translated) -> dict[str, Any]:
+        """The ``kvforge`` field of an answer (what reuse and compression did), metrics observed on the way."""
+        metrics, info = self.metrics, gen.info.get("reuse") or {}
+        kind = info.get("kind", "none")  # "none": the engine did not look (no strategy)
+        if info and t.label != "none":
+            metrics.observe_reuse(t.label, kind)
+        queue_s = (job.started or job.submitted) - job.submitted
+        metrics.ttft.labels(job.endpoint).observe(gen.ttft_s)
+        metrics.queue_wait.observe(queue_s)
+        metrics.prompt_tokens.inc(gen.prompt_tokens)
+        metrics.reused_tokens.inc(gen.reused_tokens)
+        metrics.completion_tokens.inc(len(gen.token_ids))
+        metrics.vllm.observe(queue_s, gen.ttft_s, time.monotonic() - job.submitted, gen.info.get("token_times", []),
+                             gen.prompt_tokens, len(gen.token_ids), bool(info), gen.reused_tokens,
+                             gen.finish_reason)  # fmt: skip
+        return {
+            "reuse": kind,
+            "reused_tokens": gen.reused_tokens,
+            "recomputed_tokens": gen.prompt_tokens - gen.reused_tokens,
+            "approximate": bool(info.get("approximate", False)),
+            "similarity": info.get("similarity"),
+            "miss_reason": info.get("reason"),
+            "ttft_s": round(gen.ttft_s, 6),
+            "queue_s": round(queue_s, 6),
+            "press": t.press,
+            "compression_ratio": t.compression_ratio,
+            "cache_bytes": gen.cache_bytes,
+            "compressed": bool(info.get("compressed", False)),  # the reused document was stored compressed
+            "bytes_loaded": info.get("bytes_loaded"),
+            "quant": info.get("quant"),
+        } | ({"rag": _rag_field(info)} if kind == "chunks" else {})
+
+
+def _rag_field(info: dict[str, Any]) -> dict[str, Any]:
+    """What RAG chunk reuse did: method, ratio, chunks found stored (hits) or computed now (misses), token counts."""
+    keys = ("method", "recompute_ratio", "chunks", "chunk_hits", "chunk_misses", "recomputed_tokens", "fresh_tokens")
+    return {k: info.get(k) for k in keys}
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another replica", type="server_error",
+                    code="shutting_down", headers={"Retry-After": "1"})  # fmt: skip
+
+
+def queue_full(e: QueueFullError) -> APIError:
+    return APIError(429, str(e), type="rate_limit_error", code="queue_full",
+                    headers={"Retry-After": str(e.retry_after_s)})  # fmt: skip
+
+
+def get_server(request: HTTPRequest) -> Server:
+    """The app's :class:`Server` (a FastAPI dependency)."""
+    return request.app.state.server  # type: ignore[no-any-return]

@@ -1,0 +1,185 @@
+"""Transform-coded storage (kvtc): PCA basis per layer and KV head, bits by variance, DEFLATE; exact through stores."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from store_helpers import make_segment
+
+from kvforge.cache import KVCache
+from kvforge.engine import Engine
+from kvforge.prefill import forward, prefill
+from kvforge.presses import build_press
+from kvforge.store import open_store
+from kvforge.store.codec import decode, encode, quant_roundtrip, read_header, segments_equal
+from kvforge.store.quant import canonical_quant
+from kvforge.store.transform import BOOK, BasisBook, allocate_bits, calibrate_basis, parse_transform
+from kvforge.testing import tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path, monkeypatch):
+    """Bases go to a temporary cache dir; the process's book forgets them between tests."""
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path / "kvforge-cache"))
+    monkeypatch.setattr("kvforge.store.transform.BOOK", BasisBook())
+    monkeypatch.setattr("kvforge.store.codec.transform.BOOK", BasisBook(), raising=False)
+
+
+def _book():
+    from kvforge.store import transform
+
+    return transform.BOOK
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor, m: torch.Tensor | None) -> float:
+    a, b = (a[m], b[m]) if m is not None else (a, b)
+    return float((a.float() - b.float()).pow(2).sum() / a.float().pow(2).sum().clamp_min(1e-12))
+
+
+def test_names_and_bit_allocation():
+    assert parse_transform("kvtc").key_bits == 2 and parse_transform("kvtc-b3").name == "kvtc-b3"
+    assert parse_transform("kvtc-k3-v1.5").value_bits == 1.5 and parse_transform("int4") is None
+    assert canonical_quant("kvtc-b2") == "kvtc"
+    with pytest.raises(ValueError, match="bits"):
+        parse_transform("kvtc-b9")
+    var = torch.tensor([16.0, 4.0, 1.0, 0.25, 1e-6, 0.0])
+    for budget in (0.5, 1, 2, 3):
+        bits = allocate_bits(var, budget)
+        assert int(bits.sum()) <= budget * 6 and bool((bits[:-1] >= bits[1:]).all())  # more variance, more bits
+    assert allocate_bits(var, 8).tolist()[:4] == [8, 8, 8, 8] and int(allocate_bits(var, 8)[-1]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_round_trip_error_falls_with_bits_and_positions_masks_are_exact(dtype):
+    seg = make_segment(dtype, lengths=(64, 48, 0, 40), num_heads=2, head_dim=16)
+    errors = []
+    for quant in ("kvtc-b1", "kvtc-b3", "kvtc-b8"):
+        out = quant_roundtrip(seg, quant)
+        assert out.meta["quant"] == quant and all(k.dtype == dtype for k in out.keys)
+        for i, m in enumerate(seg.valid):
+            assert (m is None) == (out.valid[i] is None) and (m is None or torch.equal(m, out.valid[i]))
+            pos = out.positions[i] if m is None else out.positions[i][m]
+            assert torch.equal(pos, seg.positions[i] if m is None else seg.positions[i][m])
+        errors.append(sum(_rel_err(a, b, m) for a, b, m in zip(seg.keys, out.keys, seg.valid, strict=True) if a.numel()))
+    assert errors[0] > errors[1] > errors[2] and errors[2] < 1e-3
+
+
+def test_head_wise_layer_stored_without_padding():
+    """A head-wise layer is coded from its valid entries only: padding costs no bytes (none and kvtc alike)."""
+    dense = make_segment(lengths=(1000,), num_heads=4, head_dim=64, masked=False)
+    padded = make_segment(lengths=(1000,), num_heads=4, head_dim=64, masked=False)
+    padded.valid = [torch.arange(1000)[None].expand(4, -1) < torch.tensor([[1000], [200], [200], [200]])]
+    for quant in (None, "kvtc-b2"):
+        full, sparse = len(encode(dense, quant)), len(encode(padded, quant))
+        assert sparse < 0.5 * full  # 1600 of 4000 entries valid
+    out = decode(encode(padded))
+    assert segments_equal(out, padded) and not bool(out.keys[0][~padded.valid[0]].any())
+
+
+def test_store_round_trip_is_bit_exact_with_the_in_process_decode(tmp_path):
+    """memory, disk and tiered stores return exactly what quant_roundtrip gives; the basis is kept as a store blob."""
+    seg = make_segment(lengths=(96, 80, 64), num_heads=2, head_dim=16)
+    want = quant_roundtrip(seg, "kvtc")
+    for url in ("memory://", f"file://{tmp_path}/d", f"memory://,file://{tmp_path}/t"):
+        store = open_store(url + ("?quant=kvtc" if "," not in url else ""))
+        store.put("doc", seg, quant="kvtc")
+        got = store.get("doc")
+        assert got is not None and segments_equal(got, want)
+        assert any(k.startswith("kvbasis-") for k in store.blob_keys())
+        store.close()
+
+
+def test_another_process_reads_the_store_with_another_thread_count(tmp_path):
+    """A document written by this process is decoded by another one (fresh cache dir: the basis comes from the store,
+    other torch thread count) to exactly the bytes this process decodes."""
+    seg = make_segment(lengths=(300, 256), num_heads=2, head_dim=64, masked=True)
+    store = open_store(f"file://{tmp_path}/store?quant=kvtc-b2")
+    store.put("doc", seg)
+    want = store.get("doc")
+    assert want is not None
+    torch.save({"k": want.keys, "v": want.values, "p": want.positions}, tmp_path / "want.pt")
+    code = textwrap.dedent(f"""
+        import torch
+        torch.set_num_threads(1)
+        from kvforge.store import open_store
+        got = open_store("file://{tmp_path}/store").get("doc")
+        want = torch.load("{tmp_path}/want.pt")
+        same = all(torch.equal(a, b) for a, b in zip(got.keys + got.values + got.positions, want["k"] + want["v"] + want["p"]))
+        print("SAME" if same else "DIFFERENT")
+    """)  # fmt: skip
+    env = dict(os.environ, KVFORGE_CACHE_DIR=str(tmp_path / "other-cache"), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.stdout.strip() == "SAME", out.stderr[-2000:]
+
+
+def test_missing_basis_is_a_miss_that_keeps_the_entry(tmp_path, monkeypatch):
+    seg = make_segment(lengths=(64,), num_heads=2, head_dim=16, masked=False)
+    store = open_store(f"file://{tmp_path}/store?quant=kvtc")
+    store.put("doc", seg)
+    for key in store.blob_keys():
+        store.delete_blob(key)
+    monkeypatch.setattr("kvforge.store.transform.BOOK", BasisBook(tmp_path / "empty"))
+    assert store.get("doc") is None and store.contains("doc")  # not corrupt: kept for a process that has the basis
+
+
+def test_calibrated_basis_codes_keys_before_rope_and_continues_a_model(tmp_path):
+    """A basis calibrated on the model (keys before RoPE); a kvzip-compressed (head-wise) document stored kvtc-b8
+    continues with logits within rounding of the uncompressed store's."""
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    basis = calibrate_basis(model, tok, num_tokens=256)
+    assert all(f is not None for f in basis.inv_freq) and basis.info["rope"]
+    _book().add(basis)
+    engine = Engine(model, tok)
+    ids = tok("It was the best of times, it was the worst of times. " * 6).input_ids
+    cache, _ = engine.prefill(ids, press=build_press("kvzip", 0.5))
+    seg = cache.to_segment(model_id=engine.model_id, token_ids=ids)
+    assert any(m is not None for m in seg.valid)  # head-wise layers
+    data = encode(seg, "kvtc-b8")
+    assert read_header(data)["basis"] == basis.digest
+    logits = {}
+    for quant in (None, "kvtc-b8", "kvtc-b2"):
+        restored = KVCache.from_segment(quant_roundtrip(seg, quant), model)
+        logits[quant] = forward(model, torch.tensor([[5, 6, 7]]), restored)[:, -1]
+    assert torch.allclose(logits["kvtc-b8"], logits[None], atol=2e-2)
+    assert (logits["kvtc-b2"] - logits[None]).abs().max() > (logits["kvtc-b8"] - logits[None]).abs().max()
+
+
+def test_first_segment_fits_the_basis_of_an_unknown_model_or_calibrates_a_known_one(tmp_path):
+    model, tok = tiny_model("qwen2"), tiny_tokenizer()
+    cache = KVCache.for_model(model)
+    prefill(model, torch.randint(3, 90, (1, 80)), cache)
+    seg = cache.to_segment(model_id="unknown-model")
+    header = read_header(encode(seg, "kvtc"))
+    basis = _book().by_digest(header["basis"])
+    assert basis is not None and basis.info["fitted_on"] == "first segment" and basis.inv_freq[0] is None
+    engine = Engine(model, tok)
+    _book().remember_model(engine.model_id, model, tok)
+    seg2 = cache.to_segment(model_id=engine.model_id)
+    basis2 = _book().by_digest(read_header(encode(seg2, "kvtc"))["basis"])
+    assert basis2 is not None and basis2.inv_freq[0] is not None  # calibrated on the model: keys before RoPE
+    assert BOOK is not None
+
+
+def test_rag_chunks_through_a_kvtc_store():
+    """RAG chunk reuse on a kvtc store: chunks are coded, loaded and re-rotated; at 8 bits the answer's logits are
+    those of the full-precision store within rounding, and the second answer is all hits."""
+    from kvforge.reuse.rag import ChunkReuse
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    docs = ["The harbour master keeps the spare key. " * 3, "The code of the gate is 4242. " * 3, "Ships leave at noon. " * 3]
+    engine = Engine(model, tok)
+    answers = {}
+    for quant in ("none", "kvtc-b8"):
+        reuse = ChunkReuse(model, tok, method="cacheblend", recompute_ratio=0.2,
+                           store=open_store(f"memory://?quant={quant}"))  # fmt: skip
+        first = engine.answer_chunks(docs, "What is the code?", rag=reuse, max_new_tokens=4)
+        again = engine.answer_chunks(docs, "What is the code?", rag=reuse, max_new_tokens=4)
+        assert first.info["reuse"]["chunk_misses"] == len(docs) and again.info["reuse"]["chunk_misses"] == 0
+        assert again.token_ids == first.token_ids
+        answers[quant] = first.token_ids
+    assert answers["kvtc-b8"] == answers["none"]
