@@ -53,7 +53,10 @@ def new_cache(model: Any, method: str, args: argparse.Namespace) -> KVCache:
 
 
 def held(cache: KVCache) -> int:
-    return max(int(l.valid[:, :, : l.length].sum(-1).max()) if l.valid is not None else l.length for l in cache.layers)
+    return max(
+        int(layer.valid[:, :, : layer.length].sum(-1).max()) if layer.valid is not None else layer.length
+        for layer in cache.layers
+    )
 
 
 @torch.inference_mode()
@@ -64,7 +67,7 @@ def run_example(model: Any, tok: Any, ids: list[int], ref: str, args: argparse.N
         cache = new_cache(model, method, args)
         logits = prefill(model, torch.tensor([ids]), cache, chunk_size=args.chunk_size)
         start = time.perf_counter()
-        out = decode(model, cache, logits, args.new_tokens, eos_token_ids=[])
+        out = decode(model, cache, logits, args.new_tokens)
         seconds = time.perf_counter() - start
         text = tok.decode(out.token_ids, skip_special_tokens=True)
         answers[method] = text

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvforge.decode import decode
+from kvforge.decode import DecodeState, decode
 from kvforge.engine import Engine
 from kvforge.eval.data import read_examples
 from kvforge.eval.metrics import score_prediction
@@ -84,7 +84,8 @@ def token_spans(tok: Any, ids: list[int], text: str, needle: str, value: str, qu
     if start < 0:
         return {}
     v0 = start + needle.find(value)
-    keys = {w.lower() for w in re.findall(r"[A-Za-z]+", question) if len(w) > 3} - {"what", "which", "when", "mentioned"}
+    stop = {"what", "which", "when", "mentioned"}
+    keys = {w.lower() for w in re.findall(r"[A-Za-z]+", question) if len(w) > 3} - stop
     parts: dict[str, list[int]] = defaultdict(list)
     for i, (a, b) in enumerate(enc["offset_mapping"]):
         if b <= start or a >= start + len(needle):
@@ -148,9 +149,11 @@ def main() -> None:
         for name in names:
             if (ex.id, name) in done:
                 continue
-            cache = source.restore() if name == "full" else source.compress(oracle if name == "oracle" else presses[name])
+            press = oracle if name == "oracle" else presses.get(name)
+            cache = source.restore() if name == "full" else source.compress(press)
             logits = prefill(model, torch.tensor([question]), cache)
-            answer = tok.decode(decode(model, cache, logits, ex.max_new_tokens, eos_token_ids=engine.eos_token_ids).token_ids)
+            out = decode(model, cache, logits, DecodeState(ex.max_new_tokens, eos_token_ids=engine.eos_token_ids))
+            answer = tok.decode(out.token_ids)
             row = {"id": ex.id, "variant": name, "ratio": 0.0 if name == "full" else args.ratio,
                    "score": score_prediction(answer, ex.answers, ex.metric), "answer": answer[:60],
                    **{f"kept_{part}": kept(cache, pos) for part, pos in parts.items()},

@@ -47,7 +47,7 @@ def test_a_2k_prompt_generating_1024_tokens_never_exceeds_budget_plus_one_step(
     assert peaks[0] <= budget + interval - 1 + chunk
     assert max(cache.lengths()) <= budget + interval - 1
     prefill_peak, peaks[0] = peaks[0], 0
-    out = decode(model, cache, logits, new, eos_token_ids=[])
+    out = decode(model, cache, logits, new)  # an int: greedy, exactly `new` tokens (no EOS)
     assert len(out.token_ids) == new
     assert peaks[0] <= budget + interval  # one decoding step appends one entry to at most budget + interval - 1
     assert cache.next_position == prompt + new - 1 and policy.num_compressions > 0
@@ -83,7 +83,8 @@ def test_engine_decoding_press_bounds_the_cache_and_matches_full_cache_while_und
     model, tok = tiny_model("llama", max_position_embeddings=4096), tiny_tokenizer()
     prompt = "The quick brown fox jumps over the lazy dog. " * 6
     full = Engine(model, tok).generate(prompt, max_new_tokens=20)
-    roomy = Engine(model, tok, decoding_press=DecodingPress(budget=1000, interval=4)).generate(prompt, max_new_tokens=20)
+    roomy_engine = Engine(model, tok, decoding_press=DecodingPress(budget=1000, interval=4))
+    roomy = roomy_engine.generate(prompt, max_new_tokens=20)
     assert roomy.token_ids == full.token_ids
     tight = Engine(model, tok, chunk_size=32, decoding_press=DecodingPress(budget=64, interval=4, recent=8))
     gen = tight.generate(prompt, max_new_tokens=40)

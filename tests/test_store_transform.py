@@ -65,7 +65,8 @@ def test_round_trip_error_falls_with_bits_and_positions_masks_are_exact(dtype):
             assert (m is None) == (out.valid[i] is None) and (m is None or torch.equal(m, out.valid[i]))
             pos = out.positions[i] if m is None else out.positions[i][m]
             assert torch.equal(pos, seg.positions[i] if m is None else seg.positions[i][m])
-        errors.append(sum(_rel_err(a, b, m) for a, b, m in zip(seg.keys, out.keys, seg.valid, strict=True) if a.numel()))
+        layers = zip(seg.keys, out.keys, seg.valid, strict=True)
+        errors.append(sum(_rel_err(a, b, m) for a, b, m in layers if a.numel()))
     assert errors[0] > errors[1] > errors[2] and errors[2] < 1e-3
 
 
@@ -109,7 +110,8 @@ def test_another_process_reads_the_store_with_another_thread_count(tmp_path):
         from kvforge.store import open_store
         got = open_store("file://{tmp_path}/store").get("doc")
         want = torch.load("{tmp_path}/want.pt")
-        same = all(torch.equal(a, b) for a, b in zip(got.keys + got.values + got.positions, want["k"] + want["v"] + want["p"]))
+        pairs = zip(got.keys + got.values + got.positions, want["k"] + want["v"] + want["p"])
+        same = all(torch.equal(a, b) for a, b in pairs)
         print("SAME" if same else "DIFFERENT")
     """)  # fmt: skip
     env = dict(os.environ, KVFORGE_CACHE_DIR=str(tmp_path / "other-cache"), OMP_NUM_THREADS="1")
@@ -171,7 +173,11 @@ def test_rag_chunks_through_a_kvtc_store():
     from kvforge.reuse.rag import ChunkReuse
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
-    docs = ["The harbour master keeps the spare key. " * 3, "The code of the gate is 4242. " * 3, "Ships leave at noon. " * 3]
+    docs = [
+        "The harbour master keeps the spare key. " * 3,
+        "The code of the gate is 4242. " * 3,
+        "Ships leave at noon. " * 3,
+    ]
     engine = Engine(model, tok)
     answers = {}
     for quant in ("none", "kvtc-b8"):

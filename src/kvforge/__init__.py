@@ -6,23 +6,17 @@ do not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvforge.cache import KVCache, KVLayer
+    from kvforge.decode import SamplingParams
+    from kvforge.engine import Engine
+    from kvforge.model import load_model
+    from kvforge.request import Chunks, Document, Request
+    from kvforge.types import Generation, KVSegment
 
 __version__ = "0.1.0"
-
-_LAZY = {
-    "Chunks": "kvforge.request",
-    "Document": "kvforge.request",
-    "Engine": "kvforge.engine",
-    "Generation": "kvforge.types",
-    "KVCache": "kvforge.cache",
-    "KVLayer": "kvforge.cache",
-    "KVSegment": "kvforge.types",
-    "Request": "kvforge.request",
-    "SamplingParams": "kvforge.decode",
-    "load_model": "kvforge.model",
-}
 
 __all__ = [
     "Chunks",
@@ -40,8 +34,17 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'kvforge' has no attribute {name!r}")
+    if name not in __all__:
+        raise AttributeError(f"module 'kvforge' has no attribute {name!r}")
+    from kvforge.cache import KVCache, KVLayer
+    from kvforge.decode import SamplingParams
+    from kvforge.engine import Engine
+    from kvforge.model import load_model
+    from kvforge.request import Chunks, Document, Request
+    from kvforge.types import Generation, KVSegment
+
+    public = dict(Chunks=Chunks, Document=Document, Engine=Engine, Generation=Generation, KVCache=KVCache,
+                  KVLayer=KVLayer, KVSegment=KVSegment, Request=Request, SamplingParams=SamplingParams,
+                  load_model=load_model)  # fmt: skip
+    globals().update(public)
+    return public[name]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from kvforge import __version__
-from kvforge.commands import COMMAND_MODULES
+from kvforge.commands import COMMANDS
 from kvforge.commands._common import check_names, preflight
 from kvforge.errors import UserError
 from kvforge.redact import RedactFilter, redact_text
@@ -36,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="speed benchmarks (one JSON line per configuration)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub, bench_sub)
+    for command in COMMANDS:
+        command.register(sub, bench_sub)
     for _, command in _commands(parser):
         command.formatter_class = _DefaultsFormatter  # defaults shown in --help
         for action in command._actions:

@@ -4,13 +4,6 @@ A parser's ``func(args) -> int`` runs the command. Errors meant for the user are
 :class:`kvforge.errors.UserError` and printed as one line by :func:`kvforge.cli.main`.
 """
 
-COMMAND_MODULES = [
-    "kvforge.commands.generate",
-    "kvforge.commands.demo",
-    "kvforge.commands.cache",
-    "kvforge.commands.serve",
-    "kvforge.commands.presses",
-    "kvforge.commands.eval",
-    "kvforge.commands.rag",
-    "kvforge.commands.models",
-]
+from kvforge.commands import cache, demo, eval, generate, models, presses, rag, serve
+
+COMMANDS = (generate, demo, cache, serve, presses, eval, rag, models)  # in --help's order

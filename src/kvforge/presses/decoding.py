@@ -98,8 +98,10 @@ class BudgetPolicy:
             self.paused -= 1
 
     # ------------------------------------------------------------------------------------------ observe
-    def observe(self, layer: Any, layer_idx: int, query: Tensor, key: Tensor, mask: Tensor | None, scaling: float | None,
-                is_causal: bool) -> None:  # fmt: skip
+    def observe(
+        self, layer: Any, layer_idx: int, query: Tensor, key: Tensor, mask: Tensor | None, scaling: float | None,
+        is_causal: bool,
+    ) -> None:  # fmt: skip
         """Fold the attention of this forward's last queries (``query`` ``(B, H, Q, D)``, ``key`` ``(B, H_kv, K, D)``,
         ``mask`` ``(B, 1 or H_kv, Q, K)`` or None, lower-right causal when ``is_causal``) into the layer's scores."""
         if self.paused or layer.window is not None:

@@ -59,8 +59,8 @@ class Collector:
     """Hook state: what to record for which layers, and what was recorded.
 
     Modes: ``"window"`` keeps the last ``window_size`` queries of the forward that ends at ``final_position`` and runs
-    the ``scorers`` on every prompt forward; ``"lookahead"`` appends every draft token's query. ``reconstruction`` holds KVzip's replay scores
-    (:class:`ReplayAttention`'s), per layer ``(B, H, S)``.
+    the ``scorers`` on every prompt forward; ``"lookahead"`` appends every draft token's query. ``reconstruction``
+    holds KVzip's replay scores (:class:`ReplayAttention`'s), per layer ``(B, H, S)``.
     """
 
     def __init__(

@@ -35,8 +35,8 @@ from torch import Tensor
 
 from kvforge.errors import UserError
 from kvforge.paths import cache_dir
-from kvforge.presses.base import LayerContext, Needs, ScorerPress, Selection, num_kept
-from kvforge.presses.kvzip import BUDGETS, max_pool, top_entries
+from kvforge.presses.base import LayerContext, Needs, ScorerPress, Selection
+from kvforge.presses.kvzip import BUDGETS, keep_all, max_pool, top_entries
 
 logger = logging.getLogger(__name__)
 FORMAT = "kvforge-kvzap/1"
@@ -55,8 +55,8 @@ class KVzapModel:
     """Per-layer predictors of log KVzip+ scores from a layer's attention input.
 
     Args:
-        kind: ``"linear"`` (``w1`` ``(H_kv, hidden)``, ``b1`` ``(H_kv,)``) or ``"mlp"`` (``w1`` ``(64, hidden)``, ``b1``,
-            then SiLU, ``w2`` ``(H_kv, 64)``, ``b2``).
+        kind: ``"linear"`` (``w1`` ``(H_kv, hidden)``, ``b1`` ``(H_kv,)``) or ``"mlp"`` (``w1`` ``(64, hidden)``,
+            ``b1``, then SiLU, ``w2`` ``(H_kv, 64)``, ``b2``).
         fingerprint: the model these predict for (:func:`kvforge.model.model_fingerprint`).
         layers: per model layer, its parameters, or None for a layer that is not compressed (sliding window).
         info: how it was trained (texts, tokens, seconds, validation), saved with it.
@@ -232,7 +232,7 @@ class KVzapPress(ScorerPress):
     def score(self, ctx: LayerContext) -> Tensor:
         got = (ctx.hidden_scores or {}).get(self.scorer.key)
         if got is None:
-            raise ValueError("KVzap needs the scores its scorer gave during the prefill (run it through compress_prefill)")
+            raise ValueError("KVzap needs its scorer's scores from the prefill (run it through compress_prefill)")
         return max_pool(got, self.pool).masked_fill(ctx.protected(self.keep_first, self.keep_header)[:, None, :],
                                                     float("inf"))  # fmt: skip
 
@@ -242,8 +242,9 @@ class KVzapPress(ScorerPress):
         return self.compress_all([ctx])[0]
 
     def compress_all(self, contexts: list[LayerContext]) -> list[Selection]:
-        if all(num_kept(c.size, self.compression_ratio) >= c.size for c in contexts):  # nothing to remove
-            return [Selection(keep=torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device)) for c in contexts]
+        everything = keep_all(contexts, self.compression_ratio)
+        if everything is not None:  # nothing to remove
+            return everything
         if self.budget == "head":
             return [self.compress(c) for c in contexts]
         if self.budget == "layer":

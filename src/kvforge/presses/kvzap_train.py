@@ -107,7 +107,9 @@ class Recorder:
 
 
 @torch.inference_mode()
-def replay_targets(model: Any, tokenizer: Any, text: str, chunk_size: int | None = 512) -> dict[int, tuple[Tensor, Tensor]]:
+def replay_targets(
+    model: Any, tokenizer: Any, text: str, chunk_size: int | None = 512
+) -> dict[int, tuple[Tensor, Tensor]]:
     """``{layer: (X (N, hidden), Y (N, H_kv))}``: attention inputs and log KVzip+ scores of ``text``'s entries as a
     document (chat template header and sinks left out)."""
     from kvforge.engine import Engine
@@ -184,7 +186,8 @@ def _fit_mlp(x: Tensor, y: Tensor, epochs: int, seed: int) -> dict[str, Tensor]:
             sched.step()
         w1 = first.weight.detach() / std
         b1 = first.bias.detach() - w1 @ mean
-        return {"w1": w1.contiguous(), "b1": b1, "w2": second.weight.detach().clone(), "b2": second.bias.detach().clone()}
+        w2, b2 = second.weight.detach().clone(), second.bias.detach().clone()
+        return {"w1": w1.contiguous(), "b1": b1, "w2": w2, "b2": b2}
 
 
 def _validation(model: KVzapModel, held: dict[int, tuple[Tensor, Tensor]], kept: float = 0.25) -> dict[str, float]:

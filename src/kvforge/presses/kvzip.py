@@ -13,7 +13,7 @@ right trade for a query-agnostic cache that is stored and reused). Scores equal 
 rounding (<= 7e-6 of the layer's largest score, ``benchmarks/kvzip_crosscheck.py``).
 
 As in the paper (and each switchable so its effect is measured):
-- ``chat_template`` (True): the replay is a chat turn; False = the bare prompt + context (kvforge before issue 13).
+- ``chat_template`` (True): the replay is a chat turn; False = the bare prompt + context (kvforge's earlier behaviour).
 - ``replay_turn``: ``"continue"`` (default, above) or ``"new"``: the request as a later user turn of its own (for a
   context that closed its turn; kvforge's default before the kvpress comparison).
 - ``normalise``: ``"chunk"`` (default) or ``"all"``: softmax over every key in the cache (header, other chunks).
@@ -108,6 +108,9 @@ class KVzipPress(ScorerPress):
 
     def compress_all(self, contexts: list[LayerContext]) -> list[Selection]:
         """One top-k over every KV head of each layer (``"layer"``) or of all ``contexts`` at once (``"global"``)."""
+        everything = keep_all(contexts, self.compression_ratio)
+        if everything is not None:  # nothing to remove: no scores needed (at ratio 0 no replay ran)
+            return everything
         if self.budget != "global":
             return [top_entries([self.score(c)], [c], self.compression_ratio)[0] for c in contexts]
         return top_entries([self.score(c) for c in contexts], contexts, self.compression_ratio)
@@ -122,12 +125,20 @@ def max_pool(scores: Tensor, window: int) -> Tensor:
     return pooled.reshape(b, h, s).to(scores.dtype)
 
 
+def keep_all(contexts: list[LayerContext], compression_ratio: float) -> list[Selection] | None:
+    """Selections keeping every entry when ``compression_ratio`` removes none of any context's, else None."""
+    if any(num_kept(c.size, compression_ratio) < c.size for c in contexts):
+        return None
+    return [Selection(keep=torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device)) for c in contexts]
+
+
 def top_entries(scores: list[Tensor], contexts: list[LayerContext], compression_ratio: float) -> list[Selection]:
     """One top-k over every (layer, KV head, token) of ``scores`` ``[(B, H_kv, S)]``: the layers' budgets
     ``H_kv * num_kept(S, ratio)`` summed, spent where the scores are highest (per-layer and per-head lengths differ;
     every head keeps at least its best entry, counted in the budget)."""
-    if all(num_kept(c.size, compression_ratio) >= c.size for c in contexts):
-        return [Selection(keep=torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device)) for c in contexts]
+    everything = keep_all(contexts, compression_ratio)
+    if everything is not None:
+        return everything
     b = scores[0].shape[0]
     total = sum(c.keys.shape[1] * num_kept(c.size, compression_ratio) for c in contexts)
     # every head keeps its best entry (a head with nothing left would attend to nothing); counts in the budget

@@ -111,7 +111,9 @@ def _layer_tensors(
     return out, info
 
 
-def _packed_tensors(i: int, k: Tensor, v: Tensor, p: Tensor, m: Tensor | None, info: dict[str, Any]) -> dict[str, Tensor]:
+def _packed_tensors(
+    i: int, k: Tensor, v: Tensor, p: Tensor, m: Tensor | None, info: dict[str, Any]
+) -> dict[str, Tensor]:
     """A head-wise layer without its padding: the valid entries of every head, head after head (``k.{i}``
     ``(N, D)``), their positions as per-head deltas (DEFLATE) and the mask as bits."""
     mask = m.bool()

@@ -190,13 +190,13 @@ def fit_basis(
 
 def unrotate(keys: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
     """Post-RoPE keys ``(N, D)`` at ``positions`` ``(N,)`` back to before RoPE (fp32)."""
-    from kvforge.rag.rope import rotate_keys
+    from kvforge.reuse.rag.rope import rotate_keys
 
     return rotate_keys(keys.float(), -positions, inv_freq)
 
 
 def rotate(keys: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
-    from kvforge.rag.rope import rotate_keys
+    from kvforge.reuse.rag.rope import rotate_keys
 
     return rotate_keys(keys, positions, inv_freq)
 
@@ -324,17 +324,18 @@ def calibrate_basis(model: Any, tokenizer: Any, text: str | None = None, num_tok
     from kvforge.prefill import prefill
 
     if text is None:
-        text = "\n\n".join(p.read_text(encoding="utf-8") for p in sorted((bundled_data_dir() / "haystack_gutenberg").glob("*.txt")))
+        books = sorted((bundled_data_dir() / "haystack_gutenberg").glob("*.txt"))
+        text = "\n\n".join(p.read_text(encoding="utf-8") for p in books)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:num_tokens]
     cache = KVCache.for_model(model)
     prefill(model, torch.tensor([ids], device=model.device), cache)
     freqs: list[Tensor | None] = [None] * cache.num_layers
     if rope:
-        try:
-            from kvforge.rag.rope import rope_spec
+        from kvforge.reuse.rag.rope import UnsupportedRopeError, rope_spec
 
+        try:
             freqs = list(rope_spec(model).inv_freq)
-        except Exception as exc:  # no RoPE, partial or length-dependent RoPE: code the keys as stored
+        except UnsupportedRopeError as exc:  # no RoPE, partial or length-dependent RoPE: code the keys as stored
             logger.info("KV basis: keys coded after RoPE (%s)", exc)
     keys, values = [], []
     for layer, freq in zip(cache.layers, freqs, strict=True):

@@ -107,8 +107,10 @@ WORDINGS: dict[str, Wording] = {
         "What was the word that {who} had to whisper at the gate of the {what}?",
         "The word that {who} had to whisper at the gate of the {what} was",
         ("walled garden", "old priory", "lower orchard", "cemetery", "stable yard", "deer park"),
-        words=("marigold", "tinderbox", "juniper", "lodestar", "quicksilver", "periwinkle", "saltpetre", "hawthorn",
-               "candlewick", "bergamot", "pennyroyal", "cormorant"),  # fmt: skip
+        words=(
+            "marigold", "tinderbox", "juniper", "lodestar", "quicksilver", "periwinkle", "saltpetre", "hawthorn",
+            "candlewick", "bergamot", "pennyroyal", "cormorant",
+        ),
     ),
     "born": Wording(
         "{who} was born in the year {value}, in a farmhouse near {what}.",
@@ -143,7 +145,7 @@ def read_haystack(files: tuple[Path, ...]) -> str:
 
 
 def split_row(path: Path) -> tuple[Path, str | None]:
-    """``books.jsonl#pride_and_prejudice`` -> (``books.jsonl``, ``"pride_and_prejudice"``); other paths: (path, None)."""
+    """``books.jsonl#pride_and_prejudice`` -> (``books.jsonl``, ``"pride_and_prejudice"``); else (path, None)."""
     text = str(path)
     if "#" in Path(text).name:
         file, row = text.rsplit("#", 1)
@@ -383,7 +385,9 @@ NUM_DOCS = 10
 
 _SENTENCE_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]?\s+")
 # a sentence end that is no abbreviation ("Mrs. Bennet"), followed by the start of the next sentence
-_STORY_SENTENCE_END = re.compile(r"(?<!\bMr)(?<!\bMrs)(?<!\bDr)(?<!\bSt)(?<!\bMs)[.!?][\"'\u201d\u2019)\]]?\s+(?=[\"\u201c]?[A-Z])")
+_STORY_SENTENCE_END = re.compile(
+    r"(?<!\bMr)(?<!\bMrs)(?<!\bDr)(?<!\bSt)(?<!\bMs)[.!?][\"'\u201d\u2019)\]]?\s+(?=[\"\u201c]?[A-Z])"
+)
 
 
 def _sentence_end_near(text: str, pos: int, lo: int, hi: int) -> int | None:
