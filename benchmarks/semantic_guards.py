@@ -3,8 +3,8 @@
 For each guard set (all default guards; each one left out; none), the bounded policy's threshold is certified again
 from the shipped calibration counts with that guard set (the counts keep every guard's verdict), floored at 0.9, and
 the labelled pairs are decided: written near-miss pairs and the calibration side (what the choices were made on),
-and the evaluation side of the shared data (never used to choose). One markdown table on stdout, one JSON line per
-guard set in ``benchmarks/results/semantic_guards.jsonl``.
+and the evaluation side of the shared data and the hold-out near-miss kinds (never used to choose). One markdown
+table on stdout, one JSON line per guard set in ``benchmarks/results/semantic_guards.jsonl``.
 
     PYTHONPATH=src python benchmarks/semantic_guards.py --data-dir ../shared/data --max-error 0.01
 """
@@ -28,6 +28,7 @@ COLUMNS = (  # (header, source, side, same)
     ("PAWS non-para. false hit (cal.)", "paws", "calibration", False),
     ("PAWS non-para. false hit (eval.)", "paws", "evaluation", False),
     ("same-paragraph false hit (eval.)", "squad-same-paragraph", "evaluation", False),
+    ("hold-out near-miss false hit", "near-miss-holdout", "evaluation", False),
     ("written paraphrase hit", "near-miss", "calibration", True),
     ("SQuAD paraphrase hit (eval.)", "squad-paraphrase", "evaluation", True),
     ("PAWS paraphrase hit (eval.)", "paws", "evaluation", True),
@@ -40,8 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-error", type=float, default=0.01)
     args = parser.parse_args(argv)
     embedder = MiniLMEmbedder()
-    pairs = score_pairs(load_pairs(args.data_dir or default_data_dir(), include_holdout=False), embedder,
-                        cache_dir() / "semantic")  # fmt: skip
+    pairs = score_pairs(load_pairs(args.data_dir or default_data_dir()), embedder, cache_dir() / "semantic")
     policy = BoundedErrorPolicy(args.max_error, prior=shipped_prior(embedder.name))
     sets = {"all (default)": DEFAULT_GUARDS}
     sets |= {f"without {g}": tuple(x for x in DEFAULT_GUARDS if x != g) for g in DEFAULT_GUARDS}

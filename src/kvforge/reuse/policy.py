@@ -7,7 +7,7 @@ similarity reaches the entry's threshold::
 
 ``t*`` is the lowest threshold whose false-hit rate (the share of wrong candidates served) is certified <= max_error
 with confidence ``confidence`` (:mod:`kvforge.reuse.bound`), from the wrong candidates seen: the shipped calibration
-(labelled pairs, ``kvforge/data/semantic/prior-*.json``, made by ``kvforge eval --semantic-calibrate``) plus every
+(labelled pairs, ``kvforge/data/semantic/prior-*.json``, made by ``benchmarks/semantic_calibrate.py``) plus every
 verified lookup of every process sharing the store (:mod:`kvforge.reuse.stats`); once the verified lookups alone hold
 enough wrong candidates, their own certificate applies too and the stricter threshold wins. The per-entry term is
 what the entry itself taught (vCache's per-entry threshold): a candidate verified wrong at similarity ``s`` is never
