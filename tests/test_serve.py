@@ -401,13 +401,15 @@ def test_semantic_hit_reports_approximate_and_similarity() -> None:
     from kvforge.reuse import FakeEmbedder
 
     engine = Engine(tiny_model("llama"), tiny_tokenizer())
-    live = LiveServer(create_app(engine, model_name=MODEL, reuse="semantic", embedder=FakeEmbedder()))
+    # a fixed threshold: the bounded default certifies nothing for an embedder without a shipped calibration
+    live = LiveServer(create_app(engine, model_name=MODEL, reuse="semantic", embedder=FakeEmbedder(),
+                                 semantic={"threshold": 0.9, "verify_ratio": 0.0}))  # fmt: skip
     try:
         client = live.client()
         ask = lambda q: client.chat.completions.create(  # noqa: E731
             model=MODEL, messages=[{"role": "user", "content": LONG_DOC + "\n\n" + q}], max_tokens=4, temperature=0
         )
-        first, second = ask("What is the code word of room 7?"), ask("What is the code word for room 7?")
+        first, second = ask("What is the code word of room 7?"), ask("What is the code word of room 7, please?")
         assert first.model_extra["kvforge"]["reuse"] == "miss"
         kvf = second.model_extra["kvforge"]
         assert kvf["reuse"] == "semantic" and kvf["approximate"] is True

@@ -164,7 +164,7 @@ def _check_semantic_index_keeps_every_entry(a: str, b: str, store_url: str) -> N
             for url, p in pair]  # fmt: skip
     with ThreadPoolExecutor(8) as pool:  # 4 requests in flight on each server, the two servers interleaved
         firsts = list(pool.map(lambda job: _chat(*job), jobs))
-    assert all(out["kvforge"]["reuse"] == "miss" for out in firsts), [out["kvforge"] for out in firsts]
+    assert all(out["kvforge"]["reuse"] == "miss" for out in firsts), [o["kvforge"] for o in firsts]
 
     from kvforge.store import open_store
 
@@ -191,3 +191,81 @@ def test_two_server_processes_add_to_one_semantic_index_on_redis(model_dir: Path
     pytest.importorskip("redis")
     with redis_server(tmp_path) as url, two_servers(model_dir, url, reuse="semantic") as (a, b):
         _check_semantic_index_keeps_every_entry(a, b, url)
+
+
+# ---------------------------------------------------------------------------------------------- learned statistics
+class _AlwaysWrong:
+    """Wraps a strategy's sampling: every check runs through the server's engine as usual, and its outcome is reported
+    as a disagreement (deterministic whatever the tiny model's continuations)."""
+
+    def __init__(self, reuse: Any) -> None:
+        self.calls, self.reuse = 0, reuse
+        self.sample = reuse._sample
+        reuse._sample = self
+
+    def __call__(self, *args: Any) -> Any:
+        check = self.sample(*args)
+        if check is not None:
+            report = check.report
+
+            def wrong(agree: bool) -> None:
+                report(False)
+                self.calls += 1
+
+            check.report = wrong
+        return check
+
+
+def _learning_app(store_url: str) -> tuple[LiveServer, Any]:
+    from kvforge.reuse import FakeEmbedder
+    from kvforge.reuse.policy import BoundedErrorPolicy, Prior
+
+    engine = Engine(tiny_model("llama"), tiny_tokenizer())
+    app = create_app(engine, model_name=MODEL, store_url=store_url, reuse="semantic", embedder=FakeEmbedder(),
+                     semantic={"max_error": 0.05, "verify_ratio": 1.0})  # fmt: skip
+    reuse = engine.reuse
+    reuse.stats.refresh_s = 0.0
+    reuse.policy = BoundedErrorPolicy(0.05, prior=Prior("fake", {(1, "substitution", 600): 5000}), min_similarity=0.6)
+    return LiveServer(app), _AlwaysWrong(reuse)
+
+
+def _check_learning_is_shared(store_url: str) -> None:
+    """Server A serves paraphrases and verifies them (found wrong); server B, on the same store, then refuses the
+    same entries at that similarity; the statistics in the store hold every verification of both, none lost."""
+    (a, reuse_a), (b, reuse_b) = _learning_app(store_url), _learning_app(store_url)
+    try:
+        prompts = [f"Tell me a fact about the planet number {i} of the solar system" for i in range(6)]
+        for i, p in enumerate(prompts):  # stored through either server
+            assert _chat((a if i % 2 else b).url, p)["kvforge"]["reuse"] == "miss"
+        hits = [_chat(a.url, p + " please")["kvforge"] for p in prompts]  # served by A, then verified by A
+        assert all(h["reuse"] == "semantic" for h in hits), hits
+        deadline = time.monotonic() + 30  # verification runs after the answer
+        while reuse_a.calls < len(prompts) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert reuse_a.calls >= len(prompts)
+        again = [_chat(b.url, p + " please")["kvforge"] for p in prompts]
+        assert all(g["reuse"] == "miss" for g in again), again  # B learned from A's verifications
+        deadline = time.monotonic() + 30
+        while reuse_a.calls + reuse_b.calls < 2 * len(prompts) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        from kvforge.reuse.stats import SharedStats
+        from kvforge.store import open_store
+
+        merged = SharedStats(open_store(store_url), reuse_a.reuse.stats.prefix, refresh_s=0).view()
+        assert merged.num_observations == reuse_a.calls + reuse_b.calls
+    finally:
+        a.close()
+        b.close()
+
+
+def test_two_apps_learn_from_each_others_verifications_on_a_file_store(tmp_path: Path) -> None:
+    pytest.importorskip("faiss")
+    _check_learning_is_shared(f"file://{tmp_path / 'kv'}")
+
+
+@pytest.mark.redis
+def test_two_apps_learn_from_each_others_verifications_on_redis(tmp_path: Path) -> None:
+    pytest.importorskip("faiss")
+    pytest.importorskip("redis")
+    with redis_server(tmp_path) as url:
+        _check_learning_is_shared(url)

@@ -29,7 +29,7 @@ from kvforge.model import context_length, model_fingerprint
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, forward, prefill, prefill_at
 from kvforge.presses.decoding import attach as attach_policy
 from kvforge.request import Chunks, Document, Encoded, Request, encode, encode_chat, encode_qa
-from kvforge.reuse.base import PromptContext, ReusePlan, ReuseStrategy, miss_plan
+from kvforge.reuse.base import Check, GivenCache, PromptContext, ReusePlan, ReuseStrategy, miss_plan
 from kvforge.reuse.document import DocumentReuse
 from kvforge.reuse.rag import ChunkReuse
 from kvforge.schedule import schedule_chunks, step_budget
@@ -94,6 +94,7 @@ class Engine:
         self.running: list[Sequence] = []  # in arrival order
         self.stats = {"steps": 0, "decode_rows": 0, "prefill_tokens": 0}  # since start (the server's /metrics)
         self._lock = threading.RLock()  # one step at a time, whoever calls it (the server's thread, a test's)
+        self._checks: dict[int, _CheckRun] = {}  # id(sequence) -> the check it is one side of
 
     @property
     def model_id(self) -> str:
@@ -119,8 +120,6 @@ class Engine:
         enc = encode(self.tokenizer, request)
         self.check_length(len(enc.ids), request.max_new_tokens)
         self._check_vocab(enc.ids)
-        if enc.text is None:
-            enc.text = self.tokenizer.decode(enc.ids, skip_special_tokens=True)
         request.encoded = enc
         return enc
 
@@ -236,6 +235,12 @@ class Engine:
         """All ``requests`` added at once and stepped together (decoded in one forward per step)."""
         seqs = [self.add(r) for r in requests]
         return [self.complete(s) for s in seqs]
+
+    def run_pending(self) -> None:
+        """Step until no request is left, the checks that finished requests queued included (a CLI before it exits:
+        what a check learns is stored for the next process)."""
+        while self.running:
+            self.step()
 
     def abort(self, seq: Sequence, error: BaseException) -> None:
         """End ``seq`` now with ``error`` (a client gone, a server shutting down)."""
@@ -361,6 +366,7 @@ class Engine:
     def _end(self, seq: Sequence, error: BaseException) -> Sequence:
         seq.error = error
         self.running.remove(seq)
+        self._checks.pop(id(seq), None)  # a check that failed teaches nothing
         return seq
 
     def _finish(self, seq: Sequence) -> Sequence:
@@ -391,7 +397,30 @@ class Engine:
             gen.reused_tokens = seq.plan.reused_tokens
             gen.info["reuse"] = seq.plan.summary() | {"plan_s": round(seq.plan_s, 6)} | self._record(seq)
         seq.generation = gen
+        if (run := self._checks.pop(id(seq), None)) is not None:
+            run.done(seq)
+        if seq.plan.check is not None:
+            self._start_check(seq.plan.check)
         return seq
+
+    def _start_check(self, check: Check) -> None:
+        """Queue ``check``'s two greedy requests (the prompt asked, prefilled in full; the donor's tokens on its
+        stored KV): they step with the other requests, after the answer that asked for the check."""
+        try:
+            loaded = check.load()
+            if loaded is None:
+                return  # the donor's KV is gone: nothing to compare with
+            cache, donor_ids = loaded
+            requests = [Request(list(ids), check.num_tokens, reuse=reuse, encoded=Encoded(list(ids)))
+                        for ids, reuse in ((check.asked_ids, False), (donor_ids, GivenCache(cache)))]  # fmt: skip
+            run = _CheckRun(check)
+            for request in requests:
+                assert request.encoded is not None
+                seq = self._add(request, request.encoded, None)
+                self._checks[id(seq)] = run
+                run.sides.append(seq)
+        except Exception as e:  # a check is best effort: it must never cost an answer
+            logger.warning("semantic check not run: %s: %s", type(e).__name__, e)
 
     def _record(self, seq: Sequence) -> dict[str, Any]:
         """Store the prompt's new KV (a document: its KV alone, without the question); best effort."""
@@ -530,6 +559,25 @@ class Engine:
         return [self.run(Request(Document(context, q, system, answer_prefix), max_new_tokens, sampling or
                                  SamplingParams(), stop or (), press=press, query_aware=False, reuse=reuse))
                 for q in questions]  # fmt: skip
+
+
+class _CheckRun:
+    """The two sides of a running :class:`~kvforge.reuse.base.Check`; reports once both finished."""
+
+    def __init__(self, check: Check) -> None:
+        self.check = check
+        self.sides: list[Sequence] = []
+
+    def done(self, seq: Sequence) -> None:
+        if not all(s.generation is not None for s in self.sides):
+            return
+        asked, donor = (s.generation for s in self.sides)
+        assert asked is not None and donor is not None
+        agree = asked.token_ids == donor.token_ids and asked.finish_reason == donor.finish_reason
+        try:
+            self.check.report(agree)
+        except Exception as e:  # statistics that cannot be saved: the answer was already given
+            logger.warning("semantic check outcome not recorded: %s: %s", type(e).__name__, e)
 
 
 def _expired(seq: Sequence) -> bool:

@@ -53,7 +53,7 @@ PRESS_NAMES: tuple[str, ...] = tuple(PRESS_DESCRIPTIONS)
 TASK_NAMES: tuple[str, ...] = (
     "needle", "needle-docs", "needle-multi", "needle-narrative", "needle-multi-narrative",
     "ruler-mk", "ruler-mv", "ruler-mq", "ruler-vt", "ruler-cwe", "ruler",
-    "longbench-qa", "longbench-summ", "longbench", "leval", "squad", "musique",
+    "longbench-qa", "longbench-summ", "longbench", "leval", "squad", "musique", "semantic", "semantic-long",
 )  # fmt: skip
 HUB_PREFIX = "hub:"
 LONGBENCH_SUBSETS: tuple[str, ...] = (

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from kvforge.decode import SamplingParams
 from kvforge.errors import UserError
-from kvforge.reuse.base import PromptContext
+from kvforge.reuse.base import ChatContext, PromptContext
 from kvforge.reuse.rag.prompt import RagPrompt, build_prompt
 
 if TYPE_CHECKING:
     from kvforge.presses.base import Press
     from kvforge.reuse.base import ReuseStrategy
 
-__all__ = ["Chunks", "Document", "Encoded", "Prompt", "Request", "encode", "encode_chat", "encode_qa"]
+__all__ = ["Chunks", "Document", "Encoded", "Prompt", "Request", "encode", "encode_chat", "encode_qa", "encode_turn"]
 
 
 @dataclass(frozen=True)
@@ -58,15 +58,17 @@ class Encoded:
 
     Args:
         ids: every prompt token, in order.
-        text: the text a semantic strategy embeds (the question for documents and chunks).
+        text: the text a semantic strategy embeds (what the user wrote: the question for documents and chunks, the
+            last user message of a chat; None when it cannot be told apart from the template).
         context: the reusable part (:class:`~kvforge.reuse.base.PromptContext` for a document, the RAG prompt for
-            chunks), None for a plain prompt.
+            chunks), or for a chat the conversation before the user's last message
+            (:class:`~kvforge.reuse.base.ChatContext`); None for raw text and token ids.
         press_size: how many leading ids a press compresses (all of them query-aware; the document query-agnostic).
     """
 
     ids: list[int]
     text: str | None = None
-    context: PromptContext | RagPrompt | None = None
+    context: PromptContext | ChatContext | RagPrompt | None = None
     press_size: int = 0
 
 
@@ -122,18 +124,59 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def _chat_text(tokenizer: Any, prompt: str | list[dict[str, str]], raw: bool) -> tuple[str, bool]:
+    """(the text a chat prompt is tokenised from, whether the tokenizer adds its special tokens)."""
+    if isinstance(prompt, str) and (raw or not has_chat_template(tokenizer)):
+        return prompt, True
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not has_chat_template(tokenizer):
+        return "\n\n".join(m["content"] for m in messages), True  # type: ignore[index]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), False
+
+
 def encode_chat(tokenizer: Any, prompt: str | list[dict[str, str]] | list[int], raw: bool = False) -> list[int]:
     """Token ids of ``prompt``: a string (a user message unless ``raw``), a message list, or ids (taken as they are)."""
     if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
         return [int(t) for t in prompt]  # type: ignore[arg-type]
+    text, add_special = _chat_text(tokenizer, prompt, raw)  # type: ignore[arg-type]
+    return list(tokenizer(text, add_special_tokens=add_special).input_ids)
+
+
+def encode_turn(
+    tokenizer: Any, prompt: str | list[dict[str, str]], raw: bool = False
+) -> tuple[list[int], str | None, ChatContext | None]:
+    """(token ids, what the user wrote last, the conversation before it) of a chat prompt, tokenised once.
+
+    The text a semantic strategy embeds is the user's last message, never the chat template or a system prompt around
+    it (the same in every prompt, they make any two prompts look alike: "What is the capital of austria?" and "...
+    of Australia?" have cosine 0.71 as written, 0.91 inside SmolLM2's template). Raw text (or a model without a chat
+    template) is all the user's. When the user's words cannot be located in the prompt's tokens (a chat not ending
+    with a user message, a template that rewrites it, a tokenizer without offsets) the text is None: nothing to match,
+    a semantic miss rather than a guess.
+    """
+    text, add_special = _chat_text(tokenizer, prompt, raw)
     if isinstance(prompt, str) and (raw or not has_chat_template(tokenizer)):
-        return list(tokenizer(prompt, add_special_tokens=True).input_ids)
+        return list(tokenizer(text, add_special_tokens=add_special).input_ids), prompt, None
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    if not has_chat_template(tokenizer):
-        text = "\n\n".join(m["content"] for m in messages)  # type: ignore[index]
-        return list(tokenizer(text, add_special_tokens=True).input_ids)
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
+    last = messages[-1] if messages else {}
+    content = last.get("content") if isinstance(last, dict) else None
+    start = -1
+    if last.get("role") == "user" and isinstance(content, str) and content.strip():
+        start = text.rfind(content)
+        start = start if start >= 0 else text.rfind(content.strip())  # a template that trims the message
+    try:
+        enc = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=start >= 0)
+    except (NotImplementedError, TypeError, ValueError):  # a slow tokenizer has no offsets
+        start, enc = -1, tokenizer(text, add_special_tokens=add_special)
+    ids = list(enc.input_ids)
+    if start < 0:
+        return ids, None, None
+    offsets = enc.offset_mapping
+    split = next((i for i, (s, e) in enumerate(offsets) if e > start and not (s == e == 0 and i == 0)), len(ids))
+    if split == 0:
+        return ids, content, None
+    history = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages[:-1] if isinstance(m.get("content"), str))
+    return ids, content, ChatContext(history, split)
 
 
 def encode_qa(
@@ -188,6 +231,8 @@ def encode(tokenizer: Any, request: Request) -> Encoded:
             context = PromptContext(prompt.text, len(ctx_ids), press=press if agnostic else None, quant=request.quant)
         press_size = len(ctx_ids) if agnostic else len(ctx_ids) + len(q_ids)
         return Encoded(ctx_ids + q_ids, prompt.question, context, press_size)
-    ids = encode_chat(tokenizer, prompt, raw=request.raw)
-    text = prompt if isinstance(prompt, str) else None
-    return Encoded(ids, text, None, len(ids))
+    if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+        ids = encode_chat(tokenizer, prompt)  # token ids: the text is theirs (raw completions: no template added)
+        return Encoded(ids, tokenizer.decode(ids, skip_special_tokens=True), None, len(ids))
+    ids, text, chat = encode_turn(tokenizer, prompt, raw=request.raw)  # type: ignore[arg-type]
+    return Encoded(ids, text, chat, len(ids))

@@ -25,10 +25,35 @@ def check_reuse_args(args: argparse.Namespace) -> Any:
             raise UserError(PRESS_WITH_REUSE)
     if getattr(args, "window", None):
         raise UserError("--reuse cannot be combined with --window")
-    if args.threshold is not None and not -1 <= args.threshold <= 1:
-        raise UserError(f"--threshold is a cosine similarity in [-1, 1], got {args.threshold}")
+    check_semantic_args(args)
     check_store_url(args.store)
     return open_store(args.store or default_store_url())
+
+
+def add_semantic_args(p: Any) -> None:
+    """Semantic reuse's policy options (``kvforge generate`` and ``kvforge serve``)."""
+    p.add_argument("--max-error", type=float, default=None, help="semantic reuse: the tolerated share of wrong "
+                   "candidates served (default 0.01; the threshold is learned per entry, docs/reuse.md)")
+    p.add_argument("--threshold", type=float, default=None, help="semantic reuse: a fixed minimum cosine similarity "
+                   "instead of --max-error")
+    p.add_argument("--verify-ratio", type=float, default=None, help="semantic reuse: share of lookups also answered "
+                   "the other way after the answer, to learn from (default 0.05; 0 = never)")
+
+
+def check_semantic_args(args: argparse.Namespace) -> None:
+    """``--threshold``, ``--max-error`` and ``--verify-ratio`` in range and not in conflict, before any heavy import
+    (:class:`kvforge.reuse.SemanticReuse` checks the same when built)."""
+    threshold, max_error, ratio = (getattr(args, k, None) for k in ("threshold", "max_error", "verify_ratio"))
+    if any(v is not None for v in (threshold, max_error, ratio)) and getattr(args, "reuse", None) != "semantic":
+        raise UserError("--threshold, --max-error and --verify-ratio apply to --reuse semantic")
+    if threshold is not None and max_error is not None:
+        raise UserError("give --threshold (a fixed similarity) or --max-error (a bounded error rate), not both")
+    if threshold is not None and not -1 <= threshold <= 1:
+        raise UserError(f"--threshold is a cosine similarity in [-1, 1], got {threshold}")
+    if max_error is not None and not 0 < max_error < 1:
+        raise UserError(f"--max-error is a rate in (0, 1), got {max_error}")
+    if ratio is not None and not 0 <= ratio <= 1:
+        raise UserError(f"--verify-ratio is a share in [0, 1], got {ratio}")
 
 
 def attach_reuse(engine: Engine, args: argparse.Namespace, store: Any = None) -> None:
@@ -44,6 +69,8 @@ def attach_reuse(engine: Engine, args: argparse.Namespace, store: Any = None) ->
         engine.model_id,
         semantic_mode=args.semantic_mode,
         threshold=args.threshold,
+        max_error=getattr(args, "max_error", None),
+        verify_ratio=getattr(args, "verify_ratio", None),
         device=engine.model.device,
     )
 

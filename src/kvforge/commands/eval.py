@@ -95,6 +95,9 @@ def register(sub: Any, bench_sub: Any) -> None:
     )
     p.add_argument("--store", default=None, help="--store-once: where documents are stored (default memory://; with "
                    "file:///dir a later run, another process, loads what an earlier one stored)")
+    p.add_argument("--semantic", type=_names, help="semantic-reuse rows instead of presses, one per policy: default "
+                   "(bounded error 0.01), paper (fixed 0.7, no guards), max-error=X, threshold=X; with --task "
+                   "semantic / semantic-long (docs/reuse.md)")
     p.add_argument("--report-only", action="store_true", help="rebuild summary, plots and report from results.jsonl")
     p.set_defaults(func=run, check=_check)
 
@@ -123,10 +126,27 @@ def _check(args: argparse.Namespace) -> None:
         from kvforge.commands._common import check_store_url
 
         check_store_url(args.store)
+    if getattr(args, "semantic", None):
+        _check_semantic(args)
     if args.rag:
         _check_rag(args)
     elif args.aux_model:
         raise UserError("--aux-model only applies to --rag cacheclip")
+
+
+def _check_semantic(args: argparse.Namespace) -> None:
+    """Semantic policies, before any model loads; options for other row kinds are refused, not ignored."""
+    from kvforge.eval.semantic import check_spec
+
+    for spec in args.semantic:
+        try:
+            check_spec(spec)
+        except ValueError as e:
+            raise UserError(str(e)) from e
+    for flag, value in (("--rag", args.rag), ("--store-once", args.store_once), ("--query-agnostic",
+                                                                                  args.query_agnostic)):  # fmt: skip
+        if value:
+            raise UserError(f"--semantic does not combine with {flag}")
 
 
 def _check_rag(args: argparse.Namespace) -> None:
@@ -179,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
     mode = "query-agnostic" if args.query_agnostic or args.store_once else "query-aware"
     if args.store_once:
         mode = "store-once (query-agnostic)"
+    if getattr(args, "semantic", None):
+        mode = "semantic reuse"
     if args.report_only:
         return _report(args, mode)
     if args.data is not None:
@@ -197,6 +219,10 @@ def run(args: argparse.Namespace) -> int:
             trials += stored_trials(args.methods, args.compression_ratios, args.quants, args.store or "memory://")
         except ValueError as e:
             raise UserError(str(e)) from e
+    if getattr(args, "semantic", None):
+        from kvforge.eval.semantic import semantic_trials
+
+        trials = semantic_trials(args.semantic)
     engine = load_engine(args)  # names, options and data were checked above: a mistake costs no model load
     if args.rag:
         trials = _rag_trials(args, engine)
@@ -208,7 +234,22 @@ def run(args: argparse.Namespace) -> int:
         with_fidelity=args.fidelity, max_new_tokens=args.max_new_tokens, share_prefill=not args.separate_prefill,
     )  # fmt: skip
     runner.run(examples, progress=not args.no_progress)
+    if getattr(args, "semantic", None):
+        _semantic_pairs(args)
     return _report(args, mode)
+
+
+def _semantic_pairs(args: argparse.Namespace) -> None:
+    """Hit and false-hit rates of each policy on the labelled pairs (shared data when present, shipped pairs)."""
+    import json
+
+    from kvforge.eval.semantic import default_embedder
+    from kvforge.eval.semantic_report import pair_rates
+    from kvforge.paths import cache_dir, default_data_dir
+
+    embedder = default_embedder()
+    rates = pair_rates(args.semantic, args.data_dir or default_data_dir(), embedder, cache_dir() / "semantic")
+    (args.out / "semantic_pairs.json").write_text(json.dumps(rates, indent=2) + "\n")
 
 
 def run_settings(args: argparse.Namespace, engine: Engine, mode: str) -> dict[str, Any]:
@@ -288,6 +329,10 @@ def _report(args: argparse.Namespace, mode: str) -> int:
     commands = [r["command"] for r in info["runs"] if r.get("command")] or ([] if args.report_only else [_command()])
     summary = write_all(args.out, rows, settings.get("model", args.model), settings.get("mode", mode),
                         [c for c in commands if c])  # fmt: skip
+    from kvforge.eval.semantic_report import write_semantic_report
+
+    if write_semantic_report(args.out, rows, [c for c in commands if c]) is not None:
+        print(f"wrote {args.out}/semantic.md (Table-1 rows, false-hit rates, TTFT by length)")
     has_all = any(r["task"] == "all" for r in summary["rows"])
     for row in summary["rows"]:
         if not has_all or row["task"] == "all":

@@ -17,6 +17,7 @@ from kvforge.commands._common import (
     ratio,
     read_text_file,
 )
+from kvforge.commands._reuse import add_semantic_args, check_semantic_args
 from kvforge.errors import UserError
 from kvforge.names import REUSE_NAMES
 
@@ -75,7 +76,7 @@ def register(sub: Any, bench_sub: Any) -> None:
         help="canonical: answer a similar stored prompt; context: reuse the document (--prompt-file), "
         "prefill the question (--prompt) exactly",
     )
-    p.add_argument("--threshold", type=float, default=None, help="semantic reuse: minimum cosine similarity")
+    add_semantic_args(p)
     p.set_defaults(func=run_generate)
 
     b = bench_sub.add_parser("decode", help="decode tokens/s: cached vs uncached vs transformers' generate")
@@ -134,6 +135,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
         store = check_reuse_args(args)
     else:
+        check_semantic_args(args)
         check_store_url(args.store)
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer, chunk_size=args.chunk_size, window=args.window, num_sink=args.num_sink,
@@ -162,6 +164,7 @@ def run_generate(args: argparse.Namespace) -> int:
         f"{gen.tokens_per_s:.1f} tok/s | cache {gen.cache_bytes / 2**20:.1f} MiB{extra}",
         file=sys.stderr,
     )
+    engine.run_pending()  # a semantic lookup sampled for verification: checked now, its outcome stored for others
     return 0
 
 

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from kvforge.commands._common import add_model_args, check_port_free, check_store_url, load, positive_int, ratio
+from kvforge.commands._reuse import add_semantic_args, check_semantic_args
 from kvforge.errors import UserError
 from kvforge.names import REUSE_NAMES
 
@@ -21,6 +22,7 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--store", default=None, help="KV store URL (memory://, file:///dir, redis://host:port/db)")
     p.add_argument("--reuse", choices=[*REUSE_NAMES, "none"], default="none", help="KV reuse strategy")
     p.add_argument("--semantic-mode", choices=["canonical", "context"], default="canonical")
+    add_semantic_args(p)
     p.add_argument("--press", default=None, help="default compression method (see `kvforge presses`)")
     p.add_argument("--compression-ratio", type=ratio, default=0.5, help="fraction of KV entries removed")
     p.add_argument(
@@ -58,6 +60,7 @@ def register(sub: Any, bench_sub: Any) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     check_store_url(args.store)  # cheap checks first: a bad URL or a port in use fails before anything heavy loads
     check_port_free(args.host, args.port)
+    check_semantic_args(args)  # before any heavy import
     if args.press:  # a wrong press name fails before the model loads
         from kvforge.presses import build_press
 
@@ -82,6 +85,7 @@ def run_serve(args: argparse.Namespace) -> int:
         store_url=args.store,
         reuse=args.reuse,
         semantic_mode=args.semantic_mode,
+        semantic={"threshold": args.threshold, "max_error": args.max_error, "verify_ratio": args.verify_ratio},
         press=args.press,
         compression_ratio=args.compression_ratio,
         max_queue=args.max_queue,

@@ -5,12 +5,13 @@ One line::
     {"id": str, "context": str, "question": str, "answers": [str, ...],
      "metric": "contains" | "contains_all" | "em" | "f1" | "rouge_l",
      "task": str?, "max_new_tokens": int?, "system": str?, "answer_prefix": str?, "chunks": [str, ...]?,
-     "needles": [str, ...]?}
+     "needles": [str, ...]?, "stored_question": str?}
 
 ``chunks`` (documents for RAG reuse) may replace ``context``: the context is then the chunks joined by a blank line.
 ``needles`` (optional, written by the needle tasks) are substrings of the context whose survival in the compressed
-cache the fidelity metrics measure. Unknown fields are ignored; a malformed line raises :class:`DataFormatError`
-naming the file and the line number.
+cache the fidelity metrics measure. ``stored_question`` (semantic-reuse rows) is asked and stored first, on the same
+context; ``question`` is then answered with semantic reuse (``kvforge eval --semantic``). Unknown fields are ignored;
+a malformed line raises :class:`DataFormatError` naming the file and the line number.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Example:
     answer_prefix: str = ""
     chunks: list[str] | None = None
     needles: list[str] = field(default_factory=list)
+    stored_question: str | None = None
 
     def __post_init__(self) -> None:
         if self.metric not in METRIC_NAMES:
@@ -68,6 +70,8 @@ class Example:
             row["answer_prefix"] = self.answer_prefix
         if self.needles:
             row["needles"] = list(self.needles)
+        if self.stored_question is not None:
+            row["stored_question"] = self.stored_question
         return row
 
 
@@ -104,7 +108,7 @@ def example_from_json(row: Any) -> Example:
     max_new_tokens = row.get("max_new_tokens", 64)
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"'max_new_tokens' must be a positive integer, got {max_new_tokens!r}")
-    for key in ("task", "system", "answer_prefix"):
+    for key in ("task", "system", "answer_prefix", "stored_question"):
         if row.get(key) is not None and not isinstance(row[key], str):
             raise ValueError(f"{key!r} must be a string")
     return Example(
@@ -119,6 +123,7 @@ def example_from_json(row: Any) -> Example:
         answer_prefix=row.get("answer_prefix") or "",
         chunks=chunks,
         needles=_str_list(row, "needles", allow_empty=True) or [],
+        stored_question=row.get("stored_question"),
     )
 
 

@@ -30,9 +30,11 @@ def build_reuse(
     *,
     semantic_mode: str = "canonical",
     threshold: float | None = None,
+    max_error: float | None = None,
     block_size: int = 256,
     embedder: Any = None,
     device: Any = None,
+    verify_ratio: float | None = None,
     model: Any = None,
     tokenizer: Any = None,
     method: str = "naive",
@@ -40,20 +42,23 @@ def build_reuse(
 ) -> ReuseStrategy:
     """A strategy from its registry name (what the CLI, the server and benchmarks call).
 
-    ``semantic``: the MiniLM embedder by default; ``rag``: needs ``model`` and ``tokenizer`` (chunk misses are
-    computed with them), ``method`` and ``recompute_ratio`` pick its option.
+    ``semantic``: the MiniLM embedder by default; ``threshold`` (a fixed cosine) or ``max_error`` (the bounded error
+    rate, the default 0.01), ``verify_ratio`` of the lookups verified after their answer; ``rag``: needs ``model``
+    and ``tokenizer`` (chunk misses are computed with them), ``method`` and ``recompute_ratio`` pick its option.
     """
     if name == "prefix":
         return PrefixReuse(store, model_id, block_size=block_size, device=device)
     if name == "document":
         return DocumentReuse(store, model_id, device=device)
     if name == "semantic":
-        kwargs = {} if threshold is None else {"threshold": threshold}
+        kwargs: dict[str, Any] = {} if verify_ratio is None else {"verify_ratio": verify_ratio}
         return SemanticReuse(
             store,
             model_id,
             embedder or MiniLMEmbedder(),
             mode=semantic_mode,  # type: ignore[arg-type]
+            threshold=threshold,
+            max_error=max_error,
             device=device,
             **kwargs,
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -43,6 +43,45 @@ class PromptContext:
             raise ValueError(f"a prompt context needs at least one token, got num_tokens={self.num_tokens}")
 
 
+@dataclass(frozen=True)
+class ChatContext:
+    """The conversation before the user's last message: ``token_ids[:num_tokens]`` (the system prompt, the chat
+    template's header, earlier turns) and its text (earlier turns, ``role: content``). The user's words follow it.
+
+    A semantic strategy embeds only what the user wrote (the template and a default system prompt, the same in every
+    prompt, would make any two prompts look alike) and takes as candidates only prompts with exactly these leading
+    tokens. Other strategies ignore it: it is no document.
+    """
+
+    text: str
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError(f"a chat context needs at least one token, got num_tokens={self.num_tokens}")
+
+
+@dataclass
+class Check:
+    """An approximate lookup to label right or wrong after its answer (semantic reuse's verification).
+
+    The engine runs two greedy requests of ``num_tokens`` new tokens through its loop, after the answer that asked
+    for the check: ``asked_ids`` after a full prefill, and the donor's prompt on the stored KV the lookup found
+    (``load()``: ``(a fresh cache of the donor prompt's first tokens, the donor prompt's ids)``, None when that KV
+    is gone). Reuse was right when both continue with the same tokens (ending at the same step); ``report(agree)``
+    gets the outcome.
+    """
+
+    asked_ids: list[int]
+    load: Callable[[], tuple[KVCache, list[int]] | None]
+    report: Callable[[bool], None]
+    num_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError(f"a check continues at least one token, got num_tokens={self.num_tokens}")
+
+
 @dataclass
 class ReusePlan:
     """What reuse found for a prompt.
@@ -63,6 +102,7 @@ class ReusePlan:
         prefill_positions: the RoPE position of each of ``prefill_ids`` when they are not the ones following
             ``cache`` (RAG chunk plans recompute tokens in the middle of the prompt); None = consecutive.
         logits: the last prompt token's logits ``(1, V)`` when ``cache`` already covers the whole prompt.
+        check: a lookup the engine verifies after the answer (:class:`Check`; semantic reuse samples some).
 
     ``prefill_ids`` is empty only when ``logits`` are given or the request generates nothing (storing a document).
     """
@@ -78,6 +118,7 @@ class ReusePlan:
     press_size: int = 0
     prefill_positions: list[int] | None = None
     logits: Tensor | None = None
+    check: Check | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prefill_ids and self.cache is None:

@@ -80,7 +80,7 @@ class DocumentReuse:
         A prompt that is the document alone (storing it) plans nothing to prefill when it is stored already.
         """
         ids = list(token_ids)
-        if context is None:
+        if not isinstance(context, PromptContext):  # a plain prompt (a chat's context is no document)
             return miss_plan(ids, reason="no document in the prompt")
         num_doc = context.num_tokens
         if not 0 < num_doc <= len(ids):
@@ -130,7 +130,7 @@ class DocumentReuse:
         self, token_ids: Sequence[int], cache: KVCache, *, text: str | None = None, context: PromptContext | None = None
     ) -> None:
         """Store the document held by ``cache`` (exactly the document's tokens, nothing after them)."""
-        if context is None:
+        if not isinstance(context, PromptContext):
             return
         doc_ids = list(token_ids[: context.num_tokens])
         if cache.next_position != len(doc_ids) or list(cache.token_ids) != doc_ids:

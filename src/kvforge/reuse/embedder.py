@@ -36,6 +36,7 @@ class MiniLMEmbedder:
 
     path: str | None = None
     window_words: int = 200
+    name: str = "all-minilm-l6-v2"  # what the shipped calibration (kvforge/data/semantic/prior-<name>.json) is for
     batch_size: int = 64
     _model: Any = field(default=None, init=False, repr=False)
 
@@ -79,6 +80,7 @@ class FakeEmbedder:
     """Deterministic hashed bag of words and character trigrams: similar strings get similar vectors (tests)."""
 
     dim: int = 256  # type: ignore[assignment]
+    name: str = "fake"
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         out = np.zeros((len(texts), self.dim), dtype=np.float32)

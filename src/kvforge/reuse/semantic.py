@@ -1,34 +1,43 @@
-"""Semantic prompt reuse: a similar stored prompt's KV, made safe.
+"""Semantic prompt reuse: a similar stored prompt's KV, served only where its error rate is bounded.
 
 After C. Lee (Samsung Electronics), "A Study on the Caching Strategies for Semantically Similar Prompts in KV Cache
-Storage Offloading" (embedding -> FAISS top-1 -> cosine >= 0.7 -> the matched prompt's tokens and KV); kvforge adds
-lexical guards, a measured default threshold, approximate flags and a context mode.
+Storage Offloading" (embedding -> FAISS top-1 -> cosine >= 0.7 -> the matched prompt's tokens and KV). kvforge
+decides hit or miss per stored entry with a bounded error rate instead of a fixed threshold (after vCache: the user
+sets ``max_error``; :mod:`kvforge.reuse.policy`), learns from verified lookups shared through the store
+(:mod:`kvforge.reuse.stats`), refuses word substitutions, reorderings, other numbers and negations whatever the
+similarity (:mod:`kvforge.reuse.guards`), and embeds only what the user wrote (the request's text: a chat's last user
+message, :func:`kvforge.request.encode_turn`).
 
 Modes:
-    ``canonical`` (the paper): the prompt text is embedded, the top-1 stored prompt with cosine >= threshold that
-        passes the lexical guards is the donor, and the model is run on the donor's tokens with its KV (only the
-        donor's last token is recomputed). The answer is to the donor's prompt: the plan is flagged approximate with
-        the similarity. With a :class:`PromptContext`, the question is embedded and only prompts with byte-identical
-        context tokens are candidates.
+    ``canonical`` (the paper): the prompt text is embedded, the top-1 stored prompt is the candidate, and on a hit
+        the model is run on the candidate's tokens with its KV (only its last token is recomputed). The answer is to
+        the stored prompt: the plan is flagged approximate with the similarity. With a :class:`PromptContext` (a
+        document) or a :class:`ChatContext` (a chat's system prompt, template header and earlier turns) only prompts
+        with byte-identical context tokens are candidates.
     ``context`` (ours): only the long document part is reused, exactly (same context tokens) or from a donor
-        document that differs only slightly (cosine >= threshold, word-level edit ratio >= ``min_text_ratio``, and
-        the guards: same numbers, negations, entities). The user's question is always prefilled exactly.
+        document that differs only slightly (the policy, the guards, and a word-level edit ratio >=
+        ``min_text_ratio``). The user's question is always prefilled exactly.
+
+Verification: a share ``verify_ratio`` of the lookups whose best candidate has similarity >= 0.5 (hits and misses
+alike, so the sample is a uniform one) carry a :class:`~kvforge.reuse.base.Check` in their plan: after the answer,
+the engine continues the prompt asked (full prefill) and the candidate's prompt (on its stored KV) greedily through
+its loop, and whether both agree is added to the shared statistics: every process sharing the store learns from it.
 
 The donor's KV is never stored under the new prompt's key (``record`` refuses a cache that does not hold exactly the
-prompt's tokens, or that was built on approximate reuse). Index entries whose KV the store evicted are dropped from
-the FAISS index when met (and all at once on open). The index lives in the store as one small record blob per entry
-(:mod:`kvforge.reuse.index`): concurrent writers and restarts merge, and before each search the records other
-processes added since are loaded, so no writer ever loses another's entries. The stored segments are the ground
-truth: each carries its text and namespace in its header (``meta``), so an entry whose record is missing or damaged
-(a writer killed between its segment and its record, a flipped byte, a deleted blob) is indexed again from its
-segment (:meth:`SemanticReuse.reconcile`): on open, after every write, when a damaged record is met, and at least
-every ``reconcile_s`` seconds before a search. Stored KV is never unreachable for longer than one write.
+prompt's tokens, or that was built on approximate reuse). The index lives in the store as one small record blob per
+entry (:mod:`kvforge.reuse.index`): concurrent writers and restarts merge, and before each search the records other
+processes added since are loaded. The stored segments are the ground truth: each carries its text and namespace in
+its header, so an entry whose record is missing or damaged is indexed again from its segment
+(:meth:`SemanticReuse.reconcile`). Records (and statistics) of entries whose KV the store evicted are deleted after
+every write, so what the semantic index keeps follows the store's byte budget.
 """
 
 from __future__ import annotations
 
 import difflib
 import logging
+import random
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,32 +47,71 @@ import numpy as np
 
 from kvforge.cache import KVCache
 from kvforge.errors import StoreUnavailableError
-from kvforge.reuse.base import ReusePlan, covers, digest, encode_ids, full_layers_complete, holds_exactly, miss_plan
-from kvforge.reuse.guards import DEFAULT_GUARDS, check, words
+from kvforge.reuse.base import (
+    ChatContext,
+    Check,
+    PromptContext,
+    ReusePlan,
+    covers,
+    digest,
+    encode_ids,
+    full_layers_complete,
+    holds_exactly,
+    miss_plan,
+)
+from kvforge.reuse.bound import to_bin
+from kvforge.reuse.guards import DEFAULT_GUARDS, check, check_names, failed, tokens
 from kvforge.reuse.index import IndexEntry, SemanticIndex, read_record, record_bytes
+from kvforge.reuse.policy import (
+    DEFAULT_MAX_ERROR,
+    POPULATION_FLOOR,
+    BoundedErrorPolicy,
+    FixedThreshold,
+    Policy,
+    is_certified,
+    shipped_prior,
+)
+from kvforge.reuse.stats import SharedStats
 from kvforge.types import KVSegment
 
 if TYPE_CHECKING:
-    from kvforge.reuse.base import Embedder, PromptContext
+    from kvforge.reuse.base import Embedder
     from kvforge.store.base import KVStore
 
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "semantic-v1-"
 MODES = ("canonical", "context")
-DEFAULT_THRESHOLD = 0.9
 
 
-def accept(query: str, donor: str, similarity: float, threshold: float, guards: Sequence[str]) -> str | None:
-    """Why ``query`` may not reuse ``donor`` (None = it may): similarity below threshold or a guard tripped."""
+def build_policy(threshold: float | None, max_error: float | None, embedder: Any) -> Policy:
+    """A fixed threshold, or (the default) a bounded error rate with the shipped calibration of ``embedder``."""
+    if threshold is not None and max_error is not None:
+        raise ValueError("give a similarity threshold or a max error rate, not both")
+    if threshold is not None:
+        return FixedThreshold(threshold)
+    name = getattr(embedder, "name", None)
+    prior = shipped_prior(name) if isinstance(name, str) else None
+    return BoundedErrorPolicy(max_error if max_error is not None else DEFAULT_MAX_ERROR, prior=prior)
+
+
+def decide(
+    query: str, donor: str, similarity: float, threshold: float, guards: Sequence[str]
+) -> tuple[str | None, frozenset[str]]:
+    """(why ``query`` may not reuse ``donor``, or None; the guards that refuse the pair)."""
+    refused = failed(query, donor, guards)
+    if not is_certified(threshold):
+        return "no similarity is certified yet (too few wrong candidates seen): miss until calibrated", refused
     if similarity < threshold:
-        return f"similarity {similarity:.3f} < threshold {threshold}"
-    return check(query, donor, guards)
+        return f"similarity {similarity:.3f} < threshold {threshold:.3f}", refused
+    if refused:
+        return check(query, donor, [g for g in guards if g in refused]), refused
+    return None, refused
 
 
 def text_ratio(a: str, b: str) -> float:
     """Word-level similarity ratio in [0, 1] (difflib): 1.0 = same words in the same order."""
-    return difflib.SequenceMatcher(a=words(a), b=words(b), autojunk=False).ratio()
+    return difflib.SequenceMatcher(a=tokens(a), b=tokens(b), autojunk=False).ratio()
 
 
 @dataclass
@@ -75,42 +123,59 @@ class SemanticReuse:
         model_id: model + tokenizer fingerprint; part of every key.
         embedder: an :class:`Embedder` (``MiniLMEmbedder`` in production, ``FakeEmbedder`` in tests).
         mode: "canonical" or "context" (see the module docstring).
-        threshold: minimum cosine similarity for a semantic hit.
-        guards: names from :data:`kvforge.reuse.guards.GUARDS`; any difference they find is a miss. None = all of
-            them in canonical mode, all but the question-word guard in context mode (documents are not questions).
+        threshold: a fixed minimum cosine similarity (the paper's rule) instead of the bounded error rate.
+        max_error: the tolerated false-hit rate (default 0.01 when ``threshold`` is not given); see
+            :mod:`kvforge.reuse.policy`.
+        policy: a ready policy object instead of ``threshold``/``max_error``.
+        guards: names from :data:`kvforge.reuse.guards.GUARDS`; any difference they find is a miss.
         min_text_ratio: context mode: minimum word-level edit ratio between the documents.
         device: where loaded entries go.
         reconcile_s: before a search, index stored segments that have no index record if the last such check is
             older than this (it also runs on open, after each write and when a damaged record is met).
+        verify_ratio: the share of lookups verified (0: none; the statistics then grow from other processes only).
+        check_tokens: how many greedy tokens a verified lookup must agree on.
+        stats_refresh_s: the shared statistics are re-read at most this often.
+        seed: seed of the verification sampling.
     """
 
     store: KVStore
     model_id: str
     embedder: Embedder
     mode: Literal["canonical", "context"] = "canonical"
-    threshold: float = DEFAULT_THRESHOLD
+    threshold: float | None = None
+    max_error: float | None = None
+    policy: Policy | None = None
     guards: Sequence[str] | None = None
     min_text_ratio: float = 0.9
     device: Any = None
     reconcile_s: float = 60.0
+    verify_ratio: float = 0.05
+    check_tokens: int = 8
+    stats_refresh_s: float = 5.0
+    seed: int | None = None
     index: SemanticIndex = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown semantic mode {self.mode!r}; choose from {list(MODES)}")
-        if not -1.0 <= self.threshold <= 1.0:
-            raise ValueError(f"threshold is a cosine similarity in [-1, 1], got {self.threshold}")
+        if self.policy is None:
+            self.policy = build_policy(self.threshold, self.max_error, self.embedder)
+        if not 0.0 <= self.verify_ratio <= 1.0:
+            raise ValueError(f"verify_ratio is a share in [0, 1], got {self.verify_ratio}")
         if not self.model_id:
             raise ValueError("model_id must name the model and tokenizer")
-        if self.guards is None:
-            self.guards = DEFAULT_GUARDS if self.mode == "canonical" else tuple(g for g in DEFAULT_GUARDS if g != "wh")
-        check("", "", self.guards)  # validates the guard names
+        self.guards = check_names(DEFAULT_GUARDS if self.guards is None else self.guards)
         self.namespace = digest("kvforge-semantic-v1", self.model_id)
         self.index_key = f"{KEY_PREFIX}index-{digest(self.namespace, self.mode)}"  # the former single-blob index
         self.record_prefix = f"{KEY_PREFIX}rec-{digest(self.namespace, self.mode)[:24]}-"
         self._records: dict[str, int | None] = {}  # record blob key -> index id (None: unreadable, skipped)
         self._unindexable: set[str] = set()  # stored keys of this mode that are not ours (another model, no text)
         self._reconciled_at = float("-inf")
+        embedder_name = str(getattr(self.embedder, "name", type(self.embedder).__name__))
+        stats_ns = digest(self.namespace, self.mode, embedder_name)[:24]
+        self.stats = SharedStats(self.store, f"{KEY_PREFIX}stats-{stats_ns}-", refresh_s=self.stats_refresh_s)
+        self._lock = threading.Lock()  # the sampling generator (plans run on the model thread and in tests' threads)
+        self._rng = random.Random(self.seed)
         self.index = self._open_index()
 
     # ------------------------------------------------------------------------------------------------ keys
@@ -118,9 +183,9 @@ class SemanticReuse:
         """Store key of the KV of exactly ``token_ids`` (a whole prompt, or a context part)."""
         return f"{KEY_PREFIX}{self.mode}-{digest(self.namespace, encode_ids(token_ids))}"
 
-    def _split(self, ids: list[int], context: PromptContext | None) -> tuple[list[int], str]:
+    def _split(self, ids: list[int], context: PromptContext | ChatContext | None) -> tuple[list[int], str]:
         """(tokens whose KV is stored/reused, namespace the candidates must share) for this mode."""
-        if self.mode == "context" and context is not None:
+        if self.mode == "context" and isinstance(context, PromptContext):
             if context.num_tokens > len(ids):
                 raise ValueError(f"context has {context.num_tokens} tokens, the prompt only {len(ids)}")
             return ids[: context.num_tokens], ""
@@ -129,7 +194,7 @@ class SemanticReuse:
 
     # ------------------------------------------------------------------------------------------------ plan
     def plan(
-        self, token_ids: Sequence[int], *, text: str | None = None, context: PromptContext | None = None
+        self, token_ids: Sequence[int], *, text: str | None = None, context: PromptContext | ChatContext | None = None
     ) -> ReusePlan:
         ids = list(token_ids)  # an empty prompt is refused by miss_plan
         t0 = time.perf_counter()
@@ -138,18 +203,22 @@ class SemanticReuse:
         exact = self._load(self.entry_key(reused_ids), reused_ids)
         if exact is not None:
             return self._plan(exact, ids, tail, t0, kind="prefix")
-        query = context.text if (self.mode == "context" and context is not None) else text
-        if query is None or (self.mode == "context" and context is None):
+        is_document = isinstance(context, PromptContext)
+        query = context.text if (self.mode == "context" and is_document) else text  # type: ignore[union-attr]
+        if not query or (self.mode == "context" and not is_document):
             return miss_plan(ids, reason="no text to match")
-        found = self._find(query, namespace)
+        found, check = self._find(query, namespace, ids, tail)
         if isinstance(found, str):
-            return miss_plan(ids, reason=found)
+            plan = miss_plan(ids, reason=found)
+            plan.check = check
+            return plan
         similarity, entry, segment = found
         assert segment is not None
         plan = self._plan(segment, ids, tail, t0, kind="semantic")
-        plan.approximate, plan.similarity, plan.donor_prompt = True, similarity, entry.text
-        assert plan.cache is not None
-        plan.cache.info["reuse"] |= {"approximate": True, "similarity": similarity}
+        plan.check = check
+        if plan.cache is not None:
+            plan.approximate, plan.similarity, plan.donor_prompt = True, similarity, entry.text
+            plan.cache.info["reuse"] |= {"approximate": True, "similarity": similarity}
         return plan
 
     def _plan(self, segment: KVSegment, ids: list[int], tail: list[int], t0: float, kind: str) -> ReusePlan:
@@ -171,12 +240,19 @@ class SemanticReuse:
             info={"load_s": time.perf_counter() - t0, "mode": self.mode},
         )
 
+    def threshold_for(self, entry_key: str) -> float:
+        """The similarity a candidate ``entry_key`` needs now (the policy's, from the shared statistics)."""
+        assert self.policy is not None
+        stats = self.stats.view() if isinstance(self.policy, BoundedErrorPolicy) else None
+        return self.policy.threshold_for(entry_key, self.guards, stats)
+
     def lookup(self, query: str, namespace: str = "") -> tuple[float, IndexEntry] | str:
         """The stored entry ``query`` would reuse under this strategy's policy (threshold, guards), without loading
-        its KV: ``(similarity, entry)``, or why there is none. For callers whose KV is loaded by another engine (the
-        router in front of vLLM); entries whose KV the store no longer holds are dropped on the way."""
-        found = self._find(query, namespace, load=False)
-        return found if isinstance(found, str) else found[:2]
+        its KV: ``(similarity, entry)``, or why there is none (no verification is sampled). For callers whose KV is
+        loaded by another engine (the router in front of vLLM); entries whose KV the store no longer holds are
+        dropped on the way."""
+        found = self._find(query, namespace, [], [], sample=False, load=False)[0]
+        return found if isinstance(found, str) else (found[0], found[1])
 
     def index_text(self, key: str, text: str, namespace: str = "") -> None:
         """Index ``text`` for KV that another writer stored under ``key`` (a vLLM server's connector); candidates
@@ -185,37 +261,70 @@ class SemanticReuse:
             self._add(self.embedder.embed([text])[0], IndexEntry(key=key, text=text, namespace=namespace))
 
     def _find(
-        self, query: str, namespace: str, load: bool = True
-    ) -> tuple[float, IndexEntry, KVSegment | None] | str:
-        """Top-1 stored entry in ``namespace`` that passes the threshold and guards, with its KV (``load``); or why
-        none."""
+        self, query: str, namespace: str, ids: list[int], tail: list[int], sample: bool = True, load: bool = True
+    ) -> tuple[tuple[float, IndexEntry, KVSegment | None] | str, Check | None]:
+        """(the top-1 stored entry in ``namespace`` if the policy serves it, with its KV when ``load``, or why not;
+        the check of this lookup when it was sampled for verification)."""
         vector = self.embedder.embed([query])[0]
         self.refresh()  # entries other processes recorded since
         stale = []
         try:
             for similarity, vid in self._candidates(vector, namespace):
                 entry = self.index.entries[vid]
-                reason = accept(query, entry.text, similarity, self.threshold, self.guards or ())
+                reason, refused = decide(query, entry.text, similarity, self.threshold_for(entry.key), self.guards)
                 if reason is None and self.mode == "context" and text_ratio(query, entry.text) < self.min_text_ratio:
                     reason = f"documents differ by more than {1 - self.min_text_ratio:.0%} of their words"
-                if reason is not None:
-                    return reason  # top-1 only: a worse candidate is never tried after a better one was refused
-                if not load:
-                    if not self.store.contains(entry.key):
-                        stale.append(vid)
+                segment = None
+                if reason is None:
+                    if not load:
+                        if not self.store.contains(entry.key):
+                            stale.append(vid)
+                            continue
+                        return (similarity, entry, None), None
+                    segment = self.store.get(entry.key)
+                    if segment is None:
+                        stale.append(vid)  # evicted: drop it from the index and look further
                         continue
-                    return similarity, entry, None
-                segment = self.store.get(entry.key)
+                    if segment.model_id != self.model_id:
+                        return "stored KV made by another model", None
+                check = self._sample(ids, entry.key, similarity, refused, tail) if sample else None
                 if segment is None:
-                    stale.append(vid)  # evicted: drop it from the index and look further
-                    continue
-                if segment.model_id != self.model_id:
-                    return "stored KV made by another model"
-                return similarity, entry, segment
-            return "no similar prompt stored"
+                    return str(reason), check  # top-1 only: a worse candidate is never tried after a refused one
+                return (similarity, entry, segment), check
+            return "no similar prompt stored", None
         finally:
             if stale:
                 self._drop(stale)
+
+    # ------------------------------------------------------------------------------------------------ verify
+    def _sample(
+        self, ids: list[int], key: str, similarity: float, refused: frozenset[str], tail: list[int]
+    ) -> Check | None:
+        """With probability ``verify_ratio``, a :class:`Check` of this lookup (hit or miss: a uniform sample of the
+        lookups whose candidate is in the bound's population) that the engine runs after the answer."""
+        if similarity < POPULATION_FLOOR or not self.verify_ratio:
+            return None
+        with self._lock:
+            if self._rng.random() >= self.verify_ratio:
+                return None
+
+        def load() -> tuple[KVCache, list[int]] | None:
+            segment = self.store.get(key)
+            if segment is None or segment.model_id != self.model_id:
+                return None
+            donor_ids = list(segment.token_ids)
+            end = len(donor_ids) if tail else len(donor_ids) - 1
+            if end == 0 or not covers([segment], end):
+                return None
+            windows = segment.meta.get("layer_windows")
+            cache = KVCache.from_segments([segment], end=end, layer_windows=windows, device=self.device)
+            return cache, donor_ids + list(tail)
+
+        def report(agree: bool) -> None:
+            self.stats.observe(key, similarity, not agree, refused, to_bin(similarity))
+            logger.info("semantic lookup verified: %s at similarity %.3f", "right" if agree else "wrong", similarity)
+
+        return Check(list(ids), load, report, num_tokens=self.check_tokens)
 
     def _candidates(self, vector: np.ndarray, namespace: str) -> list[tuple[float, int]]:
         """Search results in ``namespace``, best first (widening the search until one is found or all are seen)."""
@@ -237,17 +346,23 @@ class SemanticReuse:
 
     # ------------------------------------------------------------------------------------------------ record
     def record(
-        self, token_ids: Sequence[int], cache: KVCache, *, text: str | None = None, context: PromptContext | None = None
+        self,
+        token_ids: Sequence[int],
+        cache: KVCache,
+        *,
+        text: str | None = None,
+        context: PromptContext | ChatContext | None = None,
     ) -> None:
-        """Store the KV of the prompt (canonical) or of its context (context mode) and index its text."""
+        """Store the KV of the prompt (canonical) or of its document (context mode) and index its text."""
         ids = list(token_ids)
-        if not ids or (self.mode == "context" and context is None):
+        is_document = isinstance(context, PromptContext)
+        if not ids or (self.mode == "context" and not is_document):
             return
         stored_ids, namespace = self._split(ids, context)
         if not holds_exactly(cache, stored_ids):
             return
         key = self.entry_key(stored_ids)
-        query = context.text if self.mode == "context" and context is not None else text
+        query = context.text if self.mode == "context" and is_document else text  # type: ignore[union-attr]
         if not self.store.contains(key):
             try:
                 segment = cache.to_segment(self.model_id, stored_ids, start=0, end=len(stored_ids))
@@ -265,6 +380,7 @@ class SemanticReuse:
                 "format": KEY_PREFIX + self.mode,
             }
             self.store.put(key, segment)
+            self.sync(listed=True)  # the put may have evicted entries: their records go too (the byte budget)
         if query and not self.index.has(key, query):  # a repeated prompt changes nothing: no index write
             self._add(self.embedder.embed([query])[0], IndexEntry(key=key, text=query, namespace=namespace))
             self.reconcile()  # segments another writer stored without their record (killed between the two)
@@ -427,9 +543,20 @@ class SemanticReuse:
             if self._record_key(entry) not in self._records:
                 self._add(old.index.reconstruct(int(vid)), entry)
 
-    def sync(self) -> int:
-        """Drop index entries whose KV is no longer stored (evicted); returns how many were dropped."""
-        stale = [vid for vid, e in self.index.entries.items() if not self.store.contains(e.key)]
+    def sync(self, listed: bool = True) -> int:
+        """Drop index entries (and their record blobs and statistics) whose KV is no longer stored; returns how many.
+
+        With ``listed`` the store's keys are listed once (one call however many entries); else each is asked."""
+        if listed and getattr(self.store, "keys", None) is not None:
+            try:
+                held = set(self.store.keys())
+            except StoreUnavailableError as e:
+                logger.debug("semantic index not synced: %s", e)
+                return 0
+            stale = [vid for vid, e in self.index.entries.items() if e.key not in held]
+        else:
+            stale = [vid for vid, e in self.index.entries.items() if not self.store.contains(e.key)]
         if stale:
             self._drop(stale)
+            self.stats.prune({e.key for e in self.index.entries.values()})
         return len(stale)

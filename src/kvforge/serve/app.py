@@ -40,6 +40,7 @@ def create_app(
     store_url: str | None = None,
     reuse: str | ReuseStrategy | None = None,
     semantic_mode: str = "canonical",
+    semantic: dict[str, Any] | None = None,
     press: str | None = None,
     compression_ratio: float = 0.5,
     max_queue: int = 16,
@@ -60,6 +61,7 @@ def create_app(
         model_name: the id clients send as ``model`` (and ``/v1/models`` lists).
         store_url: where reuse keeps KV (``kvforge.store.open_store`` URL; None = in memory).
         reuse: default reuse: "prefix" | "semantic" | "document" | "none"/None, or a strategy object.
+        semantic: semantic reuse's policy options (``threshold``, ``max_error``, ``verify_ratio``; None = defaults).
         press, compression_ratio: default compression (requests may override both in their ``kvforge`` field).
         max_queue: requests waiting for a place in the engine before 429s start.
         request_timeout_s: queueing + generation time allowed (504 after it).
@@ -77,7 +79,7 @@ def create_app(
         raise UserError(f"unknown scheduler {scheduler!r}; choose from: {', '.join(SCHEDULERS)}")
     if prefill_budget < 1:
         raise UserError(f"prefill budget must be >= 1, got {prefill_budget}")
-    features = Features(engine, store_url=store_url, embedder=embedder)
+    features = Features(engine, store_url=store_url, embedder=embedder, semantic=semantic)
     reuse_kind = reuse if isinstance(reuse, str) else ("custom" if reuse is not None else "none")
     try:  # fail at startup on an unknown default press or reuse strategy
         features.press(press, compression_ratio)

@@ -38,10 +38,14 @@ class Features:
         engine: the served engine (its model id keys the store).
         store_url: ``kvforge.store.open_store`` URL; None = an in-memory store, opened when reuse first needs it.
         embedder: the semantic strategies' embedder (None = the reuse package's MiniLM one).
+        semantic: options of the semantic strategies (``threshold``, ``max_error``, ``verify_ratio``).
     """
 
-    def __init__(self, engine: Engine, store_url: str | None = None, embedder: Any = None) -> None:
+    def __init__(
+        self, engine: Engine, store_url: str | None = None, embedder: Any = None, semantic: dict[str, Any] | None = None
+    ) -> None:
         self.engine = engine
+        self.semantic = {k: v for k, v in (semantic or {}).items() if v is not None}
         self.store_url = store_url
         self.embedder = embedder
         self._store: KVStore | None = None
@@ -105,8 +109,9 @@ class Features:
             return None  # a store that cannot be reached is a miss: the request is answered without reuse
         engine = self.engine
         try:
+            options = self.semantic if kind == "semantic" else {}
             strategy = build_reuse(kind, store, engine.model_id, semantic_mode=mode, embedder=self.embedder,
-                                   device=getattr(engine.model, "device", None))  # fmt: skip
+                                   device=getattr(engine.model, "device", None), **options)  # fmt: skip
         except ImportError as e:  # an optional dependency of the strategy (faiss, sentence-transformers)
             raise APIError(400, f"{kind} reuse is not available on this server ({e})", param="kvforge.reuse",
                            code="feature_unavailable") from e  # fmt: skip

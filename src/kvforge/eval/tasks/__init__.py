@@ -22,6 +22,7 @@ from kvforge.eval.tasks.needle import (
     needle_task,
 )
 from kvforge.eval.tasks.ruler import common_words_task, ruler_mix, variable_tracking_task
+from kvforge.eval.tasks.semantic import semantic_long_task, semantic_task
 from kvforge.eval.tasks.squad import squad_task
 from kvforge.names import check_task
 from kvforge.paths import task_data_folder
@@ -44,6 +45,8 @@ TASKS: dict[str, Callable[[TaskConfig], list[Example]]] = {
     "leval": leval_task,
     "squad": squad_task,
     "musique": musique_task,
+    "semantic": semantic_task,
+    "semantic-long": semantic_long_task,
 }
 
 
@@ -55,6 +58,8 @@ TASK_DATA: dict[str, str] = {
     "leval": "leval_multiquestion",
     "squad": "squad_v2_dev",
     "musique": "musique_rag",
+    "semantic": "squad_paraphrase",
+    "semantic-long": "squad_paraphrase",
 }
 
 
