@@ -1,5 +1,6 @@
 """The schema edge: ids, counts and sampling parameters are checked (or normalised) before the engine sees them, so
-odd values are one-line 400s and tiny temperatures are greedy answers, never a 500 (TestClient, tiny model)."""
+odd values (tiny temperatures among them) are one-line 400s, never a 500, and large bodies are refused from their sizes
+off the event loop (TestClient, tiny model)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from kvforge.decode import MIN_TEMPERATURE, SamplingParams, sample
 from kvforge.engine import Engine
+from kvforge.errors import UserError
 from kvforge.serve import create_app
 from kvforge.serve.state import LARGE_BODY_BYTES
 from kvforge.testing import tiny_model, tiny_tokenizer
@@ -49,21 +51,59 @@ def test_an_unknown_but_valid_chunk_id_is_a_400_naming_it(client: Any) -> None:
     assert "unknown chunk id" in error["message"]
 
 
+TINY_TEMPERATURES = [1e-38, 1e-45, 1e-320, 5e-324, MIN_TEMPERATURE / 2, -0.5, float("inf")]
+
+
 @pytest.mark.parametrize("temperature", [1e-38, 1e-45, 1e-320, MIN_TEMPERATURE / 2])
-def test_tiny_temperatures_are_greedy(client: Any, temperature: float) -> None:
-    greedy = client.post("/v1/chat/completions", json=_chat(temperature=0))
-    tiny = client.post("/v1/chat/completions", json=_chat(temperature=temperature, seed=3))
-    assert greedy.status_code == tiny.status_code == 200, tiny.text
-    assert tiny.json()["choices"][0]["message"]["content"] == greedy.json()["choices"][0]["message"]["content"]
+def test_tiny_temperatures_are_one_line_400s_that_say_the_rule(client: Any, temperature: float) -> None:
+    error = _one_line_400(client.post("/v1/chat/completions", json=_chat(temperature=temperature, seed=3)),
+                          "temperature")  # fmt: skip
+    assert "temperature must be 0 (greedy) or at least 1e-05" in error["message"], error
+    raw = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "temperature": temperature})
+    assert _one_line_400(raw, "temperature")["message"] == error["message"]
 
 
-def test_the_sampler_treats_temperatures_below_the_floor_as_greedy() -> None:
+def test_temperature_zero_and_the_floor_are_answered(client: Any) -> None:
+    for t in (0, 0.0, MIN_TEMPERATURE, 2.0):
+        r = client.post("/v1/chat/completions", json=_chat(temperature=t, seed=3))
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("temperature", TINY_TEMPERATURES)
+def test_sampling_params_refuse_what_the_server_refuses_with_the_same_message(temperature: float) -> None:
+    """One rule (kvforge.sampling): the Python API (``SamplingParams``, so ``Request``) gives the server's message."""
+    with pytest.raises(UserError, match=r"^temperature must be 0 \(greedy\) or at least 1e-05, got "):
+        SamplingParams(temperature=temperature)
+
+
+def test_the_floor_itself_samples_with_finite_scores() -> None:
     import torch
 
     logits = torch.tensor([[1.0, 3.0, 2.0], [30.0, -5.0, 29.9]])
-    for t in (1e-38, 1e-45, 5e-324, 0.0):
-        assert sample(logits, SamplingParams(temperature=t)).tolist() == [1, 0]
-    assert not SamplingParams(temperature=MIN_TEMPERATURE).is_greedy  # the floor itself samples (finite scores)
+    assert sample(logits, SamplingParams(temperature=0.0)).tolist() == [1, 0]
+    params = SamplingParams(temperature=MIN_TEMPERATURE, seed=1)
+    assert not params.is_greedy
+    g = torch.Generator().manual_seed(1)
+    assert sample(logits, params, g).tolist() == [1, 0]  # 1e-5 scales the gaps to 1e4+: the argmax, no NaN
+
+
+@pytest.mark.parametrize("where", ["argument", "config", "environment"])
+def test_the_cli_refuses_a_tiny_temperature_in_one_line_before_loading_a_model(
+    tmp_path: Any, capsys: Any, monkeypatch: Any, where: str
+) -> None:
+    from kvforge import cli
+
+    argv = ["generate", "--model", "no-such-model-folder", "--prompt", "hi"]
+    if where == "argument":
+        argv += ["--temperature", "1e-38"]
+    elif where == "config":
+        (tmp_path / "kvforge.toml").write_text("[generate]\ntemperature = 1e-38\n")
+        argv = ["--config", str(tmp_path / "kvforge.toml"), *argv]
+    else:
+        monkeypatch.setenv("KVFORGE_TEMPERATURE", "1e-38")
+    assert cli.main(argv) == 2  # not the unknown model: the temperature is checked first
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "temperature must be 0 (greedy) or at least 1e-05, got 1e-38" in err, err
 
 
 @pytest.mark.parametrize(
@@ -72,6 +112,7 @@ def test_the_sampler_treats_temperatures_below_the_floor_as_greedy() -> None:
         (_chat(max_tokens=2**40), "max_tokens"),
         (_chat(max_completion_tokens=0), "max_completion_tokens"),
         (_chat(temperature=-1e-320), "temperature"),
+        (_chat(temperature=2.5), "temperature"),
         (_chat(top_p=0.0), "top_p"),
         (_chat(kvforge={"press": "x" * 1000}), "kvforge.press"),
         (_chat(kvforge={"quant": ""}), "kvforge.quant"),

@@ -238,18 +238,20 @@ def chunk_ids(tmp: Path) -> tuple[str, dict[str, list[int]]]:
 
 
 @case(
-    "temperature 1e-38, 1e-45, 1e-320 (and 0)",
-    "200 each, the greedy answer",
-    lambda o: o == "[200, 200, 200] same as temperature 0: True",
+    "temperature 1e-38, 1e-45, 1e-320 (and 0, 1e-5)",
+    "400 each, one line naming the rule (0 or at least 1e-5); 0 and 1e-5 answered",
+    lambda o: o == "[400, 400, 400] one line, the rule named: True; 0 and 1e-5: [200, 200]",
     promise="tiny-temperature",
 )
 def tiny_temperatures(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     with server() as srv:
-        greedy = chat(srv, "Where is the key?", max_tokens=8, temperature=0)
         tiny = [chat(srv, "Where is the key?", max_tokens=8, temperature=t, seed=1) for t in (1e-38, 1e-45, 1e-320)]
-    same = all(r.status_code == 200 and r.json()["choices"][0]["message"] == greedy.json()["choices"][0]["message"]
+        fine = [chat(srv, "Where is the key?", max_tokens=8, temperature=t, seed=1) for t in (0, 1e-5)]
+    said = all(r.status_code == 400 and r.json()["error"]["param"] == "temperature" and "\n" not in
+               r.json()["error"]["message"] and "0 (greedy) or at least 1e-05" in r.json()["error"]["message"]
                for r in tiny)  # fmt: skip
-    return f"{_statuses(tiny)} same as temperature 0: {same}", {"tiny-temperature": _statuses(tiny)}
+    return (f"{_statuses(tiny)} one line, the rule named: {said}; 0 and 1e-5: {_statuses(fine)}",
+            {"tiny-temperature": _statuses(tiny)})  # fmt: skip
 
 
 @case(
