@@ -146,7 +146,7 @@ def keep_all(contexts: list[LayerContext], compression_ratio: float) -> list[Sel
     """Selections keeping every entry when ``compression_ratio`` removes none of any context's, else None."""
     if any(num_kept(c.size, compression_ratio) < c.size for c in contexts):
         return None
-    return [Selection(keep=torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device)) for c in contexts]
+    return [Selection.everything(c) for c in contexts]
 
 
 def top_entries(scores: list[Tensor], contexts: list[LayerContext], compression_ratio: float) -> list[Selection]:
