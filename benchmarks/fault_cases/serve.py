@@ -300,7 +300,7 @@ def overload(tmp: Path) -> tuple[str, dict[str, list[int]]]:
         lock = threading.Lock()
 
         def ask() -> None:
-            r = chat(srv, "Tell me everything.", max_tokens=480)
+            r = chat(srv, "Tell me everything.", max_tokens=1900, ignore_eos=True)  # outlasts --timeout 1
             with lock:
                 out.append(r.status_code)
 
