@@ -239,7 +239,7 @@ def _num_chars(prompt: Any) -> int:
     if isinstance(prompt, str):
         return len(prompt)
     if isinstance(prompt, list):
-        return sum(len(m["content"]) for m in prompt if isinstance(m, dict))
+        return sum(map(_content_chars, prompt))
     return 0
 
 
