@@ -1,14 +1,16 @@
-"""How many CPU threads a decode-only step uses: chosen by measuring, step after step.
+"""How many CPU threads a small step uses: chosen by measuring, step after step.
 
-A decode step forwards one token per running sequence: small matrix products, so an OpenMP team spends much of each
-step at its barriers. When the cores are shared with other work, a team member that the OS deschedules stalls every
-barrier of the step; with the bundled 135M model on two busy cores, one thread decoded 2.7-3.7x faster than two,
-while on idle cores two threads are the faster choice. vLLM's CPU build settles it by keeping one core for its
-front end; here neither choice is fixed: :class:`DecodeThreads` keeps a running average of the seconds per decoded
-row for one thread and for the full team, uses the faster, and tries the other again now and then (the more it
-lost, the less often), so a machine that gets busier or quieter is followed within a few dozen steps.
+A decode step forwards one token per running sequence, a short chat prompt a few dozen: small matrix products, so an
+OpenMP team spends much of each step at its barriers. When the cores are shared with other work, a team member that
+the OS deschedules stalls every barrier of the step; with the bundled 135M model on two busy cores, one thread
+decoded 2.7-3.7x faster than two, while on idle cores two threads are the faster choice. vLLM's CPU build settles it
+by keeping one core for its front end; here neither choice is fixed: :class:`SmallStepThreads` keeps a running
+average of the seconds per token of a step for one thread and for the full team, uses the faster, and tries the
+other again now and then (the more it lost, the less often), so a machine that gets busier or quieter is followed
+within a few dozen steps.
 
-Prefill steps (many tokens: large products that threads do speed up) always run with the full team.
+Steps of more than ``SMALL_STEP`` tokens (prefill chunks: large products that threads do speed up) always run with
+the full team.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from contextlib import contextmanager
 
 import torch
 
+SMALL_STEP = 64  # tokens in a step (decode rows + prompt tokens) up to which the team size is chosen by measuring
 PROBE_EVERY = 16  # decode steps between two tries of the slower team size (times how much slower it was, capped)
 MAX_BACKOFF = 8
 SMOOTHING = 0.3  # weight of the newest step in the running averages
 
 
-class DecodeThreads:
-    """The team size of decode-only CPU steps: ``pick()`` before a step, ``observe(size, seconds, rows)`` after.
+class SmallStepThreads:
+    """The team size of small CPU steps: ``pick()`` before a step, ``observe(size, seconds, tokens)`` after.
 
     ``max_threads``: the full team (None: torch's setting when the first step runs). A team of one (``OMP_NUM_THREADS
     =1``, ``torch.set_num_threads(1)``) leaves nothing to choose.
@@ -34,7 +37,7 @@ class DecodeThreads:
         if max_threads is not None and max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
         self.max_threads = max_threads
-        self.avg: dict[int, float] = {}  # team size -> seconds per decoded row (running average)
+        self.avg: dict[int, float] = {}  # team size -> seconds per token of a step (running average)
         self.steps = 0
         self._next_probe = PROBE_EVERY
 
@@ -56,10 +59,10 @@ class DecodeThreads:
             return other
         return best
 
-    def observe(self, size: int, seconds: float, rows: int) -> None:
-        per_row = seconds / max(rows, 1)
+    def observe(self, size: int, seconds: float, tokens: int) -> None:
+        per_token = seconds / max(tokens, 1)
         old = self.avg.get(size)
-        self.avg[size] = per_row if old is None else (1 - SMOOTHING) * old + SMOOTHING * per_row
+        self.avg[size] = per_token if old is None else (1 - SMOOTHING) * old + SMOOTHING * per_token
 
     @property
     def preferred(self) -> int | None:
