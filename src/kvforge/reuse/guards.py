@@ -6,8 +6,11 @@ difference they find is a miss, whatever the similarity. They are generic rules,
 for kinds of near-miss nobody wrote down:
 
 * ``substitution``: each text has a word the other lacks. A word replaced by another (a name, a number, an
-  identifier, an opposite, a pronoun, a tense) is what a near-miss is; only words added on one side (``"Which city
-  is the capital of France?"`` / ``"What is the capital of France?"``) pass, and the similarity bound decides those.
+  identifier, an opposite, a pronoun, a tense) is what a near-miss is.
+* ``insertion``: one text has a content word the other lacks (``"What is the population of Germany?"`` / ``"What is
+  the urban population of Germany?"``). A word added on one side narrows, widens or redirects what is asked, and the
+  embedder barely sees it (cosine 0.91 to 0.94 for such pairs). Only closed-class words may be added (``of``, ``is``,
+  ``exactly``, ``please``, ``can you tell me``: :data:`FUNCTION_WORDS`); the similarity bound decides those.
 * ``order``: the words both texts share appear in another order (swapped subjects, PAWS-style scrambles).
 * ``numbers``: the numbers (digits and number words) differ, also when one text only adds one ("in 1990").
 * ``negation``: a different count of negation cues (``not``, ``n't``, ``never``, ``without``, ...), also added ones.
@@ -54,6 +57,16 @@ _NEGATION_WORDS = (
     "rarely lack lacks lacked lacking fail fails failed unable"
 )
 NEGATIONS = frozenset(_NEGATION_WORDS.split())
+# Closed-class words that frame a question without naming what it is about: adding one ("the population *of*
+# Germany", "*can you tell me* the capital", "*exactly* how many") leaves the question the same. Quantifiers
+# (all, only, most, some), negations, wh-words, deontic modals and directional particles (up, off, out) change it
+# and are not here.
+_FUNCTION_WORDS = (
+    "this that these those it its i me you is am are was were be been being do does did have has had can could would "
+    "will of in on at to for by with from as and or but so then also too just very really quite exactly precisely "
+    "approximately roughly actually please kindly tell"
+)
+FUNCTION_WORDS = frozenset(_FUNCTION_WORDS.split())
 _DOTTED = re.compile(r"[a-z](?:\.[a-z])+")  # p.m, u.s, e.g
 _DIGIT_GROUPS = re.compile(r"(?<=\d),(?=\d{3}\b)")
 _LEADING_ZEROS = re.compile(r"(?<![\d.])0+(?=\d)")
@@ -112,6 +125,13 @@ def substitution_guard(query: str, donor: str) -> str | None:
     return None
 
 
+def insertion_guard(query: str, donor: str) -> str | None:
+    """A miss when the words one text has and the other lacks (counting repeats) include a content word."""
+    a, b = Counter(tokens(query)), Counter(tokens(donor))
+    added = [w for w in sorted((a - b).elements()) + sorted((b - a).elements()) if w not in FUNCTION_WORDS]
+    return f"content words on one side only ({', '.join(added[:3])})" if added else None
+
+
 def order_guard(query: str, donor: str) -> str | None:
     """A miss when the words both texts hold equally often do not appear in the same order (every occurrence)."""
     a, b = tokens(query), tokens(donor)
@@ -135,11 +155,12 @@ def negation_guard(query: str, donor: str) -> str | None:
 Guard = Callable[[str, str], "str | None"]
 GUARDS: dict[str, Guard] = {
     "substitution": substitution_guard,
+    "insertion": insertion_guard,
     "order": order_guard,
     "numbers": numbers_guard,
     "negation": negation_guard,
 }
-DEFAULT_GUARDS = ("numbers", "negation", "substitution", "order")
+DEFAULT_GUARDS = ("numbers", "negation", "substitution", "insertion", "order")
 
 
 def check_names(guards: Sequence[str]) -> tuple[str, ...]:
