@@ -13,7 +13,11 @@ answers the question asked) or not. Sources:
   and never used to calibrate anything. Its false hits (inserted qualifiers: "the *urban* population") led to the
   ``insertion`` guard, so it is no longer unseen.
 * ``near-miss-holdout-2`` (``near_miss_holdout2.jsonl``): twelve more kinds, written after that and before the
-  ``insertion`` guard, and evaluated once after it: the unseen hold-out.
+  ``insertion`` guard, and evaluated once after it. Its false hits (``>`` / ``<``, ``-R`` / ``-r``, ``a[1:]`` /
+  ``a[:1]``, ``¥`` / ``€``, ``spectacle`` / ``spectacles``) led to the ``marks`` and ``case`` guards and to plurals
+  no longer folded, so it is no longer unseen either.
+* ``near-miss-holdout-3`` (``near_miss_holdout3.jsonl``): ten more kinds, written before those changes and
+  evaluated once after them: the unseen hold-out.
 
 Splits: every shared-data pair belongs to one side, ``calibration`` or ``evaluation``, by a hash of its group (the
 SQuAD paragraph; the connected group of PAWS pairs sharing a sentence), so no paragraph or sentence is on both sides.
@@ -103,6 +107,7 @@ NEAR_MISS_FILES = {  # source: (file, side)
     "near-miss": ("near_miss_dev.jsonl", "calibration"),
     "near-miss-holdout": ("near_miss_holdout.jsonl", "evaluation"),
     "near-miss-holdout-2": ("near_miss_holdout2.jsonl", "evaluation"),
+    "near-miss-holdout-3": ("near_miss_holdout3.jsonl", "evaluation"),
 }
 
 

@@ -11,13 +11,20 @@ for kinds of near-miss nobody wrote down:
   the urban population of Germany?"``). A word added on one side narrows, widens or redirects what is asked, and the
   embedder barely sees it (cosine 0.91 to 0.94 for such pairs). Only closed-class words may be added (``of``, ``is``,
   ``exactly``, ``please``, ``can you tell me``: :data:`FUNCTION_WORDS`); the similarity bound decides those.
+* ``marks``: the code-like chunks differ: a chunk (between spaces) holding a character other than a letter, a digit,
+  an apostrophe, a hyphen between letters or prose punctuation at its ends (``>``, ``a[1:]``, ``-R``, ``€100``,
+  ``~/.bashrc``, an emoji) is compared verbatim, case and all, in order. The word guards read words only; these
+  characters are what a command, a formula, a path or a price is made of.
+* ``case``: a word written in another case (``polish`` / ``Polish``) when both texts use capitals; a text typed all
+  in lower case is compared without case (``who painted the mona lisa``). The first word of a sentence is free.
 * ``order``: the words both texts share appear in another order (swapped subjects, PAWS-style scrambles).
 * ``numbers``: the numbers (digits and number words) differ, also when one text only adds one ("in 1990").
 * ``negation``: a different count of negation cues (``not``, ``n't``, ``never``, ``without``, ...), also added ones.
 
 Words are compared after normalisation: lower case, punctuation around words dropped (inside them kept: ``10.0.0.1``,
 ``np.argmax``, ``tar.gz`` stay one word), contractions expanded, the articles a/an/the ignored, ``which`` read as
-``what``, ``1,000`` as ``1000``, ``p.m.`` as ``pm`` and a plural as its singular. What each guard adds on top of the
+``what``, ``1,000`` as ``1000`` and ``p.m.`` as ``pm``. A plural stays a plural (``spectacle`` / ``spectacles``,
+``good`` / ``goods``). What each guard adds on top of the
 similarity bound is measured in docs/reuse.md ("Guards: what each adds").
 """
 
@@ -73,15 +80,12 @@ _LEADING_ZEROS = re.compile(r"(?<![\d.])0+(?=\d)")
 
 
 def _normal(word: str) -> str:
-    """One word in comparable form: thousands separators and leading zeros dropped, a plural as its singular."""
+    """One word in comparable form: thousands separators and leading zeros dropped."""
     if any(c.isdigit() for c in word):
         return _LEADING_ZEROS.sub("", word.replace("−", "-"))
     if _DOTTED.fullmatch(word):
         return word.replace(".", "")
-    word = SAME_WORD.get(word, word)
-    if len(word) > 3 and word.endswith("s") and not word.endswith(("ss", "us", "is")):
-        word = word[:-1]  # types/type, lands/land (not "class", "status", "analysis")
-    return word
+    return SAME_WORD.get(word, word)
 
 
 def tokens(text: str) -> list[str]:
@@ -142,6 +146,44 @@ def order_guard(query: str, donor: str) -> str | None:
     return None if order_a == order_b else "shared words in another order"
 
 
+_PROSE_EDGES = ".,;:!?'\"`“”‘’«»¿¡…。，、？！；："
+_JOINERS = "'’"
+_INNER_HYPHEN = re.compile(r"(?<=[^\W\d_])-(?=[^\W\d_])")  # well-known, pre-war: words, not marks
+
+
+def marks(text: str) -> list[str]:
+    """The code-like chunks of ``text``, verbatim and in order (see ``marks`` in the module docstring)."""
+    out = []
+    for chunk in text.split():
+        core = chunk.strip(_PROSE_EDGES)
+        if any(not (c.isalnum() or c in _JOINERS) for c in _INNER_HYPHEN.sub("", core)):
+            out.append(core)
+    return out
+
+
+def marks_guard(query: str, donor: str) -> str | None:
+    a, b = marks(query), marks(donor)
+    return None if a == b else f"code-like chunks differ ({' '.join(a[:3])} vs {' '.join(b[:3])})"
+
+
+_SENTENCE_START = re.compile(r"(?:^|[.!?。？！]\s+)[\W_]*(\w+)")
+
+
+def _cased_words(text: str) -> Counter[str]:
+    """The words of ``text`` as written, the first word of each sentence lower-cased."""
+    starts = {m.start(1) for m in _SENTENCE_START.finditer(text)}
+    return Counter(m.group(0).lower() if m.start() in starts else m.group(0) for m in re.finditer(r"\w+", text))
+
+
+def case_guard(query: str, donor: str) -> str | None:
+    if query == query.lower() or donor == donor.lower():
+        return None  # typed without capitals: case says nothing
+    a, b = _cased_words(query), _cased_words(donor)
+    lower_b = {w.lower() for w in b}
+    changed = sorted(w for w in a if w not in b and w.lower() in lower_b)
+    return f"case differs ({', '.join(changed[:3])})" if changed else None
+
+
 def numbers_guard(query: str, donor: str) -> str | None:
     a, b = numbers(query), numbers(donor)
     return None if a == b else f"numbers differ ({sorted(a.elements())} vs {sorted(b.elements())})"
@@ -157,10 +199,12 @@ GUARDS: dict[str, Guard] = {
     "substitution": substitution_guard,
     "insertion": insertion_guard,
     "order": order_guard,
+    "marks": marks_guard,
+    "case": case_guard,
     "numbers": numbers_guard,
     "negation": negation_guard,
 }
-DEFAULT_GUARDS = ("numbers", "negation", "substitution", "insertion", "order")
+DEFAULT_GUARDS = ("numbers", "negation", "substitution", "insertion", "order", "marks", "case")
 
 
 def check_names(guards: Sequence[str]) -> tuple[str, ...]:
