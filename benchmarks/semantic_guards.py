@@ -31,6 +31,7 @@ COLUMNS = (  # (header, source, side, same)
     ("hold-out 1 near-miss false hit", "near-miss-holdout", "evaluation", False),
     ("hold-out 2 near-miss false hit", "near-miss-holdout-2", "evaluation", False),
     ("hold-out 3 near-miss false hit", "near-miss-holdout-3", "evaluation", False),
+    ("hold-out 4 near-miss false hit", "near-miss-holdout-4", "evaluation", False),
     ("written paraphrase hit", "near-miss", "calibration", True),
     ("SQuAD paraphrase hit (eval.)", "squad-paraphrase", "evaluation", True),
     ("PAWS paraphrase hit (eval.)", "paws", "evaluation", True),

@@ -12,8 +12,9 @@ for kinds of near-miss nobody wrote down:
   embedder barely sees it (cosine 0.91 to 0.94 for such pairs). Only closed-class words may be added (``of``, ``is``,
   ``exactly``, ``please``, ``can you tell me``: :data:`FUNCTION_WORDS`); the similarity bound decides those.
 * ``marks``: the code-like chunks differ: a chunk (between spaces) holding a character other than a letter, a digit,
-  an apostrophe, a hyphen between letters or prose punctuation at its ends (``>``, ``a[1:]``, ``-R``, ``€100``,
-  ``~/.bashrc``, an emoji) is compared verbatim, case and all, in order. The word guards read words only; these
+  an apostrophe or a hyphen between letters (``>``, ``a[1:]``, ``-R``, ``€100``, ``./build``, ``a??``, an emoji)
+  is compared verbatim, case and all, in order. Only quotes around a chunk and one stop after it (``Paris?``,
+  ``"morning",``) are prose and dropped. The word guards read words only; these
   characters are what a command, a formula, a path or a price is made of.
 * ``case``: a word written in another case (``polish`` / ``Polish``) when both texts use capitals; a text typed all
   in lower case is compared without case (``who painted the mona lisa``). The first word of a sentence is free.
@@ -146,7 +147,9 @@ def order_guard(query: str, donor: str) -> str | None:
     return None if order_a == order_b else "shared words in another order"
 
 
-_PROSE_EDGES = ".,;:!?'\"`“”‘’«»¿¡…。，、？！；："
+_QUOTES = "'\"`“”‘’«»"
+_OPENERS = _QUOTES + "¿¡"
+_STOPS = ".,;:!?…。，、？！；："
 _JOINERS = "'’"
 _INNER_HYPHEN = re.compile(r"(?<=[^\W\d_])-(?=[^\W\d_])")  # well-known, pre-war: words, not marks
 
@@ -155,7 +158,8 @@ def marks(text: str) -> list[str]:
     """The code-like chunks of ``text``, verbatim and in order (see ``marks`` in the module docstring)."""
     out = []
     for chunk in text.split():
-        core = chunk.strip(_PROSE_EDGES)
+        core = chunk.lstrip(_OPENERS).rstrip(_QUOTES)
+        core = (core[:-1] if core[-1:] and core[-1] in _STOPS else core).rstrip(_QUOTES)  # one stop: ".." is kept
         if any(not (c.isalnum() or c in _JOINERS) for c in _INNER_HYPHEN.sub("", core)):
             out.append(core)
     return out
