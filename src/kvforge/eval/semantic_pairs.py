@@ -124,7 +124,8 @@ def near_miss_pairs(source: str = "near-miss") -> list[Pair]:
 def load_pairs(data_dir: Path | None, include_holdout: bool = True) -> list[Pair]:
     """Every pair available: the shared data's when ``data_dir`` holds it (skipped with a warning otherwise), and
     the shipped near-miss pairs."""
-    pairs = [p for source in NEAR_MISS_FILES if include_holdout or source == "near-miss" for p in near_miss_pairs(source)]
+    sources = [s for s in NEAR_MISS_FILES if include_holdout or s == "near-miss"]
+    pairs = [p for source in sources for p in near_miss_pairs(source)]
     for folder, reader, file in (("squad_paraphrase", squad_pairs, "pairs.jsonl"), ("paws_wiki", paws_pairs,
                                                                                   "pairs.jsonl")):  # fmt: skip
         path = Path(data_dir) / folder / file if data_dir is not None else None

@@ -160,6 +160,8 @@ def marks(text: str) -> list[str]:
     for chunk in text.split():
         core = chunk.lstrip(_OPENERS).rstrip(_QUOTES)
         core = (core[:-1] if core[-1:] and core[-1] in _STOPS else core).rstrip(_QUOTES)  # one stop: ".." is kept
+        if _DOTTED.fullmatch(core.lower().rstrip(".")):
+            continue  # p.m., e.g., U.S.: an abbreviation, read as a word
         if any(not (c.isalnum() or c in _JOINERS) for c in _INNER_HYPHEN.sub("", core)):
             out.append(core)
     return out
