@@ -128,6 +128,7 @@ def test_marks_drop_only_quotes_and_one_stop():
 def test_case_counts_only_when_both_texts_use_capitals():
     assert "case" in failed("How do I polish silver?", "How do I Polish silver?")
     assert "case" not in failed("how do i polish silver", "How do I Polish silver?")  # typed in lower case
+    assert "case" not in failed("Normandy is in France. what is normandy", "Normandy is in France. What is Normandy?")
     assert "case" not in failed("Paris is big. Where is it?", "Paris is big. where is it?")  # a sentence's first word
 
 

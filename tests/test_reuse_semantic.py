@@ -61,7 +61,8 @@ def test_guards():
     assert check("when was it built?", "where was it built?").startswith("substitution")
     assert check("How do I encrypt a file?", "How do I decrypt a file?").startswith("substitution")
     assert check(Q_ORIG, Q_PARA) is None  # lower-casing is not a difference
-    assert check("Which city is the capital of France?", "What is the capital of France?") is None  # an added word
+    assert check("Which is the capital of France?", "What is the capital of France?") is None  # which ~ what
+    assert check("Which city is the capital of France?", "What is the capital of France?").startswith("insertion")
     with pytest.raises(ValueError, match="unknown guard"):
         check("a", "b", ["nope"])
 

@@ -16,8 +16,8 @@ for kinds of near-miss nobody wrote down:
   is compared verbatim, case and all, in order. Only quotes around a chunk and one stop after it (``Paris?``,
   ``"morning",``) are prose and dropped. The word guards read words only; these
   characters are what a command, a formula, a path or a price is made of.
-* ``case``: a word written in another case (``polish`` / ``Polish``) when both texts use capitals; a text typed all
-  in lower case is compared without case (``who painted the mona lisa``). The first word of a sentence is free.
+* ``case``: a word written in another case (``polish`` / ``Polish``) where both sentences use capitals; a sentence
+  typed all in lower case is compared without case (``who painted the mona lisa``), and so is a sentence's first word.
 * ``order``: the words both texts share appear in another order (swapped subjects, PAWS-style scrambles).
 * ``numbers``: the numbers (digits and number words) differ, also when one text only adds one ("in 1990").
 * ``negation``: a different count of negation cues (``not``, ``n't``, ``never``, ``without``, ...), also added ones.
@@ -172,21 +172,21 @@ def marks_guard(query: str, donor: str) -> str | None:
     return None if a == b else f"code-like chunks differ ({' '.join(a[:3])} vs {' '.join(b[:3])})"
 
 
-_SENTENCE_START = re.compile(r"(?:^|[.!?。？！]\s+)[\W_]*(\w+)")
+_SENTENCE = re.compile(r"[^.!?。？！]+[.!?。？！]*")
 
 
-def _cased_words(text: str) -> Counter[str]:
-    """The words of ``text`` as written, the first word of each sentence lower-cased."""
-    starts = {m.start(1) for m in _SENTENCE_START.finditer(text)}
-    return Counter(m.group(0).lower() if m.start() in starts else m.group(0) for m in re.finditer(r"\w+", text))
+def _cased_words(text: str) -> set[str]:
+    """The words of ``text`` whose case was chosen: those of sentences with a capital, but each sentence's first."""
+    out: set[str] = set()
+    for sentence in _SENTENCE.findall(text):
+        if sentence != sentence.lower():
+            out.update(re.findall(r"\w+", sentence)[1:])
+    return out
 
 
 def case_guard(query: str, donor: str) -> str | None:
-    if query == query.lower() or donor == donor.lower():
-        return None  # typed without capitals: case says nothing
     a, b = _cased_words(query), _cased_words(donor)
-    lower_b = {w.lower() for w in b}
-    changed = sorted(w for w in a if w not in b and w.lower() in lower_b)
+    changed = sorted(w for x, y in ((a, b), (b, a)) for w in x - y if w.lower() in {v.lower() for v in y - x})
     return f"case differs ({', '.join(changed[:3])})" if changed else None
 
 
