@@ -61,7 +61,8 @@ def test_guards():
     assert check("when was it built?", "where was it built?").startswith("substitution")
     assert check("How do I encrypt a file?", "How do I decrypt a file?").startswith("substitution")
     assert check(Q_ORIG, Q_PARA) is None  # lower-casing is not a difference
-    assert check("Which city is the capital of France?", "What is the capital of France?") is None  # an added word
+    assert check("Which is the capital of France?", "What is the capital of France?") is None  # which ~ what
+    assert check("Which city is the capital of France?", "What is the capital of France?").startswith("insertion")
     with pytest.raises(ValueError, match="unknown guard"):
         check("a", "b", ["nope"])
 
@@ -234,7 +235,7 @@ def test_sampled_lookups_carry_a_check_and_every_instance_learns(model, tok):
     cache, ids = plan.check.load()  # a fresh cache of the donor's KV, its last token left to run (canonical)
     assert ids == donor_ids and cache.token_ids == donor_ids[:-1] and cache is not plan.cache
     plan.check.report(False)  # what the engine reports once both sides disagreed
-    second = make(store, threshold=None, stats_refresh_s=0)
+    second = make(store, threshold=None, stats_refresh_s=0, verify_ratio=0.0)  # not sampled: the assertion is certain
     second.policy = first.policy
     assert second.threshold_for(first.entry_key(donor_ids)) > plan.similarity
     again = second.plan(para_ids, text=Q_PARA)

@@ -28,7 +28,7 @@ MODEL_ID = "LlamaForCausalLM:abc:def:float32"
 BLOCK = 16
 SYSTEM = {"role": "system", "content": "You answer questions about geography in one short sentence. " * 2}
 QUESTION = "What is the capital city of France?"
-PARAPHRASE = "what is the capital of France"
+PARAPHRASE = "what is the capital city of france"  # typed in lower case, no question mark
 NEAR_MISS = "What is the capital city of Germany?"
 
 

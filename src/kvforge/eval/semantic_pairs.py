@@ -10,7 +10,17 @@ answers the question asked) or not. Sources:
   kinds of near-miss (IP addresses, versions, hex, exponents, encrypt/decrypt, pronouns, swapped subjects, numbers,
   units, dates, negations, opposites, ...) and true paraphrases.
 * ``near-miss-holdout`` (``near_miss_holdout.jsonl``): twelve other kinds, written before the policy was designed
-  and never used to choose or calibrate anything: only reported.
+  and never used to calibrate anything. Its false hits (inserted qualifiers: "the *urban* population") led to the
+  ``insertion`` guard, so it is no longer unseen.
+* ``near-miss-holdout-2`` (``near_miss_holdout2.jsonl``): twelve more kinds, written after that and before the
+  ``insertion`` guard, and evaluated once after it. Its false hits (``>`` / ``<``, ``-R`` / ``-r``, ``a[1:]`` /
+  ``a[:1]``, ``¥`` / ``€``, ``spectacle`` / ``spectacles``) led to the ``marks`` and ``case`` guards and to plurals
+  no longer folded, so it is no longer unseen either.
+* ``near-miss-holdout-3`` (``near_miss_holdout3.jsonl``): ten more kinds, written before those changes and
+  evaluated once after them. Its false hits (``./build`` / ``/build``, ``cd ..`` / ``cd .``, ``a?`` / ``a??``) came
+  from ``marks`` dropping punctuation at both ends of a chunk; it now drops only quotes and one final stop.
+* ``near-miss-holdout-4`` (``near_miss_holdout4.jsonl``): six more kinds, written before that change and evaluated
+  once after it: the unseen hold-out.
 
 Splits: every shared-data pair belongs to one side, ``calibration`` or ``evaluation``, by a hash of its group (the
 SQuAD paragraph; the connected group of PAWS pairs sharing a sentence), so no paragraph or sentence is on both sides.
@@ -49,7 +59,7 @@ class Pair:
     stored: str
     asked: str
     same: bool
-    source: str  # squad-paraphrase, squad-same-paragraph, paws, near-miss, near-miss-holdout
+    source: str  # squad-paraphrase, squad-same-paragraph, paws, near-miss, near-miss-holdout(-2)
     kind: str = ""
     side: str = "calibration"
     similarity: float = float("nan")
@@ -96,17 +106,26 @@ def paws_pairs(path: Path) -> list[Pair]:
     ]
 
 
-def near_miss_pairs(holdout: bool = False) -> list[Pair]:
-    """The written near-miss pairs shipped with kvforge (``holdout``: the kinds never used for any choice)."""
-    name, source = ("near_miss_holdout.jsonl", "near-miss-holdout") if holdout else ("near_miss_dev.jsonl", "near-miss")
-    side = "evaluation" if holdout else "calibration"
+NEAR_MISS_FILES = {  # source: (file, side)
+    "near-miss": ("near_miss_dev.jsonl", "calibration"),
+    "near-miss-holdout": ("near_miss_holdout.jsonl", "evaluation"),
+    "near-miss-holdout-2": ("near_miss_holdout2.jsonl", "evaluation"),
+    "near-miss-holdout-3": ("near_miss_holdout3.jsonl", "evaluation"),
+    "near-miss-holdout-4": ("near_miss_holdout4.jsonl", "evaluation"),
+}
+
+
+def near_miss_pairs(source: str = "near-miss") -> list[Pair]:
+    """The written near-miss pairs shipped with kvforge, of one ``source`` of :data:`NEAR_MISS_FILES`."""
+    name, side = NEAR_MISS_FILES[source]
     return [Pair(r["stored"], r["asked"], bool(r["same"]), source, r["class"], side) for r in _jsonl(BUNDLED / name)]
 
 
 def load_pairs(data_dir: Path | None, include_holdout: bool = True) -> list[Pair]:
     """Every pair available: the shared data's when ``data_dir`` holds it (skipped with a warning otherwise), and
     the shipped near-miss pairs."""
-    pairs = near_miss_pairs() + (near_miss_pairs(holdout=True) if include_holdout else [])
+    sources = [s for s in NEAR_MISS_FILES if include_holdout or s == "near-miss"]
+    pairs = [p for source in sources for p in near_miss_pairs(source)]
     for folder, reader, file in (("squad_paraphrase", squad_pairs, "pairs.jsonl"), ("paws_wiki", paws_pairs,
                                                                                   "pairs.jsonl")):  # fmt: skip
         path = Path(data_dir) / folder / file if data_dir is not None else None

@@ -19,11 +19,17 @@ FULL = "full"
 PAIR_GROUPS = (  # (label, source, side, same): what each row of the pair table counts
     ("PAWS non-paraphrase: false hit", "paws", "evaluation", False),
     ("same-paragraph question: false hit", "squad-same-paragraph", "evaluation", False),
-    ("near-miss hold-out kinds: false hit", "near-miss-holdout", "evaluation", False),
+    ("near-miss hold-out 4 (unseen kinds): false hit", "near-miss-holdout-4", "evaluation", False),
+    ("near-miss hold-out 3 (seen in the marks-edge fix): false hit", "near-miss-holdout-3", "evaluation", False),
+    ("near-miss hold-out 2 (seen in the marks/case fix): false hit", "near-miss-holdout-2", "evaluation", False),
+    ("near-miss hold-out 1 (seen in the insertion fix): false hit", "near-miss-holdout", "evaluation", False),
     ("near-miss written kinds (calibration): false hit", "near-miss", "calibration", False),
     ("SQuAD paraphrase: hit", "squad-paraphrase", "evaluation", True),
     ("PAWS paraphrase: hit", "paws", "evaluation", True),
-    ("hold-out paraphrase: hit", "near-miss-holdout", "evaluation", True),
+    ("hold-out 4 paraphrase: hit", "near-miss-holdout-4", "evaluation", True),
+    ("hold-out 3 paraphrase: hit", "near-miss-holdout-3", "evaluation", True),
+    ("hold-out 2 paraphrase: hit", "near-miss-holdout-2", "evaluation", True),
+    ("hold-out 1 paraphrase: hit", "near-miss-holdout", "evaluation", True),
     ("written paraphrase (calibration): hit", "near-miss", "calibration", True),
 )
 
@@ -49,8 +55,8 @@ def pair_rates(specs: list[str], data_dir: Path | None, embedder: Any, cache: Pa
                 groups[label] = rate(chosen, lambda p, t=t, g=guards: served(p, t, g))
         kinds = defaultdict(list)
         for p in pairs:
-            if p.source == "near-miss-holdout" and not p.same:
-                kinds[p.kind].append(p)
+            if p.source.startswith("near-miss-holdout") and not p.same:
+                kinds[f"{p.source}:{p.kind}"].append(p)
         out["policies"][spec] = {
             "threshold": t,
             "guards": list(guards),

@@ -13,8 +13,9 @@ enough wrong candidates, their own certificate applies too and the stricter thre
 what the entry itself taught (vCache's per-entry threshold): a candidate verified wrong at similarity ``s`` is never
 served again at ``s`` or below. Both only raise the threshold, so the bound still holds for what is served.
 
-``min_similarity`` (0.9) is a floor below which nothing is served: the calibration pairs hold few prompts that only
-add a qualifier ("delete a file" / "delete a hidden file"); the floor keeps those out until verified lookups say more.
+``min_similarity`` (0.9) is a floor below which nothing is served: few wrong calibration pairs pass every guard (the
+guards decide almost every near-miss), so the certificate alone would reach far below what was ever observed; the
+floor keeps lookups there out until verified lookups say more.
 With no calibration for the embedder and no verified lookups, nothing is certified and every lookup is a miss.
 """
 
