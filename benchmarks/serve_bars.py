@@ -4,7 +4,9 @@
   batched scheduler) to its first token, against a lone ``Engine`` prefill of the same ids in this process.
 - ``sequential``: ``--requests`` short chat requests sent one after another to ``kvforge serve``, to vLLM's
   OpenAI server (its CPU build, from ``--vllm-python``) on the same weights, and run by ``Engine.run`` in this
-  process, alternating rounds (without a python that imports vLLM, the row says so and only ``Engine`` is the peer).
+  process, alternating rounds (without a python that imports vLLM, the row says so and only ``Engine`` is the peer);
+  while one side is timed the other servers are stopped (SIGSTOP; ``--no-pause`` leaves them running: an idle vLLM
+  CPU server keeps polling and takes a core).
 - ``document``: ``--questions`` questions on one document stored compressed (query-agnostic press, through
   ``POST /v1/kv/documents``), sent all at once against one after another; the greedy answers are compared with
   ``Engine`` alone. ``engine-document``: the same loop in this process, ``Engine.run_many`` against ``Engine.run``.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -71,6 +74,24 @@ def server(command: list[str], port: int, log: Path, ready: str = "/v1/models", 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextmanager
+def others_paused(urls: list[str]) -> Iterator[None]:
+    """Freeze the servers at ``urls`` (SIGSTOP to their process groups) while the side being timed runs.
+
+    An idle vLLM CPU server keeps polling its workers' message queue, which takes a core from whatever runs beside
+    it on a small machine; each side is timed with the others stopped, so neither pays for the other's idling.
+    """
+    groups = [os.getpgid(PIDS[u]) for u in urls]
+    for g in groups:
+        os.killpg(g, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for g in groups:
+            os.killpg(g, signal.SIGCONT)
+        time.sleep(0.5)
 
 
 def kvforge_command(args: argparse.Namespace, port: int, *extra: str) -> list[str]:
@@ -202,18 +223,21 @@ def bench_sequential(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             "kvforge": lambda q: chat(kv_url, "m", q, args.max_tokens),
             "engine": in_process,
         }
+        urls = {"kvforge": kv_url}
         if not why_not:
             vllm_url = stack.enter_context(server(vllm, args.port + 1, args.log, timeout_s=1200.0))
             sides["vllm"] = lambda q: chat(vllm_url, "m", q, args.max_tokens)
+            urls["vllm"] = vllm_url
         for ask in sides.values():
             ask("Hello!")  # warm up
         names = list(sides)
         for round_ in range(args.rounds):
             totals: dict[str, float] = {}
             for name in names if round_ % 2 == 0 else names[::-1]:
-                start = time.perf_counter()
-                answers = [sides[name](q) for q in QUESTIONS[: args.requests]]
-                totals[name] = time.perf_counter() - start
+                with others_paused([u for side, u in urls.items() if side != name and not args.no_pause]):
+                    start = time.perf_counter()
+                    answers = [sides[name](q) for q in QUESTIONS[: args.requests]]
+                    totals[name] = time.perf_counter() - start
                 tokens = sum(a["usage"]["completion_tokens"] for a in answers)
                 yield {"bar": "sequential", "side": name, "round": round_, "requests": args.requests,
                        "seconds": round(totals[name], 4), "completion_tokens": tokens}  # fmt: skip
@@ -221,7 +245,7 @@ def bench_sequential(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             yield {"bar": "sequential", "round": round_, "peer": peer,
                    "ratio": round(totals["kvforge"] / totals[peer], 4),
                    "ratio_vs_engine": round(totals["kvforge"] / totals["engine"], 4),
-                   "kvforge_args": args.kvforge_args}  # fmt: skip
+                   "others_paused": not args.no_pause, "kvforge_args": args.kvforge_args}  # fmt: skip
 
 
 def bench_document(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
@@ -378,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--vllm-python", default="python", help="sequential: the python of vLLM's environment")
+    parser.add_argument("--no-pause", action="store_true",
+                        help="sequential: leave the other servers running while one side is timed")
     parser.add_argument("--questions", type=int, default=8, help="document: questions")
     parser.add_argument("--doc-tokens", type=int, default=1500, help="document: tokens of the stored document")
     parser.add_argument("--press", default="knorm")

@@ -12,7 +12,8 @@ from kvforge.paths import bundled_data_dir
 from kvforge.testing import tiny_tokenizer
 
 HAYSTACK = (bundled_data_dir() / "haystack_gutenberg" / "moby_dick_excerpt.txt").read_text(encoding="utf-8")
-COUNTS = {"longbench-qa": 6, "longbench-summ": 2, "longbench": 8, "leval": 3, "squad": 5, "musique": 2, "semantic": 9, "semantic-long": 3}
+COUNTS = {"longbench-qa": 6, "longbench-summ": 2, "longbench": 8, "leval": 3, "squad": 5, "musique": 2,
+          "semantic": 9, "semantic-long": 3}  # fmt: skip
 
 
 def _flat(text: str) -> str:

@@ -94,6 +94,14 @@ HEADWISE = [
 ]
 
 
+@pytest.mark.parametrize("ratio", [0.3, 0.75])
+def test_head_budget_is_per_head_through_compress_all(ratio):
+    """What the press pipeline calls (``compress_all`` over the layers) keeps the "head" budget's promise too."""
+    press = KVzipPress(compression_ratio=ratio, budget="head")
+    for sel, s in zip(press.compress_all([make_ctx(130, seed=1), make_ctx(257, seed=2)]), [130, 257], strict=True):
+        assert sel.keep.sum(-1).tolist() == [[num_kept(s, ratio)] * H_KV]
+
+
 @pytest.mark.parametrize("make", HEADWISE)
 @pytest.mark.parametrize("s", [64, 200, 333])
 @pytest.mark.parametrize("ratio", [0.25, 0.5, 0.8])

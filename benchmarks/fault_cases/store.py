@@ -107,7 +107,7 @@ def _two_writers(url: str, tmp: Path) -> str:
     if [p.wait(timeout=600) for p in procs] != [0, 0]:
         return "writer failed"
     reuse = SemanticReuse(open_store(url), "tiny", FakeEmbedder(), threshold=0.6)
-    found = sum(not isinstance(reuse._find(text, ""), str) for text in _texts())
+    found = sum(not isinstance(reuse.lookup(text), str) for text in _texts())
     return f"{len(reuse.index)} indexed, {found} found"
 
 
@@ -274,7 +274,7 @@ def semantic_rebuild(tmp: Path) -> str:
         data[len(data) // 2] ^= 0x20
         path.write_bytes(bytes(data))
     reopened = SemanticReuse(store, "tiny", FakeEmbedder(), threshold=0.6)
-    found = sum(not isinstance(reopened._find(t, ""), str) for t in texts)
+    found = sum(not isinstance(reopened.lookup(t), str) for t in texts)
     return f"{found} of {len(texts)} found"
 
 

@@ -131,7 +131,8 @@ def _setting_one(action: argparse.Action, value: Any, source: str) -> Any:
 def _expected(action: argparse.Action) -> str:
     kind = getattr(action.type, "__name__", None)
     names = {"int": "an integer", "float": "a number", "positive_int": "an integer >= 1",
-             "ratio": "a fraction in [0, 1)", "non_negative_float": "a number >= 0", None: "a string"}
+             "ratio": "a fraction in [0, 1)", "non_negative_float": "a number >= 0",
+             "temperature": "0 or a number >= 1e-5", None: "a string"}
     return names.get(kind, "a value")
 
 

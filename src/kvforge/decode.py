@@ -13,16 +13,13 @@ from torch import Tensor
 from kvforge.cache import KVCache
 from kvforge.errors import UserError
 from kvforge.prefill import forward
-
-# Temperatures below this are greedy, as in vLLM (its _SAMPLING_EPS): logits divided by a temperature near 0 overflow
-# (1e-38 gives inf, then NaN probabilities), and such a temperature asks for the most likely token anyway.
-MIN_TEMPERATURE = 1e-5
+from kvforge.sampling import MIN_TEMPERATURE, check_temperature, check_top_k, check_top_p
 
 
 @dataclass
 class SamplingParams:
-    """How the next token is chosen. A ``temperature`` below :data:`MIN_TEMPERATURE` (0 included) is greedy; a
-    ``seed`` makes sampling reproducible."""
+    """How the next token is chosen. ``temperature`` 0 is greedy, else at least :data:`MIN_TEMPERATURE` (the rules
+    of :mod:`kvforge.sampling`: any other value is a :class:`UserError`); a ``seed`` makes sampling reproducible."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -30,12 +27,9 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0):
-            raise UserError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise UserError(f"top_k must be >= 0, got {self.top_k}")
+        check_temperature(self.temperature)
+        check_top_p(self.top_p)
+        check_top_k(self.top_k)
 
     @property
     def is_greedy(self) -> bool:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from kvforge import threads
 from kvforge.batch import forward_packed
 from kvforge.cache import CacheSnapshot, KVCache, mismatch_with_model
 from kvforge.decode import DecodeState, SamplingParams, decode, eos_ids, trim_at_stop
@@ -36,6 +37,7 @@ from kvforge.schedule import schedule_chunks, step_budget
 from kvforge.sequence import Sequence, Unit
 from kvforge.store import transform
 from kvforge.store.memory import MemoryStore
+from kvforge.threads import SmallStepThreads
 from kvforge.types import Generation
 
 if TYPE_CHECKING:
@@ -62,6 +64,9 @@ class Engine:
         decoding_press: a :class:`kvforge.presses.DecodingPress`: every cache keeps at most its budget (+ interval)
             entries per layer and KV head while it decodes, and while a prompt is prefilled without a press (a prompt
             press sees the whole prompt first: give it the same budget, ``build_press(name, kv_budget=N)``).
+        small_step_threads: ``"auto"``: a step of at most ``kvforge.threads.SMALL_STEP`` tokens on CPU (decode rows,
+            short prompts) runs with one thread or torch's full team, whichever
+            :class:`kvforge.threads.SmallStepThreads` measures faster on this machine now; None: torch's setting.
     """
 
     def __init__(
@@ -75,10 +80,13 @@ class Engine:
         reuse: ReuseStrategy | None = None,
         prefill_budget: int | None = None,
         decoding_press: DecodingPress | None = None,
+        small_step_threads: SmallStepThreads | str | None = "auto",
     ) -> None:
         for name, value in (("chunk size", chunk_size), ("window", window), ("prefill budget", prefill_budget)):
             if value is not None and value < 1:
                 raise UserError(f"{name} must be >= 1, got {value}")
+        if isinstance(small_step_threads, str) and small_step_threads != "auto":
+            raise UserError(f"small_step_threads must be 'auto', SmallStepThreads or None, got {small_step_threads!r}")
         if window is not None and decoding_press is not None:
             raise UserError("a decoding budget does not combine with a sliding-window cache (--window): choose one")
         self.model = model
@@ -89,6 +97,8 @@ class Engine:
         self.reuse = reuse
         self.prefill_budget = prefill_budget
         self.decoding_press = decoding_press  # a token budget the cache keeps while generating (and prefilling)
+        # small CPU steps (decoding, short prompts): one thread or the full team, whichever measures faster
+        self.small_step_threads = SmallStepThreads() if small_step_threads == "auto" else small_step_threads
         self.max_positions = context_length(model)
         self.eos_token_ids = eos_ids(model, tokenizer)
         self.running: list[Sequence] = []  # in arrival order
@@ -210,7 +220,7 @@ class Engine:
             self.stats["decode_rows"] += len(picks)
             self.stats["prefill_tokens"] += sum(n for _, n in chunks)
             try:
-                logits = self._forward(rows, caches)
+                logits = self._forward_timed(rows, caches)
             except Exception as e:
                 return done + [self._end(s, e) for s, _ in [*chunks, *picks]]
             for i, (seq, n) in enumerate(chunks):
@@ -321,6 +331,19 @@ class Engine:
         else:
             _, seq.logits = self.prefill(unit.ids, seq.cache, press=unit.press, on_chunk=self._progress(seq))
         self._advance(seq, len(unit.ids))
+
+    def _forward_timed(self, rows: list[list[int]], caches: list[KVCache]) -> Tensor:
+        """``_forward``; a small step on CPU runs with the team size :class:`SmallStepThreads` measures faster."""
+        tokens = sum(len(r) for r in rows)
+        policy = self.small_step_threads
+        if policy is None or tokens > threads.SMALL_STEP or self.model.device.type != "cpu":
+            return self._forward(rows, caches)
+        size = policy.pick()
+        start = time.perf_counter()
+        with threads.team(size):
+            logits = self._forward(rows, caches)
+        policy.observe(size, time.perf_counter() - start, tokens)
+        return logits
 
     def _forward(self, rows: list[list[int]], caches: list[KVCache]) -> Tensor:
         """Last-token logits ``(N, V)`` of every row on its cache: one forward (a lone row runs as a plain one)."""

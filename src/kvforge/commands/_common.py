@@ -29,6 +29,18 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def temperature(text: str) -> float:
+    """A sampling temperature: 0 (greedy) or at least 1e-5 (:func:`kvforge.sampling.check_temperature`)."""
+    from kvforge.sampling import check_temperature
+
+    try:
+        return check_temperature(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def ratio(text: str) -> float:
     """A fraction in [0, 1)."""
     try:

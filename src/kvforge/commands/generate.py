@@ -11,11 +11,11 @@ from kvforge.commands._common import (
     check_store_url,
     input_file,
     load,
-    non_negative_float,
     positive_int,
     prefill_progress,
     ratio,
     read_text_file,
+    temperature,
 )
 from kvforge.commands._reuse import add_semantic_args, check_semantic_args
 from kvforge.errors import UserError
@@ -34,7 +34,7 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence at every step (baseline)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy, else at least 1e-5")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from kvforge.presses.base import LayerContext, Selection, WrapperPress, num_kept, topk_mask
@@ -41,6 +40,6 @@ class AdaKVPress(WrapperPress):
     def compress(self, ctx: LayerContext) -> Selection:
         n = num_kept(ctx.size, self.compression_ratio)
         if n >= ctx.size:
-            return Selection(keep=torch.ones(ctx.keys.shape[:3], dtype=torch.bool, device=ctx.keys.device))
+            return Selection.everything(ctx)
         keep, _ = adaptive_budgets(self.press.score(ctx), n, self.alpha_safeguard)
         return Selection(keep=keep)

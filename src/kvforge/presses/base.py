@@ -84,6 +84,11 @@ class Selection:
     keys: Tensor | None = None
     values: Tensor | None = None
 
+    @classmethod
+    def everything(cls, ctx: LayerContext) -> Selection:
+        """Keep every new entry of ``ctx``'s layer (a budget at least the layer's size, or no compression)."""
+        return cls(keep=torch.ones(ctx.keys.shape[:3], dtype=torch.bool, device=ctx.keys.device))
+
 
 @dataclass
 class LayerContext:
@@ -319,8 +324,25 @@ class ScorerPress(Press):
     def compress(self, ctx: LayerContext) -> Selection:
         n = num_kept(ctx.size, self.compression_ratio)
         if n >= ctx.size:
-            return Selection(keep=torch.ones(ctx.keys.shape[:3], dtype=torch.bool, device=ctx.keys.device))
+            return Selection.everything(ctx)
         return Selection(keep=topk_mask(self.score(ctx), n))
+
+
+@dataclass
+class WindowPress(ScorerPress):
+    """A scorer press that reads the attention of the prompt's last ``window_size`` queries (and of ``lookahead``
+    greedy draft tokens decoded with the full cache first)."""
+
+    window_size: int = 64
+    lookahead: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.window_size < 1 or self.lookahead < 0:
+            raise ValueError(f"window_size must be >= 1 and lookahead >= 0, got {self.window_size}, {self.lookahead}")
+
+    def needs(self) -> Needs:
+        return Needs(window_size=self.window_size, lookahead=self.lookahead)
 
 
 @dataclass

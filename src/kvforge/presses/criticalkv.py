@@ -134,7 +134,7 @@ class CriticalKVPress(WrapperPress):
     def compress(self, ctx: LayerContext) -> Selection:
         n = num_kept(ctx.size, self.compression_ratio)
         if n >= ctx.size:
-            return Selection(keep=torch.ones(ctx.keys.shape[:3], dtype=torch.bool, device=ctx.keys.device))
+            return Selection.everything(ctx)
         scores = self.press.score(ctx)
         budgets = torch.full(scores.shape[:2], n, dtype=torch.long, device=scores.device)
         keep = critical_select_pruned(scores, ctx, budgets, self.first_stage_ratio, self.epsilon)
@@ -150,7 +150,7 @@ class CriticalAdaKVPress(CriticalKVPress):
     def compress(self, ctx: LayerContext) -> Selection:
         n = num_kept(ctx.size, self.compression_ratio)
         if n >= ctx.size:
-            return Selection(keep=torch.ones(ctx.keys.shape[:3], dtype=torch.bool, device=ctx.keys.device))
+            return Selection.everything(ctx)
         scores = self.press.score(ctx)
         _, budgets = adaptive_budgets(scores, n, self.alpha_safeguard)
         keep = critical_select_pruned(scores, ctx, budgets, self.first_stage_ratio, self.epsilon)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from kvforge.presses.base import LayerContext, Press, Selection
 
 
@@ -19,4 +17,4 @@ class FullPress(Press):
         return 0.0
 
     def compress(self, ctx: LayerContext) -> Selection:
-        return Selection(keep=torch.ones(ctx.keys.shape[:3], dtype=torch.bool, device=ctx.keys.device))
+        return Selection.everything(ctx)

@@ -13,24 +13,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvforge.presses.base import LayerContext, Needs, ScorerPress, num_kept
+from kvforge.presses.base import LayerContext, WindowPress, num_kept
 
 
 @dataclass
-class H2OPress(ScorerPress):
+class H2OPress(WindowPress):
     """Keep ``recent_ratio`` of the budget as the newest entries, the rest by accumulated window attention."""
 
-    window_size: int = 64
     recent_ratio: float = 0.5
-    lookahead: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.window_size < 1 or not 0.0 <= self.recent_ratio <= 1.0 or self.lookahead < 0:
-            raise ValueError("window_size must be >= 1, recent_ratio in [0, 1], lookahead >= 0")
-
-    def needs(self) -> Needs:
-        return Needs(window_size=self.window_size, lookahead=self.lookahead)
+        if not 0.0 <= self.recent_ratio <= 1.0:
+            raise ValueError(f"recent_ratio must be in [0, 1], got {self.recent_ratio}")
 
     def score(self, ctx: LayerContext) -> Tensor:
         attn = ctx.observed_attention(self.window_size) * min(self.window_size, ctx.size)  # mean -> accumulated

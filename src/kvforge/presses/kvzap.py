@@ -35,8 +35,8 @@ from torch import Tensor
 
 from kvforge.errors import UserError
 from kvforge.paths import cache_dir
-from kvforge.presses.base import LayerContext, Needs, ScorerPress, Selection
-from kvforge.presses.kvzip import BUDGETS, keep_all, max_pool, top_entries
+from kvforge.presses.base import LayerContext, Needs, ScorerPress
+from kvforge.presses.kvzip import BudgetedSelection, max_pool
 
 logger = logging.getLogger(__name__)
 FORMAT = "kvforge-kvzap/1"
@@ -191,7 +191,7 @@ class KVzapScorer:
 
 
 @dataclass
-class KVzapPress(ScorerPress):
+class KVzapPress(BudgetedSelection, ScorerPress):
     """Learned query-agnostic scores (KVzap), KVzip's selection: one top-k over the model, header and sinks kept.
 
     Args:
@@ -215,12 +215,9 @@ class KVzapPress(ScorerPress):
         super().__post_init__()
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        if self.budget not in BUDGETS:
-            raise ValueError(f"budget must be one of {BUDGETS}, got {self.budget!r}")
+        self.check_selection()
         if self.keep_first < 0:
             raise ValueError(f"keep_first must be >= 0, got {self.keep_first}")
-        if self.pool < 0 or (self.pool > 1 and self.pool % 2 == 0):
-            raise ValueError(f"pool must be 0 (off) or an odd window, got {self.pool}")
         self.scorer = KVzapScorer(self.kind, self.model)
 
     def config(self) -> dict[str, object]:
@@ -235,18 +232,3 @@ class KVzapPress(ScorerPress):
             raise ValueError("KVzap needs its scorer's scores from the prefill (run it through compress_prefill)")
         return max_pool(got, self.pool).masked_fill(ctx.protected(self.keep_first, self.keep_header)[:, None, :],
                                                     float("inf"))  # fmt: skip
-
-    def compress(self, ctx: LayerContext) -> Selection:
-        if self.budget == "head":
-            return super().compress(ctx)
-        return self.compress_all([ctx])[0]
-
-    def compress_all(self, contexts: list[LayerContext]) -> list[Selection]:
-        everything = keep_all(contexts, self.compression_ratio)
-        if everything is not None:  # nothing to remove
-            return everything
-        if self.budget == "head":
-            return [self.compress(c) for c in contexts]
-        if self.budget == "layer":
-            return [top_entries([self.score(c)], [c], self.compression_ratio)[0] for c in contexts]
-        return top_entries([self.score(c) for c in contexts], contexts, self.compression_ratio)

@@ -56,8 +56,42 @@ NORMALISE = ("chunk", "all")
 OVERLAP = 8  # a later chunk's request quotes the previous chunk's last tokens (KVzip / kvpress)
 
 
+class BudgetedSelection:
+    """How a scorer press with a ``budget`` turns its scores into a selection (KVzip, KVzap): ``"head"`` keeps
+    ``num_kept`` entries in every KV head, ``"layer"`` one top-k over a layer's heads, ``"global"`` one over every
+    (layer, head, token) of the model; ``pool`` is checked here too (0 off, else an odd window)."""
+
+    budget: str
+    pool: int
+    compression_ratio: float
+
+    def check_selection(self) -> None:
+        if self.pool < 0 or (self.pool > 1 and self.pool % 2 == 0):
+            raise ValueError(f"pool must be 0 (off) or an odd window, got {self.pool}")
+        if self.budget not in BUDGETS:
+            raise ValueError(f"budget must be one of {BUDGETS}, got {self.budget!r}")
+
+    def score(self, ctx: LayerContext) -> Tensor:
+        raise NotImplementedError
+
+    def compress(self, ctx: LayerContext) -> Selection:
+        if self.budget == "head":
+            return super().compress(ctx)  # type: ignore[misc,no-any-return]  # ScorerPress: top-k per head
+        return self.compress_all([ctx])[0]
+
+    def compress_all(self, contexts: list[LayerContext]) -> list[Selection]:
+        everything = keep_all(contexts, self.compression_ratio)
+        if everything is not None:  # nothing to remove: no scores needed (at ratio 0 no replay ran)
+            return everything
+        if self.budget == "head":
+            return [self.compress(c) for c in contexts]
+        if self.budget == "layer":
+            return [top_entries([self.score(c)], [c], self.compression_ratio)[0] for c in contexts]
+        return top_entries([self.score(c) for c in contexts], contexts, self.compression_ratio)
+
+
 @dataclass
-class KVzipPress(ScorerPress):
+class KVzipPress(BudgetedSelection, ScorerPress):
     """Context-reconstruction scoring with the paper's replay, budgets, protected header and KVzip+ option."""
 
     prompt: str = REPEAT_PROMPT
@@ -74,10 +108,7 @@ class KVzipPress(ScorerPress):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.pool < 0 or (self.pool > 1 and self.pool % 2 == 0):
-            raise ValueError(f"pool must be 0 (off) or an odd window, got {self.pool}")
-        if self.budget not in BUDGETS:
-            raise ValueError(f"budget must be one of {BUDGETS}, got {self.budget!r}")
+        self.check_selection()
         if self.replay_turn not in TURNS:
             raise ValueError(f"replay_turn must be one of {TURNS}, got {self.replay_turn!r}")
         if self.normalise not in NORMALISE:
@@ -101,20 +132,6 @@ class KVzipPress(ScorerPress):
             scores = scores * (norms / norms.mean(dim=(1, 2), keepdim=True).clamp_min(1e-12))
         return max_pool(scores, self.pool).masked_fill(self.protected(ctx)[:, None, :], float("inf"))
 
-    def compress(self, ctx: LayerContext) -> Selection:
-        if self.budget == "head":
-            return super().compress(ctx)
-        return self.compress_all([ctx])[0]
-
-    def compress_all(self, contexts: list[LayerContext]) -> list[Selection]:
-        """One top-k over every KV head of each layer (``"layer"``) or of all ``contexts`` at once (``"global"``)."""
-        everything = keep_all(contexts, self.compression_ratio)
-        if everything is not None:  # nothing to remove: no scores needed (at ratio 0 no replay ran)
-            return everything
-        if self.budget != "global":
-            return [top_entries([self.score(c)], [c], self.compression_ratio)[0] for c in contexts]
-        return top_entries([self.score(c) for c in contexts], contexts, self.compression_ratio)
-
 
 def max_pool(scores: Tensor, window: int) -> Tensor:
     """``(B, H, S)`` scores -> the max over ``window`` neighbouring entries (odd; <= 1 leaves them as they are)."""
@@ -129,7 +146,7 @@ def keep_all(contexts: list[LayerContext], compression_ratio: float) -> list[Sel
     """Selections keeping every entry when ``compression_ratio`` removes none of any context's, else None."""
     if any(num_kept(c.size, compression_ratio) < c.size for c in contexts):
         return None
-    return [Selection(keep=torch.ones(c.keys.shape[:3], dtype=torch.bool, device=c.keys.device)) for c in contexts]
+    return [Selection.everything(c) for c in contexts]
 
 
 def top_entries(scores: list[Tensor], contexts: list[LayerContext], compression_ratio: float) -> list[Selection]:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from kvforge.presses.base import LayerContext, Selection, num_kept, topk_mask
 from kvforge.presses.snapkv import SnapKVPress
 
@@ -58,5 +56,5 @@ class PyramidKVPress(SnapKVPress):
         budgets = pyramid_budgets(ctx.size, self.compression_ratio, ctx.num_layers, self.window_size, self.beta)
         n = budgets[ctx.layer_idx]
         if n >= ctx.size:
-            return Selection(keep=torch.ones(ctx.keys.shape[:3], dtype=torch.bool, device=ctx.keys.device))
+            return Selection.everything(ctx)
         return Selection(keep=topk_mask(self.score(ctx), n))

@@ -16,24 +16,19 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from kvforge.presses.base import LayerContext, Needs, ScorerPress, pool_tokens
+from kvforge.presses.base import LayerContext, WindowPress, pool_tokens
 
 
 @dataclass
-class SnapKVPress(ScorerPress):
+class SnapKVPress(WindowPress):
     """SnapKV scores (window attention, pooled, GQA-averaged); per-head top-k with the window always kept."""
 
-    window_size: int = 64
     kernel_size: int = 5
-    lookahead: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.window_size < 1 or self.kernel_size < 1 or self.lookahead < 0:
-            raise ValueError("window_size and kernel_size must be >= 1, lookahead >= 0")
-
-    def needs(self) -> Needs:
-        return Needs(window_size=self.window_size, lookahead=self.lookahead)
+        if self.kernel_size < 1:
+            raise ValueError(f"kernel_size must be >= 1, got {self.kernel_size}")
 
     def attention_scores(self, ctx: LayerContext) -> Tensor:
         """``(B, H_kv, S)`` pooled, group-averaged window (+ lookahead) attention, before the window is forced in."""

@@ -7,8 +7,8 @@ Every field a request may carry is listed here: any other (``logit_bias``, ``too
 This is the server's one edge for values: every id, count, ratio and sampling parameter is checked (or normalised)
 here, so the engine never sees a value it cannot use. Chunk ids follow the store's key rule
 (:data:`kvforge.names.STORE_KEY_PATTERN`: no path, NUL, wildcard or 10k-character id gets further); counts and token
-ids are bounded; a ``temperature`` below :data:`kvforge.decode.MIN_TEMPERATURE` (1e-5, vLLM's threshold) means greedy
-decoding, as 0 does (dividing logits by 1e-38 overflows to inf, and greedy is what such a temperature asks for).
+ids are bounded; a ``temperature`` is 0 (greedy) or at least :data:`kvforge.sampling.MIN_TEMPERATURE` (1e-5, below
+which vLLM samples greedily: dividing logits by 1e-38 overflows), the rule every entry point shares.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from pydantic import (
     model_validator,
 )
 
-from kvforge.decode import MIN_TEMPERATURE
+from kvforge.errors import UserError
 from kvforge.names import STORE_KEY_PATTERN
+from kvforge.sampling import check_temperature
 
 REUSE_KINDS = ("prefix", "semantic", "none")
 RAG_METHODS = ("naive", "ape", "cacheblend", "cacheclip")
@@ -93,9 +94,14 @@ class _GenerationRequest(BaseModel):
 
     @field_validator("temperature")
     @classmethod
-    def _greedy_below_the_floor(cls, v: float | None) -> float | None:
-        """A temperature too small to divide logits by means greedy (0.0): the sampler never sees 1e-38."""
-        return 0.0 if v is not None and v < MIN_TEMPERATURE else v
+    def _temperature(cls, v: float | None) -> float | None:
+        """0 or at least 1e-5 (:func:`kvforge.sampling.check_temperature`): the sampler never sees 1e-38."""
+        if v is None:
+            return None
+        try:
+            return check_temperature(v)
+        except UserError as e:
+            raise ValueError(str(e)) from None
 
     @field_validator("stop")
     @classmethod

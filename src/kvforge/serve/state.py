@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
+import pydantic_core
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
@@ -29,6 +30,7 @@ from kvforge.types import Generation
 _Body = TypeVar("_Body", bound=BaseModel)
 _POLL_S = 0.25  # how often a waiting non-streaming request checks for a client disconnect
 DONE = object()  # the end of a stream's deltas
+LARGE_BODY_BYTES = 256 * 2**10  # bodies over this have their sizes checked before the schema validates them
 
 
 class Server:
@@ -52,10 +54,17 @@ class Server:
         return await asyncio.get_running_loop().run_in_executor(self.prep, partial(fn, *args))
 
     async def parse(self, request: HTTPRequest, model: type[_Body]) -> _Body:
-        """The JSON body validated as ``model``, parsed in the prep thread (errors as FastAPI's 400s)."""
+        """The JSON body validated as ``model``, parsed in the prep thread (errors as FastAPI's 400s).
+
+        A body over :data:`LARGE_BODY_BYTES` has its sizes checked against the context first (:func:`check_sizes`):
+        a prompt surely too long is refused from its length, before the schema would validate each of its million
+        token ids.
+        """
         body = await request.body()
 
         def validate() -> _Body:
+            if len(body) > LARGE_BODY_BYTES:
+                check_sizes(body, self.translator.check_sizes)
             try:
                 return model.model_validate_json(body)
             except ValidationError as e:
@@ -155,6 +164,31 @@ class Server:
             "bytes_loaded": info.get("bytes_loaded"),
             "quant": info.get("quant"),
         } | ({"rag": _rag_field(info)} if kind == "chunks" else {})
+
+
+def check_sizes(body: bytes, check: Callable[[Any, bool], None], first: int = 64 * 2**10) -> None:
+    """``check(value, partial)`` the JSON ``body`` parsed from growing prefixes (``first`` bytes, then 4x more each
+    time; ``partial=True``), then whole.
+
+    A prefix parses to the values it holds whole (lists cut short, strings cut off left out), so each size seen is a
+    lower bound of the body's: ``check`` may refuse on it. A million token ids are refused after the first prefix,
+    in a few milliseconds; a body that fits is parsed at most ~1.3x over. Each parse holds the GIL, so the event
+    loop waits at most for the largest prefix that had to be read, rarely the whole body.
+    """
+    size = first
+    while size < len(body):
+        try:
+            prefix = pydantic_core.from_json(body[:size], allow_partial=True)
+        except ValueError:  # a prefix cut inside a UTF-8 character or a literal, or no JSON: read more
+            pass
+        else:
+            check(prefix, True)
+        size *= 4
+    try:
+        whole = pydantic_core.from_json(body)
+    except ValueError:
+        return  # not JSON: the schema's own message
+    check(whole, False)
 
 
 def _rag_field(info: dict[str, Any]) -> dict[str, Any]:

@@ -140,10 +140,7 @@ class Translator:
     ) -> None:
         """Tokenise ``request`` once; set its sampling and max_new_tokens (default: what the context has left)."""
         engine = self.engine
-        chars = _num_chars(prompt)
-        if chars > 2 * self._longest_token * engine.max_positions:  # surely too long: no seconds of tokenising
-            raise APIError(400, f"prompt of {chars} characters exceeds the model's context of {engine.max_positions} "
-                           "tokens", param=param, code="context_length_exceeded")  # fmt: skip
+        self._check_chars(_num_chars(prompt), "prompt", param)  # surely too long: no seconds of tokenising
         request.max_new_tokens = 0
         try:
             num_prompt = len(engine.encode(request).ids)
@@ -171,10 +168,7 @@ class Translator:
         """One store-only request per document (``Document(text)`` without a question, nothing generated)."""
         out = []
         for i, doc in enumerate(req.documents):
-            if len(doc) > 2 * self._longest_token * self.engine.max_positions:
-                raise APIError(400, f"document of {len(doc)} characters exceeds the model's context of "
-                               f"{self.engine.max_positions} tokens", param=f"documents[{i}]",
-                               code="context_length_exceeded")  # fmt: skip
+            self._check_chars(len(doc), "document", f"documents[{i}]")
             request = Request(Document(doc, None, req.system), max_new_tokens=0, press=press, query_aware=False,
                               reuse=strategy, quant=req.quant)  # fmt: skip
             try:
@@ -189,6 +183,49 @@ class Translator:
             raise APIError(404, f"model {name!r} not found; this server serves {self.options.model_name!r}",
                            param="model", code="model_not_found")  # fmt: skip
 
+    # ------------------------------------------------------------------------------------------ sizes
+    def check_sizes(self, body: Any, partial: bool = False) -> None:
+        """Refuse a parsed JSON body whose prompt, messages or documents are surely longer than the context, from
+        their sizes alone (a 400 ``context_length_exceeded``), and one naming another model (404).
+
+        Runs on large bodies before the schema validates them: a million token ids are refused by their count, not
+        validated one by one. Cheap on what fits (a length per list, a character count per text); what it lets
+        through is checked exactly by validation and tokenising, with the same messages. ``partial``: ``body`` was
+        parsed from a prefix of the request, so its sizes are lower bounds (the messages say "at least").
+        """
+        if not isinstance(body, dict):
+            return  # the schema's message (not an object)
+        model = body.get("model")
+        if isinstance(model, str):  # a partial parse leaves out a string cut off: a model present is whole
+            self.check_model(model)
+        limit, least = self.engine.max_positions, "at least " if partial else ""
+        prompt = body.get("prompt")
+        for part in prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)) else [prompt]:
+            if isinstance(part, list) and len(part) > limit:  # token ids: one token each
+                raise APIError(400, f"prompt of {least}{len(part)} tokens exceeds the model's context of {limit} "
+                               "tokens", param="prompt", code="context_length_exceeded")  # fmt: skip
+            if isinstance(part, str):
+                self._check_chars(len(part), "prompt", "prompt")
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            if len(messages) > limit:  # a chat template gives each message a token at least
+                raise APIError(400, f"{least}{len(messages)} messages exceed the model's context of {limit} tokens",
+                               param="messages", code="context_length_exceeded")  # fmt: skip
+            self._check_chars(sum(map(_content_chars, messages)), "prompt", "messages", least)
+        documents = body.get("documents")
+        if isinstance(documents, list):
+            for i, doc in enumerate(documents):
+                if isinstance(doc, str):
+                    self._check_chars(len(doc), "document", f"documents[{i}]")
+
+    def _check_chars(self, chars: int, what: str, param: str, least: str = "") -> None:
+        """400 when a text of ``chars`` characters surely exceeds the context (no token is longer than the
+        tokenizer's longest vocabulary entry; twice that, for the byte-level fallbacks)."""
+        if chars > 2 * self._longest_token * self.engine.max_positions:
+            raise APIError(400, f"{what} of {least}{chars} characters exceeds the model's context of "
+                           f"{self.engine.max_positions} tokens", param=param,
+                           code="context_length_exceeded")  # fmt: skip
+
     @functools.cached_property
     def _longest_token(self) -> int:
         """Characters of the longest vocabulary entry: a text needs at least len(text) / this many tokens."""
@@ -202,7 +239,17 @@ def _num_chars(prompt: Any) -> int:
     if isinstance(prompt, str):
         return len(prompt)
     if isinstance(prompt, list):
-        return sum(len(m["content"]) for m in prompt if isinstance(m, dict))
+        return sum(map(_content_chars, prompt))
+    return 0
+
+
+def _content_chars(message: Any) -> int:
+    """Characters of a raw (unvalidated) chat message's text content; 0 for anything else."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     return 0
 
 
