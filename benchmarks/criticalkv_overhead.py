@@ -4,7 +4,7 @@
 
 One prefill of natural text on smollm2-135m (CompressionSource), then, alternating, the compression stage of SnapKV
 alone, CriticalKV computing every token's ``||V W_O||_1`` (:func:`critical_select` with
-:func:`projected_value_norms`, the code before issue 16) and CriticalKV with the pruned norms (the press as shipped).
+:func:`projected_value_norms`, the earlier code) and CriticalKV with the pruned norms (the press as shipped).
 Times are CPU seconds of this process (robust to other jobs on a shared machine); ``overhead`` = compression CPU time /
 prefill CPU time. Also checks that both CriticalKV variants keep the same entries, and reports the fraction of
 (token, KV head) norms the pruned one computed. JSON line to benchmarks/results/criticalkv_overhead.jsonl.

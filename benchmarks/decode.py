@@ -5,7 +5,7 @@
 Prints one JSON line and appends it to benchmarks/results/decode.jsonl. Targets: speedup_vs_uncached >= 5,
 ratio_vs_hf_generate >= 1.0 (same model, greedy, same prompt; rates exclude the prefill).
 
-What compression buys at decode time (issue 16): with ``--contexts``, decode tokens/s at each context length with the
+What compression buys at decode time: with ``--contexts``, decode tokens/s at each context length with the
 full cache, with SnapKV / AdaKV (head-wise) / KVzip keeping 50% and 25%, and with the full cache stored as int8 / int4
 and loaded back; resident cache bytes next to each speed:
 

@@ -1,4 +1,4 @@
-"""Issue 16's GPU table on a random-initialised ~1B Llama-shaped model (weights cannot be downloaded; speed does not
+"""The GPU table on a random-initialised ~1B Llama-shaped model (weights cannot be downloaded; speed does not
 need trained ones), bf16, one CUDA device:
 
     PYTHONPATH=src python benchmarks/gpu_table.py [--prefill-tokens 4096 16384] [--reuse-tokens 8192 32768]

@@ -4,7 +4,7 @@
 
 Both sides see the same smollm2-135m weights (bundled GGUF), the same needle cases (context ids, then the question
 ids on top; the press sees only the context) and the same ratios. kvpress runs in a side venv (default
-/work/kvpress-venv, ``--system-site-packages`` so it reuses the installed CPU torch; ``pip install --no-deps
+~/kvpress-venv, ``--system-site-packages`` so it reuses the installed CPU torch; ``pip install --no-deps
 kvpress==0.5.5 cachetools fire termcolor``; its DuoAttention module imports ``datasets`` at import time, which
 this benchmark never calls: a stub module is enough). The script re-runs itself in that venv (``--kvpress-side``).
 Per case, each side's compressed run is compared with its own uncompressed run: score = the answer is in the first
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-VENV = Path("/work/kvpress-venv")
+VENV = Path.home() / "kvpress-venv"
 RATIOS = [0.5, 0.75, 0.9]
 KVPRESS = {  # label -> kvpress constructor (query-agnostic use: compress the context alone)
     "kvpress:KVzipPress": lambda kp, r: kp.KVzipPress(compression_ratio=r),

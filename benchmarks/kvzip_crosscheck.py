@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python benchmarks/kvzip_crosscheck.py --tokens 1000 --threads 1
 
-kvpress runs in the side venv (default /work/kvpress-venv, see kvpress_side_by_side.py); this script re-runs itself
+kvpress runs in the side venv (default ~/kvpress-venv, see kvpress_side_by_side.py); this script re-runs itself
 there (``--kvpress-side``) and records kvpress's per-(layer, KV head, token) scores (``score_val`` before its global
 top-k) and its pruned entries. Then kvforge replays the same context with each KVzip variant and prints one JSON line
 per variant: the largest score difference relative to the layer's largest score, over the context entries kvpress
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-VENV = Path("/work/kvpress-venv")
+VENV = Path.home() / "kvpress-venv"
 VARIANTS = {  # label -> KVzipPress options
     "default (chunk softmax, turn continued)": {},
     "default, keep_header=False (kvpress's protection: 4 sinks)": {"keep_header": False},

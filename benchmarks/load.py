@@ -522,7 +522,7 @@ async def gap_during_long_prefill(args: argparse.Namespace, url: str) -> dict[st
 
 
 async def health_during_big_request(args: argparse.Namespace, url: str) -> dict[str, Any]:
-    """``/health`` latency while one ``--big-request-mib`` MiB chat message is sent and processed (issue 17.5)."""
+    """``/health`` latency while one ``--big-request-mib`` MiB chat message is sent and processed."""
     content = "word " * int(args.big_request_mib * 2**20 / 5)
     body = {"model": args.served_model_name, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
     data = json.dumps(body).encode()

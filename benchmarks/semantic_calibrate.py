@@ -4,7 +4,7 @@ Counts of (wrong or right, the guards refusing the pair, similarity bin) over th
 (``squad_paraphrase``, ``paws_wiki``; see :mod:`kvforge.eval.semantic_pairs`) and the written near-miss pairs; the
 evaluation side and the hold-out near-miss kinds are never read. Prints the thresholds it certifies.
 
-    PYTHONPATH=src python benchmarks/semantic_calibrate.py --data-dir ../shared/data
+    PYTHONPATH=src python benchmarks/semantic_calibrate.py --data-dir DATA
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the labelled pairs are decided: written near-miss pairs and the calibration side
 and the evaluation side of the shared data and the hold-out near-miss kinds (never used to choose). One markdown
 table on stdout, one JSON line per guard set in ``benchmarks/results/semantic_guards.jsonl``.
 
-    PYTHONPATH=src python benchmarks/semantic_guards.py --data-dir ../shared/data --max-error 0.01
+    PYTHONPATH=src python benchmarks/semantic_guards.py --data-dir DATA --max-error 0.01
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from kvforge.testing import tiny_tokenizer
 
 DATA = default_data_dir()
 needs_data = pytest.mark.skipif(
-    not (DATA / "longbench").is_dir(), reason="needs ../shared/data (LongBench, L-Eval, SQuAD, MuSiQue samples)"
+    not (DATA / "longbench").is_dir(), reason="needs the evaluation data (LongBench, L-Eval, SQuAD, MuSiQue samples)"
 )
 SYNTHETIC = ["needle", "ruler-mk", "ruler-mv", "ruler-mq", "ruler-vt", "ruler-cwe"]
 

@@ -438,7 +438,7 @@ def test_documents_endpoint_stores_rag_chunks(server: LiveServer) -> None:
 
 
 def test_health_answers_while_a_big_request_is_processed(server: LiveServer) -> None:
-    """Issue 17.5: parsing and tokenising a big message happens off the event loop, so /health is answered meanwhile."""
+    """Parsing and tokenising a big message happens off the event loop, so /health is answered meanwhile."""
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "word " * 2**18}], "max_tokens": 2})
     result: dict[str, Any] = {}
 

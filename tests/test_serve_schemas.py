@@ -286,7 +286,7 @@ def test_shutdown_stops_the_worker(engine: Engine) -> None:
     ],
 )
 def test_odd_inputs_are_400_naming_the_field(client: Any, body: dict[str, Any], param: str) -> None:
-    """Issue 17.8: odd values are an OpenAI-style 400 that names the field, never a traceback or a 500."""
+    """Odd values are an OpenAI-style 400 that names the field, never a traceback or a 500."""
     content = json.dumps({"model": MODEL, "max_tokens": 2} | body)  # NaN/inf as the bare JSON words clients send
     r = client.post("/v1/completions", content=content, headers={"content-type": "application/json"})
     error = _err(r, 400)

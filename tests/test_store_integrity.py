@@ -1,4 +1,4 @@
-"""Defence in depth for stored KV (issue 17.9): a segment of another shape or dtype is refused before use, and a
+"""Defence in depth for stored KV: a segment of another shape or dtype is refused before use, and a
 model fingerprint never survives a change of the model's dtype or weights."""
 
 from __future__ import annotations
