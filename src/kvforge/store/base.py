@@ -24,7 +24,7 @@ import re
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
@@ -507,3 +507,13 @@ def parse_size(text: str | int) -> int:
     if not 0 <= value < 2**63:
         raise ValueError(f"invalid size {text!r}: out of range")
     return int(value)
+
+
+def usage_report(
+    url: str, entries: int, nbytes: int, capacity: int | None, blob_sizes: Iterable[int], **backend: Any
+) -> dict[str, Any]:
+    """What every store's ``usage()`` says (``url``, ``entries``, ``bytes``, ``capacity``, ``blobs``, ``blob_bytes``),
+    then the backend's own facts."""
+    sizes = list(blob_sizes)
+    common = {"url": url, "entries": entries, "bytes": nbytes, "capacity": capacity, "blobs": len(sizes)}
+    return common | {"blob_bytes": sum(sizes)} | backend

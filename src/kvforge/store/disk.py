@@ -37,7 +37,7 @@ import numpy as np
 
 from kvforge.errors import UserError
 from kvforge.store import buffers, codec
-from kvforge.store.base import _KEY_RE, ByteStore, ClearResult, Kind, check_key
+from kvforge.store.base import _KEY_RE, ByteStore, ClearResult, Kind, check_key, usage_report
 
 log = logging.getLogger(__name__)
 
@@ -399,14 +399,8 @@ class DiskStore(ByteStore):
     def usage(self) -> dict[str, Any]:
         self._rescan()
         blobs = self._scan("blob")
+        tmp_files = sum(1 for _ in (self.root / "tmp").glob(f"*{TMP_SUFFIX}"))
         with self.lock:
-            return {
-                "url": f"file://{self.root.resolve()}?max_bytes={self.max_bytes}",
-                "entries": len(self._index),
-                "bytes": self._bytes,
-                "capacity": self.max_bytes,
-                "blobs": len(blobs),
-                "blob_bytes": sum(size for _, _, size in blobs),
-                "tmp_files": sum(1 for _ in (self.root / "tmp").glob(f"*{TMP_SUFFIX}")),
-                "tmp_bytes": self._tmp_bytes,
-            }
+            url = f"file://{self.root.resolve()}?max_bytes={self.max_bytes}"
+            return usage_report(url, len(self._index), self._bytes, self.max_bytes, (size for _, _, size in blobs),
+                                tmp_files=tmp_files, tmp_bytes=self._tmp_bytes)  # fmt: skip

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvforge.store import codec
-from kvforge.store.base import ByteStore, Kind, check_key
+from kvforge.store.base import ByteStore, Kind, check_key, usage_report
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +89,6 @@ class MemoryStore(ByteStore):
 
     def usage(self) -> dict[str, Any]:
         with self.lock:
-            return {
-                "url": f"memory://?max_bytes={self.max_bytes}",
-                "entries": len(self._entries),
-                "bytes": self._bytes,
-                "capacity": self.max_bytes,
-                "blobs": len(self._blobs),
-                "blob_bytes": sum(len(b) for b in self._blobs.values()),
-            }
+            url = f"memory://?max_bytes={self.max_bytes}"
+            blob_sizes = [len(b) for b in self._blobs.values()]
+            return usage_report(url, len(self._entries), self._bytes, self.max_bytes, blob_sizes)

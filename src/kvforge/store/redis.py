@@ -30,7 +30,7 @@ from typing import Any
 from kvforge.errors import StoreUnavailableError, UserError, redis_unavailable
 from kvforge.redact import redact_text, redact_url
 from kvforge.store import codec
-from kvforge.store.base import ByteStore, Kind, describe_error
+from kvforge.store.base import ByteStore, Kind, describe_error, usage_report
 
 log = logging.getLogger(__name__)
 
@@ -366,15 +366,6 @@ class RedisStore(ByteStore):
         sizes = [int(v) for v in self._call(lambda: self.client.hvals(self._sizes("seg")))]
         blob_sizes = [int(v) for v in self._call(lambda: self.client.hvals(self._sizes("blob")))]
         info = self._call(lambda: self.client.info("memory"))
-        return {
-            "url": self.display_url,
-            "entries": len(sizes),
-            "bytes": sum(sizes),
-            "capacity": self.max_bytes,
-            "blobs": len(blob_sizes),
-            "blob_bytes": sum(blob_sizes),
-            "chunk_bytes": self.chunk_bytes,
-            "redis_used_memory": info.get("used_memory"),
-            "redis_maxmemory": info.get("maxmemory"),
-            "redis_maxmemory_policy": info.get("maxmemory_policy"),
-        }
+        memory = {f"redis_{k}": info.get(k) for k in ("used_memory", "maxmemory", "maxmemory_policy")}
+        return usage_report(self.display_url, len(sizes), sum(sizes), self.max_bytes, blob_sizes,
+                            chunk_bytes=self.chunk_bytes, **memory)  # fmt: skip
