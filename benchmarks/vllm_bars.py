@@ -39,9 +39,10 @@ ORIGINAL = (
     "Read the passage below and summarise what the narrator says about going to sea, in three sentences, for a "
     "reader who has never opened the book.\n\n" + PASSAGE
 )
+# (reworded in function words and punctuation only: a reworded content word is refused by the substitution guard)
 PARAPHRASE = (
-    "Please read the following passage and sum up what the narrator says about going to sea, in three sentences, "
-    "for someone who has never read the book.\n\n" + PASSAGE
+    "Please, read the passage below and summarise what the narrator says about going to sea in three sentences, "
+    "for a reader who has never opened the book.\n\n" + PASSAGE
 )
 NEAR_MISS = (
     "Read the passage below and summarise what the narrator says about going to sea, in five sentences, for a "
