@@ -58,7 +58,10 @@ class MiniLMEmbedder:
 
     @property
     def dim(self) -> int:
-        return int(self._load().get_sentence_embedding_dimension())
+        model = self._load()
+        # sentence-transformers renamed the method (the old name warns on the newest releases)
+        dimension = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+        return int(dimension())
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """``(N, 384)`` float32 unit vectors."""
