@@ -88,11 +88,8 @@ def test_server_defaults_give_no_false_hit_on_held_out_near_misses(tmp_path: Pat
 
 
 @pytest.fixture()
-def model_dir(tmp_path: Path) -> Path:
-    folder = tmp_path / "tiny"
-    tiny_model("llama").save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
+def model_dir(tiny_llama_dir: Path) -> Path:
+    return tiny_llama_dir  # conftest's saved tiny Llama folder
 
 
 def _generate(model_dir: Path, store: str, prompt: str) -> str:

@@ -75,11 +75,8 @@ def test_two_apps_share_one_file_store(tmp_path: Path) -> None:
 
 
 @pytest.fixture()
-def model_dir(tmp_path: Path) -> Path:
-    folder = tmp_path / "tiny"
-    tiny_model("llama").save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
+def model_dir(tiny_llama_dir: Path) -> Path:
+    return tiny_llama_dir  # conftest's saved tiny Llama folder
 
 
 def _serve(model_dir: Path, store: str, port: int, reuse: str = "prefix") -> subprocess.Popen:
