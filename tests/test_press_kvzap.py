@@ -11,7 +11,7 @@ from kvforge.errors import UserError
 from kvforge.presses import KVzapModel, build_press, compress_prefill, num_kept
 from kvforge.presses.apply import CompressionSource
 from kvforge.presses.base import Needs
-from kvforge.presses.kvzap import model_path
+from kvforge.presses.kvzap import model_path, position_features
 from kvforge.presses.kvzap_train import Recorder, _Gram, replay_targets, train_kvzap
 from kvforge.presses.kvzip_heads import fingerprint_of
 from kvforge.testing import tiny_model, tiny_tokenizer
@@ -50,9 +50,13 @@ def test_targets_are_log_kvzip_plus_scores_of_the_context(trained):
     model, tok, _, _ = trained
     got = replay_targets(model, tok, TEXT[:300])
     assert sorted(got) == list(range(model.config.num_hidden_layers))
-    for x, y in got.values():
+    for x, pos, y in got.values():
         assert x.shape[1] == model.config.hidden_size and y.shape[1] == model.config.num_key_value_heads
-        assert x.shape[0] == y.shape[0] > 250 and bool(torch.isfinite(y).all()) and bool((y <= 1e-6).all())
+        assert x.shape[0] == y.shape[0] == pos.shape[0] > 250 and bool(torch.isfinite(y).all())
+        assert bool((y <= 1e-6).all())
+        # recency features of the scored entries: the last one is the context's last entry (distance 0)
+        torch.testing.assert_close(pos[-1], position_features(1)[0])
+        assert bool((pos[:-1, 0] > pos[1:, 0]).all())  # log(1 + distance) falls towards the end
 
 
 def test_training_info_and_file_round_trip(trained, tmp_path):
@@ -98,6 +102,33 @@ def test_press_scores_are_the_model_applied_to_the_prefill_hidden_states(trained
         _, _, pos, valid = layer.view()
         held = pos.masked_fill(~valid, -1) if valid is not None else pos
         assert all(bool((held[0, h] == p).any()) for h in range(held.shape[1]) for p in range(4))  # sinks kept
+
+
+def test_position_features_and_the_recency_term_in_the_score(trained, tmp_path):
+    """The press ranks the hidden-state prediction plus the trained per-layer, per-head recency term of each entry's
+    distance from the last new entry; a file without that term ranks the prediction alone."""
+    feats = position_features(5)
+    d = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    torch.testing.assert_close(feats[:, 0], torch.log1p(d))
+    torch.testing.assert_close(feats[:, 1:], torch.stack([torch.exp(-d / s) for s in (64.0, 256.0, 1024.0)], 1))
+    model, tok, linear, _ = trained
+    assert all(p is None or p["wp"].shape == (model.config.num_key_value_heads, 4) for p in linear.layers)
+    ids = tok(TEXT, return_tensors="pt").input_ids[:, :120]
+    for with_recency in (True, False):
+        scorer = KVzapModel(linear.kind, linear.fingerprint, [
+            None if p is None else {k: v for k, v in p.items() if with_recency or k != "wp"} for p in linear.layers])  # fmt: skip
+        path = tmp_path / f"scorer-{with_recency}.safetensors"
+        scorer.save(path)
+        press = build_press("kvzap", 0.75, model=str(path))
+        source = CompressionSource(model, ids, KVCache.for_model(model), press.needs(), chunk_size=64, tokenizer=tok)
+        for ctx in source.contexts(press):
+            hidden = ctx.hidden_scores[press.scorer.key]
+            want = hidden + (scorer.layers[ctx.model_layer]["wp"] @ position_features(ctx.size).T if with_recency
+                             else 0.0)  # fmt: skip
+            got = press.score(ctx)
+            free = torch.isfinite(got)
+            assert int(free.sum()) > 0
+            torch.testing.assert_close(got[free], want.expand_as(got)[free])
 
 
 def test_scoring_runs_no_extra_forward(trained, tmp_path):

@@ -42,6 +42,20 @@ logger = logging.getLogger(__name__)
 FORMAT = "kvforge-kvzap/1"
 KINDS = ("linear", "mlp")
 MLP_HIDDEN = 64
+POSITION_SCALES = (64.0, 256.0, 1024.0)  # decay lengths of the recency features, in entries
+NUM_POSITION_FEATURES = 1 + len(POSITION_SCALES)
+
+
+def position_features(size: int, device: torch.device | None = None) -> Tensor:
+    """``(size, NUM_POSITION_FEATURES)`` features of each entry's distance ``d`` from the last of ``size`` entries:
+    ``log(1 + d)`` and ``exp(-d / s)`` for each of :data:`POSITION_SCALES`.
+
+    KVzip's replay favours the end of the context (its repeat queries sit right after it), which a token's hidden
+    state does not show; these let the learned model add a per-layer, per-head recency term at selection time, when
+    the number of entries is known.
+    """
+    d = torch.arange(size - 1, -1, -1, device=device, dtype=torch.float32)
+    return torch.stack([torch.log1p(d), *(torch.exp(-d / s) for s in POSITION_SCALES)], dim=1)
 
 
 def model_path(fingerprint: str, kind: str, folder: Path | None = None) -> Path:
@@ -56,7 +70,8 @@ class KVzapModel:
 
     Args:
         kind: ``"linear"`` (``w1`` ``(H_kv, hidden)``, ``b1`` ``(H_kv,)``) or ``"mlp"`` (``w1`` ``(64, hidden)``,
-            ``b1``, then SiLU, ``w2`` ``(H_kv, 64)``, ``b2``).
+            ``b1``, then SiLU, ``w2`` ``(H_kv, 64)``, ``b2``); either may add ``wp`` ``(H_kv, 4)``, the weights of
+            :func:`position_features` (a recency term added at selection time; files without it have none).
         fingerprint: the model these predict for (:func:`kvforge.model.model_fingerprint`).
         layers: per model layer, its parameters, or None for a layer that is not compressed (sliding window).
         info: how it was trained (texts, tokens, seconds, validation), saved with it.
@@ -84,6 +99,14 @@ class KVzapModel:
         if self.kind == "mlp":
             y = torch.addmm(p["b2"], torch.nn.functional.silu(y), p["w2"].T)
         return y.view(*x.shape[:2], -1).transpose(1, 2)
+
+    def position_term(self, layer: int, size: int, device: torch.device) -> Tensor | None:
+        """``(H_kv, size)`` the recency part of the log-score of ``size`` new entries, or None (no ``wp``)."""
+        params = self._params(device)
+        p = params[layer] if layer < len(params) else None
+        if p is None or "wp" not in p:
+            return None
+        return p["wp"] @ position_features(size, device).T
 
     def _params(self, device: torch.device) -> list[dict[str, Tensor] | None]:
         if device not in self._on:
@@ -230,5 +253,10 @@ class KVzapPress(BudgetedSelection, ScorerPress):
         got = (ctx.hidden_scores or {}).get(self.scorer.key)
         if got is None:
             raise ValueError("KVzap needs its scorer's scores from the prefill (run it through compress_prefill)")
+        assert self.scorer.model is not None  # bound by the prefill that gave the scores
+        layer = ctx.model_layer if ctx.model_layer is not None else ctx.layer_idx
+        recency = self.scorer.model.position_term(layer, ctx.size, got.device)
+        if recency is not None:
+            got = got + recency[None].to(got.dtype)
         return max_pool(got, self.pool).masked_fill(ctx.protected(self.keep_first, self.keep_header)[:, None, :],
                                                     float("inf"))  # fmt: skip
