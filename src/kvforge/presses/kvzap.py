@@ -39,7 +39,8 @@ from kvforge.presses.base import LayerContext, Needs, ScorerPress
 from kvforge.presses.kvzip import BudgetedSelection, max_pool
 
 logger = logging.getLogger(__name__)
-FORMAT = "kvforge-kvzap/1"
+FORMAT = "kvforge-kvzap/2"  # 2: layers may carry the recency weights ``wp``
+OLD_FORMATS = ("kvforge-kvzap/1",)  # still read: no recency term
 KINDS = ("linear", "mlp")
 MLP_HIDDEN = 64
 POSITION_SCALES = (64.0, 256.0, 1024.0)  # decay lengths of the recency features, in entries
@@ -61,7 +62,8 @@ def position_features(size: int, device: torch.device | None = None) -> Tensor:
 def model_path(fingerprint: str, kind: str, folder: Path | None = None) -> Path:
     """Where the trained scorer of ``kind`` for the model with ``fingerprint`` lives."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", fingerprint)
-    return (folder if folder is not None else cache_dir() / "kvzap") / f"{safe}-{kind}.safetensors"
+    # "-v2": a scorer trained on first use by an older kvforge (no recency term) is trained again, not reused
+    return (folder if folder is not None else cache_dir() / "kvzap") / f"{safe}-{kind}-v2.safetensors"
 
 
 @dataclass
@@ -143,8 +145,11 @@ class KVzapModel:
                 tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
         except Exception as exc:
             raise UserError(f"cannot read KVzap model {path}: {exc}") from None
-        if meta.get("format") != FORMAT or meta.get("kind") not in KINDS:
+        if meta.get("format") not in (FORMAT, *OLD_FORMATS) or meta.get("kind") not in KINDS:
             raise UserError(f"{path} is not a KVzap model file ({FORMAT})")
+        if meta["format"] in OLD_FORMATS:
+            logger.warning("KVzap model %s has no recency term (an older kvforge trained it): it ranks the end of long "
+                           "contexts worse; `kvforge presses train --out FILE` makes a new one", path)  # fmt: skip
         if fingerprint is not None and meta.get("fingerprint") != fingerprint:
             raise UserError(
                 f"KVzap model {path} was trained for model {meta.get('fingerprint')!r}, not {fingerprint!r}; train "
@@ -212,6 +217,13 @@ class KVzapScorer:
             raise RuntimeError("KVzap scorer used before bind()")
         return self.model.predict(layer_idx, hidden_states)
 
+    def finish(self, layer_idx: int, scores: Tensor) -> Tensor:
+        """The predictions of a layer's ``S`` new entries plus the model's recency term of their distance from the
+        last one (files without it: the predictions alone)."""
+        assert self.model is not None  # bound before the prefill that made ``scores``
+        recency = self.model.position_term(layer_idx, scores.shape[-1], scores.device)
+        return scores if recency is None else scores + recency[None].to(scores.dtype)
+
 
 @dataclass
 class KVzapPress(BudgetedSelection, ScorerPress):
@@ -253,10 +265,5 @@ class KVzapPress(BudgetedSelection, ScorerPress):
         got = (ctx.hidden_scores or {}).get(self.scorer.key)
         if got is None:
             raise ValueError("KVzap needs its scorer's scores from the prefill (run it through compress_prefill)")
-        assert self.scorer.model is not None  # bound by the prefill that gave the scores
-        layer = ctx.model_layer if ctx.model_layer is not None else ctx.layer_idx
-        recency = self.scorer.model.position_term(layer, ctx.size, got.device)
-        if recency is not None:
-            got = got + recency[None].to(got.dtype)
         return max_pool(got, self.pool).masked_fill(ctx.protected(self.keep_first, self.keep_header)[:, None, :],
                                                     float("inf"))  # fmt: skip

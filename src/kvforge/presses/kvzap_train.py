@@ -110,6 +110,9 @@ class Recorder:
     def __call__(self, layer_idx: int, hidden_states: Tensor) -> None:
         self.hidden.setdefault(layer_idx, []).append(hidden_states[0].float().cpu())
 
+    def finish(self, layer_idx: int, scores: Tensor) -> Tensor:
+        return scores
+
 
 @torch.inference_mode()
 def replay_targets(
