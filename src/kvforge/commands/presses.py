@@ -46,8 +46,6 @@ def _check_train(args: argparse.Namespace) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
     from kvforge.commands._common import load
     from kvforge.presses.kvzap import model_path
     from kvforge.presses.kvzap_train import DEFAULT_WINDOW, train_kvzap
@@ -58,18 +56,9 @@ def run_train(args: argparse.Namespace) -> int:
     if out.exists() and not args.force:
         print(f"{out} exists (trained for this model); --force trains again", file=sys.stderr)
         return 0
-    bar = tqdm(total=None, desc="replay", unit="doc", file=sys.stderr)
-
-    def on_window(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-
     start = time.perf_counter()
-    try:
-        trained = train_kvzap(model, tokenizer, kind=args.kind, files=args.data, window=args.window or DEFAULT_WINDOW,
-                              max_windows=args.max_windows, epochs=args.epochs, on_window=on_window)  # fmt: skip
-    finally:
-        bar.close()
+    trained = train_kvzap(model, tokenizer, kind=args.kind, files=args.data, window=args.window or DEFAULT_WINDOW,
+                          max_windows=args.max_windows, epochs=args.epochs, progress="replay")  # fmt: skip
     trained.save(out)
     info = trained.info
     linear_out = model_path(fingerprint_of(model, tokenizer), "linear")

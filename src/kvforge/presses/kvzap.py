@@ -209,7 +209,8 @@ class KVzapScorer:
             "`kvforge presses train` does it ahead), saving %s", self.kind, fingerprint, path
         )  # fmt: skip
         window, windows = auto_train_size()
-        self.model = train_kvzap(model, tokenizer, kind=self.kind, window=window, max_windows=windows)
+        self.model = train_kvzap(model, tokenizer, kind=self.kind, window=window, max_windows=windows,
+                                 progress="KVzap training (first use)")  # fmt: skip
         self.model.save(path)
 
     def __call__(self, layer_idx: int, hidden_states: Tensor) -> Tensor | None:

@@ -239,6 +239,7 @@ def train_kvzap(
     max_samples: int = 8192,
     seed: int = 0,
     on_window: Callable[[int, int], None] | None = None,
+    progress: str | None = None,
 ) -> KVzapModel:
     """Train a KVzap scorer of ``kind`` for ``model`` on ``files`` (default: the bundled sample text).
 
@@ -246,7 +247,8 @@ def train_kvzap(
         window: tokens of text per training document; the last window is held out for validation.
         max_windows: use at most this many windows (the held-out one included).
         max_samples: MLP only: tokens per layer it trains on (a random subset).
-        on_window: ``(done, total)`` after each window's replay (progress bars).
+        on_window: ``(done, total)`` after each window's replay.
+        progress: show a progress bar of the replays on stderr with this title (None: no bar).
     """
     from kvforge.presses.kvzip_heads import fingerprint_of
 
@@ -266,6 +268,13 @@ def train_kvzap(
     held: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
     num_tokens = 0
     per_window = max(1, max_samples // max(1, len(windows) - 1))
+    bar = None
+    if progress is not None:
+        import sys
+
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(windows), desc=progress, unit="doc", file=sys.stderr)
     for i, text in enumerate(windows):
         targets = replay_targets(model, tokenizer, text, chunk_size)
         if i == len(windows) - 1:
@@ -279,6 +288,10 @@ def train_kvzap(
             num_tokens += next(iter(targets.values()))[0].shape[0]
         if on_window is not None:
             on_window(i + 1, len(windows))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
     replay_s = time.perf_counter() - start
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     num_layers = int(config.num_hidden_layers)
