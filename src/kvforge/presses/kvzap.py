@@ -147,9 +147,7 @@ class KVzapModel:
             raise UserError(f"cannot read KVzap model {path}: {exc}") from None
         if meta.get("format") not in (FORMAT, *OLD_FORMATS) or meta.get("kind") not in KINDS:
             raise UserError(f"{path} is not a KVzap model file ({FORMAT})")
-        if meta["format"] in OLD_FORMATS:
-            logger.warning("KVzap model %s has no recency term (an older kvforge trained it): it ranks the end of long "
-                           "contexts worse; `kvforge presses train --out FILE` makes a new one", path)  # fmt: skip
+
         if fingerprint is not None and meta.get("fingerprint") != fingerprint:
             raise UserError(
                 f"KVzap model {path} was trained for model {meta.get('fingerprint')!r}, not {fingerprint!r}; train "
@@ -162,6 +160,9 @@ class KVzapModel:
             if entry is None:
                 entry = layers[int(i)] = {}
             entry[key] = t
+        if not any(p is not None and "wp" in p for p in layers):
+            logger.warning("KVzap model %s has no recency term (an older kvforge trained it): it ranks the end of long "
+                           "contexts worse; `kvforge presses train --out FILE` makes a new one", path)  # fmt: skip
         return cls(meta["kind"], meta["fingerprint"], layers, meta.get("info") or {})
 
     def nbytes(self) -> int:
