@@ -147,7 +147,6 @@ class KVzapModel:
             raise UserError(f"cannot read KVzap model {path}: {exc}") from None
         if meta.get("format") not in (FORMAT, *OLD_FORMATS) or meta.get("kind") not in KINDS:
             raise UserError(f"{path} is not a KVzap model file ({FORMAT})")
-
         if fingerprint is not None and meta.get("fingerprint") != fingerprint:
             raise UserError(
                 f"KVzap model {path} was trained for model {meta.get('fingerprint')!r}, not {fingerprint!r}; train "
