@@ -126,7 +126,7 @@ def main() -> None:
     examples = [e for e in build_task("longbench-summ", cfg) if "gov_report" in e.id][: args.examples]
     done = set()
     if args.out.exists():
-        done = {(r["id"], r["method"]) for r in map(json.loads, args.out.read_text().splitlines()) if r.strip()}
+        done = {(r["id"], r["method"]) for r in map(json.loads, filter(str.strip, args.out.read_text().splitlines()))}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     methods = ([] if args.no_full else ["full"]) + args.methods
     for ex in examples:
