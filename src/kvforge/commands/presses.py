@@ -22,7 +22,7 @@ def register(sub: Any, bench_sub: Any) -> None:
     t.add_argument("--kind", choices=("linear", "mlp"), default="linear", help="per-layer model")
     t.add_argument("--data", type=Path, action="append", help="training text: .txt files or .jsonl with a text or "
                    "context field (repeatable; default: the public-domain sample shipped with kvforge)")  # fmt: skip
-    t.add_argument("--window", type=positive_int, default=2048, help="tokens per training document")
+    t.add_argument("--window", type=positive_int, help="tokens per training document (default: 4096)")
     t.add_argument("--max-windows", type=positive_int, help="use at most this many documents (the last is held out)")
     t.add_argument("--epochs", type=positive_int, default=30, help="MLP training epochs")
     t.add_argument("--out", type=Path, help="write the model here (default: the kvforge cache dir, where the kvzap "
@@ -46,11 +46,9 @@ def _check_train(args: argparse.Namespace) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
     from kvforge.commands._common import load
     from kvforge.presses.kvzap import model_path
-    from kvforge.presses.kvzap_train import train_kvzap
+    from kvforge.presses.kvzap_train import DEFAULT_WINDOW, train_kvzap
     from kvforge.presses.kvzip_heads import fingerprint_of
 
     model, tokenizer = load(args)
@@ -58,18 +56,9 @@ def run_train(args: argparse.Namespace) -> int:
     if out.exists() and not args.force:
         print(f"{out} exists (trained for this model); --force trains again", file=sys.stderr)
         return 0
-    bar = tqdm(total=None, desc="replay", unit="doc", file=sys.stderr)
-
-    def on_window(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-
     start = time.perf_counter()
-    try:
-        trained = train_kvzap(model, tokenizer, kind=args.kind, files=args.data, window=args.window,
-                              max_windows=args.max_windows, epochs=args.epochs, on_window=on_window)  # fmt: skip
-    finally:
-        bar.close()
+    trained = train_kvzap(model, tokenizer, kind=args.kind, files=args.data, window=args.window or DEFAULT_WINDOW,
+                          max_windows=args.max_windows, epochs=args.epochs, progress="replay")  # fmt: skip
     trained.save(out)
     info = trained.info
     linear_out = model_path(fingerprint_of(model, tokenizer), "linear")

@@ -337,7 +337,11 @@ def _layer_context(
         mean = total / count
         cov = outer / count - mean[..., :, None] * mean[..., None, :]
     look = collector.lookahead_queries.get(idx, [])[:lookahead]
-    scored = {key: torch.cat(per[idx], dim=-1) for key, per in collector.hidden_scores.items() if per.get(idx)}
+    scored = {
+        scorer.key: scorer.finish(idx, torch.cat(per[idx], dim=-1))
+        for scorer in collector.scorers
+        if (per := collector.hidden_scores[scorer.key]).get(idx)
+    }
     return LayerContext(
         keys=keys[:, :, start:],
         values=values[:, :, start:],

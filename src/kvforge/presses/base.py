@@ -40,7 +40,9 @@ class HiddenScorer(Protocol):
     """Scores every prompt entry from the attention input of its layer while the prompt is prefilled (KVzap).
 
     ``bind`` runs once before the prefill (load, or train, what it needs for this model); the hooks then call it on
-    every prefill forward with the layer's attention input, and the press reads the scores collected under ``key``.
+    every prefill forward with the layer's attention input; ``finish`` gets a layer's scores of every new entry once
+    the prefill is done (their number known: KVzap adds its recency term there), and the press reads what it returns
+    under ``key``.
     """
 
     key: str
@@ -48,6 +50,8 @@ class HiddenScorer(Protocol):
     def bind(self, model: Any, tokenizer: Any) -> None: ...
 
     def __call__(self, layer_idx: int, hidden_states: Tensor) -> Tensor | None: ...  # (B, Q, hidden) -> (B, H_kv, Q)
+
+    def finish(self, layer_idx: int, scores: Tensor) -> Tensor: ...  # (B, H_kv, S) -> (B, H_kv, S)
 
 
 @dataclass

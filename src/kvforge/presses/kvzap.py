@@ -39,15 +39,31 @@ from kvforge.presses.base import LayerContext, Needs, ScorerPress
 from kvforge.presses.kvzip import BudgetedSelection, max_pool
 
 logger = logging.getLogger(__name__)
-FORMAT = "kvforge-kvzap/1"
+FORMAT = "kvforge-kvzap/2"  # 2: layers may carry the recency weights ``wp``
+OLD_FORMATS = ("kvforge-kvzap/1",)  # still read: no recency term
 KINDS = ("linear", "mlp")
 MLP_HIDDEN = 64
+POSITION_SCALES = (64.0, 256.0, 1024.0)  # decay lengths of the recency features, in entries
+NUM_POSITION_FEATURES = 1 + len(POSITION_SCALES)
+
+
+def position_features(size: int, device: torch.device | None = None) -> Tensor:
+    """``(size, NUM_POSITION_FEATURES)`` features of each entry's distance ``d`` from the last of ``size`` entries:
+    ``log(1 + d)`` and ``exp(-d / s)`` for each of :data:`POSITION_SCALES`.
+
+    KVzip's replay favours the end of the context (its repeat queries sit right after it), which a token's hidden
+    state does not show; these let the learned model add a per-layer, per-head recency term at selection time, when
+    the number of entries is known.
+    """
+    d = torch.arange(size - 1, -1, -1, device=device, dtype=torch.float32)
+    return torch.stack([torch.log1p(d), *(torch.exp(-d / s) for s in POSITION_SCALES)], dim=1)
 
 
 def model_path(fingerprint: str, kind: str, folder: Path | None = None) -> Path:
     """Where the trained scorer of ``kind`` for the model with ``fingerprint`` lives."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", fingerprint)
-    return (folder if folder is not None else cache_dir() / "kvzap") / f"{safe}-{kind}.safetensors"
+    # "-v2": a scorer trained on first use by an older kvforge (no recency term) is trained again, not reused
+    return (folder if folder is not None else cache_dir() / "kvzap") / f"{safe}-{kind}-v2.safetensors"
 
 
 @dataclass
@@ -56,7 +72,8 @@ class KVzapModel:
 
     Args:
         kind: ``"linear"`` (``w1`` ``(H_kv, hidden)``, ``b1`` ``(H_kv,)``) or ``"mlp"`` (``w1`` ``(64, hidden)``,
-            ``b1``, then SiLU, ``w2`` ``(H_kv, 64)``, ``b2``).
+            ``b1``, then SiLU, ``w2`` ``(H_kv, 64)``, ``b2``); either may add ``wp`` ``(H_kv, 4)``, the weights of
+            :func:`position_features` (a recency term added at selection time; files without it have none).
         fingerprint: the model these predict for (:func:`kvforge.model.model_fingerprint`).
         layers: per model layer, its parameters, or None for a layer that is not compressed (sliding window).
         info: how it was trained (texts, tokens, seconds, validation), saved with it.
@@ -84,6 +101,14 @@ class KVzapModel:
         if self.kind == "mlp":
             y = torch.addmm(p["b2"], torch.nn.functional.silu(y), p["w2"].T)
         return y.view(*x.shape[:2], -1).transpose(1, 2)
+
+    def position_term(self, layer: int, size: int, device: torch.device) -> Tensor | None:
+        """``(H_kv, size)`` the recency part of the log-score of ``size`` new entries, or None (no ``wp``)."""
+        params = self._params(device)
+        p = params[layer] if layer < len(params) else None
+        if p is None or "wp" not in p:
+            return None
+        return p["wp"] @ position_features(size, device).T
 
     def _params(self, device: torch.device) -> list[dict[str, Tensor] | None]:
         if device not in self._on:
@@ -120,7 +145,7 @@ class KVzapModel:
                 tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
         except Exception as exc:
             raise UserError(f"cannot read KVzap model {path}: {exc}") from None
-        if meta.get("format") != FORMAT or meta.get("kind") not in KINDS:
+        if meta.get("format") not in (FORMAT, *OLD_FORMATS) or meta.get("kind") not in KINDS:
             raise UserError(f"{path} is not a KVzap model file ({FORMAT})")
         if fingerprint is not None and meta.get("fingerprint") != fingerprint:
             raise UserError(
@@ -134,6 +159,9 @@ class KVzapModel:
             if entry is None:
                 entry = layers[int(i)] = {}
             entry[key] = t
+        if not any(p is not None and "wp" in p for p in layers):
+            logger.warning("KVzap model %s has no recency term (an older kvforge trained it): it ranks the end of long "
+                           "contexts worse; `kvforge presses train --out FILE` makes a new one", path)  # fmt: skip
         return cls(meta["kind"], meta["fingerprint"], layers, meta.get("info") or {})
 
     def nbytes(self) -> int:
@@ -181,13 +209,21 @@ class KVzapScorer:
             "`kvforge presses train` does it ahead), saving %s", self.kind, fingerprint, path
         )  # fmt: skip
         window, windows = auto_train_size()
-        self.model = train_kvzap(model, tokenizer, kind=self.kind, window=window, max_windows=windows)
+        self.model = train_kvzap(model, tokenizer, kind=self.kind, window=window, max_windows=windows,
+                                 progress="KVzap training (first use)")  # fmt: skip
         self.model.save(path)
 
     def __call__(self, layer_idx: int, hidden_states: Tensor) -> Tensor | None:
         if self.model is None:
             raise RuntimeError("KVzap scorer used before bind()")
         return self.model.predict(layer_idx, hidden_states)
+
+    def finish(self, layer_idx: int, scores: Tensor) -> Tensor:
+        """The predictions of a layer's ``S`` new entries plus the model's recency term of their distance from the
+        last one (files without it: the predictions alone)."""
+        assert self.model is not None  # bound before the prefill that made ``scores``
+        recency = self.model.position_term(layer_idx, scores.shape[-1], scores.device)
+        return scores if recency is None else scores + recency[None].to(scores.dtype)
 
 
 @dataclass

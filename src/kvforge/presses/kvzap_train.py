@@ -8,10 +8,12 @@ The last window is held out: the regularisation is chosen on it and the model's 
 model (``info["validation"]``: correlation with the replay's log-scores and the overlap of the entries each keeps at
 25% under one global top-k).
 
-- ``linear``: ridge regression per layer from the attention input to the ``H_kv`` log-scores, solved in closed form
-  from accumulated normal equations (memory independent of the number of tokens).
+- ``linear``: ridge regression per layer from the attention input and the entry's recency features
+  (:func:`~kvforge.presses.kvzap.position_features`: its distance from the context's end) to the ``H_kv``
+  log-scores, solved in closed form from accumulated normal equations (memory independent of the number of tokens).
 - ``mlp``: per layer ``hidden -> 64 -> H_kv`` with SiLU, Adam on the mean squared error (inputs standardised, the
-  standardisation folded into the first layer), on at most ``max_samples`` tokens per layer.
+  standardisation folded into the first layer), on at most ``max_samples`` tokens per layer, fitted to what the
+  linear model's recency term leaves (the MLP keeps that term).
 
 The default text is the public-domain Moby-Dick excerpt shipped in ``kvforge/data`` (about 15k SmolLM2 tokens).
 """
@@ -33,17 +35,20 @@ from torch import Tensor
 from kvforge.errors import UserError
 from kvforge.paths import bundled_data_dir
 from kvforge.presses.base import Needs
-from kvforge.presses.kvzap import KINDS, MLP_HIDDEN, KVzapModel
+from kvforge.presses.kvzap import KINDS, MLP_HIDDEN, NUM_POSITION_FEATURES, KVzapModel, position_features
 
 logger = logging.getLogger(__name__)
-DEFAULT_WINDOW = 2048  # KVzip replays in chunks of 2048 context tokens: the same softmax width as at run time
+# Documents of 4096 tokens: KVzip replays in chunks of 2048 context tokens, so each training document shows the scores
+# of more than one replay chunk and distances from the context's end up to 4096 (2048-token documents showed neither
+# and ranked 4096-token contexts worse)
+DEFAULT_WINDOW = 4096
 QUESTION = "What is this text about?"  # only splits the prompt: the context part is what is scored
 ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strength, relative to the mean feature variance
 
 
 def auto_train_size() -> tuple[int, int | None]:
     """``(tokens per window, max windows)`` of the training a kvzap press runs on first use:
-    ``$KVFORGE_KVZAP_WINDOW`` (default 2048) and ``$KVFORGE_KVZAP_WINDOWS`` (default: every window of the text)."""
+    ``$KVFORGE_KVZAP_WINDOW`` (default 4096) and ``$KVFORGE_KVZAP_WINDOWS`` (default: every window of the text)."""
     import os
 
     try:
@@ -105,13 +110,16 @@ class Recorder:
     def __call__(self, layer_idx: int, hidden_states: Tensor) -> None:
         self.hidden.setdefault(layer_idx, []).append(hidden_states[0].float().cpu())
 
+    def finish(self, layer_idx: int, scores: Tensor) -> Tensor:
+        return scores
+
 
 @torch.inference_mode()
 def replay_targets(
     model: Any, tokenizer: Any, text: str, chunk_size: int | None = 512
-) -> dict[int, tuple[Tensor, Tensor]]:
-    """``{layer: (X (N, hidden), Y (N, H_kv))}``: attention inputs and log KVzip+ scores of ``text``'s entries as a
-    document (chat template header and sinks left out)."""
+) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
+    """``{layer: (X (N, hidden), P (N, 4), Y (N, H_kv))}``: attention inputs, recency features and log KVzip+ scores
+    of ``text``'s entries as a document (chat template header and sinks left out)."""
     from kvforge.engine import Engine
     from kvforge.presses.apply import CompressionSource
     from kvforge.presses.kvzip import KVzipPress
@@ -128,7 +136,8 @@ def replay_targets(
         y = target.score(ctx)[0]  # (H_kv, S), inf where always kept
         scored = torch.isfinite(y).all(dim=0)
         x = torch.cat(recorder.hidden[layer], dim=0)
-        out[layer] = (x[scored], y[:, scored].float().clamp_min(1e-12).log().T.contiguous())
+        pos = position_features(y.shape[-1])
+        out[layer] = (x[scored], pos[scored], y[:, scored].float().clamp_min(1e-12).log().T.contiguous())
     return out
 
 
@@ -190,14 +199,25 @@ def _fit_mlp(x: Tensor, y: Tensor, epochs: int, seed: int) -> dict[str, Tensor]:
         return {"w1": w1.contiguous(), "b1": b1, "w2": w2, "b2": b2}
 
 
-def _validation(model: KVzapModel, held: dict[int, tuple[Tensor, Tensor]], kept: float = 0.25) -> dict[str, float]:
+def _predict(model: KVzapModel, layer: int, x: Tensor, pos: Tensor) -> Tensor | None:
+    """``(N, H_kv)`` the model's log-scores of entries with attention inputs ``x`` and recency features ``pos``."""
+    got = model.predict(layer, x[None])
+    if got is None:
+        return None
+    wp = model.layers[layer].get("wp")  # type: ignore[union-attr]
+    return got[0].T + (pos @ wp.T if wp is not None else 0.0)
+
+
+def _validation(
+    model: KVzapModel, held: dict[int, tuple[Tensor, Tensor, Tensor]], kept: float = 0.25
+) -> dict[str, float]:
     """Correlation of predicted and replay log-scores over every (layer, head, token) of the held-out window, and the
     overlap of the entries each keeps at ``kept`` under one global top-k."""
     preds, targets = [], []
-    for layer, (x, y) in sorted(held.items()):
-        got = model.predict(layer, x[None])
+    for layer, (x, pos, y) in sorted(held.items()):
+        got = _predict(model, layer, x, pos)
         if got is not None:
-            preds.append(got[0].T.reshape(-1))
+            preds.append(got.reshape(-1))
             targets.append(y.reshape(-1))
     p, t = torch.cat(preds), torch.cat(targets)
     k = max(1, int(kept * p.numel()))
@@ -219,6 +239,7 @@ def train_kvzap(
     max_samples: int = 8192,
     seed: int = 0,
     on_window: Callable[[int, int], None] | None = None,
+    progress: str | None = None,
 ) -> KVzapModel:
     """Train a KVzap scorer of ``kind`` for ``model`` on ``files`` (default: the bundled sample text).
 
@@ -226,7 +247,8 @@ def train_kvzap(
         window: tokens of text per training document; the last window is held out for validation.
         max_windows: use at most this many windows (the held-out one included).
         max_samples: MLP only: tokens per layer it trains on (a random subset).
-        on_window: ``(done, total)`` after each window's replay (progress bars).
+        on_window: ``(done, total)`` after each window's replay.
+        progress: show a progress bar of the replays on stderr with this title (None: no bar).
     """
     from kvforge.presses.kvzip_heads import fingerprint_of
 
@@ -243,22 +265,33 @@ def train_kvzap(
     rng = random.Random(seed)
     grams: dict[int, _Gram] = {}
     samples: dict[int, list[tuple[Tensor, Tensor]]] = {}
-    held: dict[int, tuple[Tensor, Tensor]] = {}
+    held: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
     num_tokens = 0
     per_window = max(1, max_samples // max(1, len(windows) - 1))
+    bar = None
+    if progress is not None:
+        import sys
+
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(windows), desc=progress, unit="doc", file=sys.stderr)
     for i, text in enumerate(windows):
         targets = replay_targets(model, tokenizer, text, chunk_size)
         if i == len(windows) - 1:
             held = targets
         else:
-            for layer, (x, y) in targets.items():
-                grams.setdefault(layer, _Gram()).add(x, y)
+            for layer, (x, pos, y) in targets.items():
+                grams.setdefault(layer, _Gram()).add(torch.cat([x, pos], dim=1), y)
                 if kind == "mlp":
                     pick = sorted(rng.sample(range(x.shape[0]), min(per_window, x.shape[0])))
-                    samples.setdefault(layer, []).append((x[pick].half(), y[pick]))
+                    samples.setdefault(layer, []).append((x[pick].half(), pos[pick], y[pick]))
             num_tokens += next(iter(targets.values()))[0].shape[0]
         if on_window is not None:
             on_window(i + 1, len(windows))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
     replay_s = time.perf_counter() - start
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     num_layers = int(config.num_hidden_layers)
@@ -267,8 +300,9 @@ def train_kvzap(
     for alpha in ALPHAS:  # ridge strength chosen on the held-out window
         layers: list[dict[str, Tensor] | None] = [None] * num_layers
         for layer, gram in grams.items():
-            w, b = gram.solve(alpha)
-            layers[layer] = {"w1": w, "b1": b}
+            w, b = gram.solve(alpha)  # w: (H_kv, hidden + 4)
+            hidden = w.shape[1] - NUM_POSITION_FEATURES
+            layers[layer] = {"w1": w[:, :hidden].contiguous(), "b1": b, "wp": w[:, hidden:].contiguous()}
         candidate = KVzapModel("linear", fingerprint, layers)
         mse = _validation(candidate, held)["mse"]
         if best is None or mse < best[0]:
@@ -280,8 +314,9 @@ def train_kvzap(
         layers = [None] * num_layers
         for layer, parts in samples.items():
             x = torch.cat([p[0] for p in parts]).float()
-            y = torch.cat([p[1] for p in parts])
-            layers[layer] = _fit_mlp(x, y, epochs, seed + layer)
+            wp = linear.layers[layer]["wp"]  # type: ignore[index]
+            y = torch.cat([p[2] - p[1] @ wp.T for p in parts])  # the MLP learns what the recency term leaves
+            layers[layer] = {**_fit_mlp(x, y, epochs, seed + layer), "wp": wp}
         result = KVzapModel("mlp", fingerprint, layers)
     texts_info = [name for name, _ in texts][:20]
     result.info = {
