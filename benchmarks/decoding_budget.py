@@ -12,9 +12,10 @@ EOS ignored so every answer is ``--new-tokens`` long. Per example and method, on
 - ``kl``, ``top1``: mean KL(full || method) of the next-token distributions and how often their arg-max agree, along
   the full cache's own answer teacher-forced through both caches in lockstep (the method's cache keeps applying its
   budget on those forwards), per 256-token quarter too (``kl_by_quarter``);
-- ``max_entries``: the most entries any layer's KV head held after a forward; ``final_bytes``: cache bytes at the
-  end; ``decode_tok_s``: generation speed; ``answer``: the whole answer (``--no-full`` in one process and the full
-  cache alone in another compare their answers afterwards).
+- ``max_entries``: entries the fullest layer's KV head held at the end of the answer; ``lockstep_max_entries``: the
+  most it held after any forward of the teacher-forced pass (the peak); ``final_bytes``: cache bytes at the end;
+  ``decode_tok_s``: generation speed; ``answer``: the whole answer (``--no-full`` in one process and the full cache
+  alone in another compare their answers afterwards).
 
 Methods: ``full`` (no bound), ``decoding`` (kvforge's DecodingPress: attention-scored cut every ``--interval``
 steps to ``--budget``), ``window`` (a StreamingLLM sliding window of ``--budget`` entries with 4 sinks).
@@ -126,7 +127,7 @@ def main() -> None:
     examples = [e for e in build_task("longbench-summ", cfg) if "gov_report" in e.id][: args.examples]
     done = set()
     if args.out.exists():
-        done = {(r["id"], r["method"]) for r in map(json.loads, args.out.read_text().splitlines()) if r.strip()}
+        done = {(r["id"], r["method"]) for r in map(json.loads, filter(str.strip, args.out.read_text().splitlines()))}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     methods = ([] if args.no_full else ["full"]) + args.methods
     for ex in examples:

@@ -66,6 +66,37 @@ def test_sliding_window_keeps_exactly_sinks_and_window(model):
 
 
 @torch.no_grad()
+def test_sliding_window_memory_bound_is_window_plus_sinks_plus_one_block_plus_one_forward(model):
+    """The true bound of a sliding-window cache: queries attend to exactly ``num_sink + window`` entries, but the
+    entries that fell out are compacted away only once a block of them has built up (amortised), and before the
+    forward's own tokens are appended. After a forward of ``s`` tokens a layer holds at most
+    ``num_sink + window + block_size + s`` entries, and decoding (s = 1) reaches that bound exactly."""
+    window, sinks, block, chunk = 32, 4, 16, 8
+    cache = KVCache.for_model(model, window=window, num_sink=sinks, block_size=block)
+    windowed = [layer for layer, native in zip(cache.layers, cache.native_windows, strict=True) if native is None]
+    slack = sinks + window + block
+
+    def held() -> int:
+        return max(layer.length for layer in windowed)
+
+    prefill_peak = 0
+    ids = _ids(200)
+    for start in range(0, 200, chunk):
+        forward(model, ids[:, start : start + chunk], cache)
+        prefill_peak = max(prefill_peak, held())
+    assert slack < prefill_peak <= slack + chunk  # a prompt chunk lands on top of the untrimmed slack
+
+    decode_peak = 0
+    for token in _ids(150, seed=1)[0]:
+        forward(model, token.view(1, 1), cache)
+        decode_peak = max(decode_peak, held())
+        last = cache.next_position - 1
+        for layer in windowed:  # what attention sees is the window itself
+            assert len(layer.visible_positions(last)) == sinks + window
+    assert decode_peak == slack + 1
+
+
+@torch.no_grad()
 def test_sliding_window_chunked_equals_token_by_token(model):
     ids = _ids(40, seed=2)
     a = KVCache.for_model(model, window=6, num_sink=3, block_size=4)

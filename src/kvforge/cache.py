@@ -352,7 +352,10 @@ class KVCache(Cache):
         layer_windows: per-layer native sliding window (Gemma3, Mistral); None entries = full attention.
         window, num_sink: an optional sliding-window cache on the full-attention layers (StreamingLLM-style): keep
             the first ``num_sink`` tokens and the last ``window`` ones, so memory stays bounded for endless generation.
-        block_size: growth step of the buffers.
+            Attention sees exactly ``num_sink + window`` entries; the ones that fell out are compacted away once a
+            block of them has built up, before a forward's tokens are appended, so a layer holds at most
+            ``num_sink + window + block_size + s`` entries after a forward of ``s`` tokens.
+        block_size: growth step of the buffers (and the sliding window's compaction slack).
     """
 
     def __init__(
