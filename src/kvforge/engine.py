@@ -37,7 +37,6 @@ from kvforge.schedule import schedule_chunks, step_budget
 from kvforge.sequence import Sequence, Unit
 from kvforge.store import transform
 from kvforge.store.memory import MemoryStore
-from kvforge.threads import SmallStepThreads
 from kvforge.types import Generation
 
 if TYPE_CHECKING:
@@ -80,7 +79,7 @@ class Engine:
         reuse: ReuseStrategy | None = None,
         prefill_budget: int | None = None,
         decoding_press: DecodingPress | None = None,
-        small_step_threads: SmallStepThreads | str | None = "auto",
+        small_step_threads: threads.SmallStepThreads | str | None = "auto",
     ) -> None:
         for name, value in (("chunk size", chunk_size), ("window", window), ("prefill budget", prefill_budget)):
             if value is not None and value < 1:
@@ -98,7 +97,7 @@ class Engine:
         self.prefill_budget = prefill_budget
         self.decoding_press = decoding_press  # a token budget the cache keeps while generating (and prefilling)
         # small CPU steps (decoding, short prompts): one thread or the full team, whichever measures faster
-        self.small_step_threads = SmallStepThreads() if small_step_threads == "auto" else small_step_threads
+        self.small_step_threads = threads.SmallStepThreads() if small_step_threads == "auto" else small_step_threads
         self.max_positions = context_length(model)
         self.eos_token_ids = eos_ids(model, tokenizer)
         self.running: list[Sequence] = []  # in arrival order

@@ -24,7 +24,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,7 +238,6 @@ def train_kvzap(
     epochs: int = 30,
     max_samples: int = 8192,
     seed: int = 0,
-    on_window: Callable[[int, int], None] | None = None,
     progress: str | None = None,
 ) -> KVzapModel:
     """Train a KVzap scorer of ``kind`` for ``model`` on ``files`` (default: the bundled sample text).
@@ -247,7 +246,6 @@ def train_kvzap(
         window: tokens of text per training document; the last window is held out for validation.
         max_windows: use at most this many windows (the held-out one included).
         max_samples: MLP only: tokens per layer it trains on (a random subset).
-        on_window: ``(done, total)`` after each window's replay.
         progress: show a progress bar of the replays on stderr with this title (None: no bar).
     """
     from kvforge.presses.kvzip_heads import fingerprint_of
@@ -286,8 +284,6 @@ def train_kvzap(
                     pick = sorted(rng.sample(range(x.shape[0]), min(per_window, x.shape[0])))
                     samples.setdefault(layer, []).append((x[pick].half(), pos[pick], y[pick]))
             num_tokens += next(iter(targets.values()))[0].shape[0]
-        if on_window is not None:
-            on_window(i + 1, len(windows))
         if bar is not None:
             bar.update(1)
     if bar is not None:
