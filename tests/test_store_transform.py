@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -44,9 +45,13 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor, m: torch.Tensor | None) -> float:
 def test_names_and_bit_allocation():
     assert parse_transform("kvtc").key_bits == 2 and parse_transform("kvtc-b3").name == "kvtc-b3"
     assert parse_transform("kvtc-k3-v1.5").value_bits == 1.5 and parse_transform("int4") is None
-    assert canonical_quant("kvtc-b2") == "kvtc"
+    assert canonical_quant("kvtc-b2") == "kvtc" and canonical_quant("kvtc-b2-o2") == "kvtc"
+    assert parse_transform("kvtc").outliers == 2 and parse_transform("kvtc-b2-o0").outliers == 0
+    assert canonical_quant("kvtc-b2-o0") == "kvtc-o0" and canonical_quant("kvtc-k3-v2-o1.5") == "kvtc-k3-v2-o1.5"
     with pytest.raises(ValueError, match="bits"):
         parse_transform("kvtc-b9")
+    with pytest.raises(ValueError, match="16 bits"):
+        parse_transform("kvtc-o60")
     var = torch.tensor([16.0, 4.0, 1.0, 0.25, 1e-6, 0.0])
     for budget in (0.5, 1, 2, 3):
         bits = allocate_bits(var, budget)
@@ -68,6 +73,50 @@ def test_round_trip_error_falls_with_bits_and_positions_masks_are_exact(dtype):
         layers = zip(seg.keys, out.keys, seg.valid, strict=True)
         errors.append(sum(_rel_err(a, b, m) for a, b, m in layers if a.numel()))
     assert errors[0] > errors[1] > errors[2] and errors[2] < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_entries_the_code_blurs_most_are_kept_beside_it(dtype):
+    """kvtc keeps the ceil(2%) coded entries of each head (keys and values apiece) with the largest error at 16 bits:
+    exactly those rows come back as stored (fp16-rounded from fp32), every other row is what the code without them
+    (-o0) decodes. A planted outlier (a rare token the basis does not describe) is among them."""
+
+    def shaped(seed: int):  # most of the variance in 4 of 16 dimensions, as in real KV
+        seg = make_segment(dtype, lengths=(200, 150, 120), num_heads=2, head_dim=16, seed=seed)
+        for layer in seg.keys + seg.values:
+            layer[..., 4:] *= 0.001
+        return seg
+
+    quant_roundtrip(shaped(1), "kvtc")  # the basis: fitted on a first segment without the outlier
+    seg = shaped(0)
+    for layer in seg.keys + seg.values:
+        layer[:, 57, -1] = 3.0  # an entry along a direction the basis gives no bits (slot 57: never a sink)
+    plain, kept = quant_roundtrip(seg, "kvtc-o0"), quant_roundtrip(seg, "kvtc")
+    stored = torch.float16 if dtype == torch.float32 else dtype
+    checked = 0
+    for orig_layers, plain_layers, kept_layers in ((seg.keys, plain.keys, kept.keys), (seg.values, plain.values,
+                                                                                       kept.values)):  # fmt: skip
+        for i, (x, a, b) in enumerate(zip(orig_layers, plain_layers, kept_layers, strict=True)):
+            for h in range(x.shape[0]):
+                rows = seg.valid[i][h] if seg.valid[i] is not None else torch.ones(x.shape[1], dtype=torch.bool)
+                coded = rows & (seg.positions[i][h] >= 4)
+                xs, as_, bs = x[h][coded], a[h][coded], b[h][coded]
+                error = (xs.float() - as_.float()).square().sum(-1)
+                count = math.ceil(0.02 * xs.shape[0])
+                worst = torch.zeros(xs.shape[0], dtype=torch.bool)
+                worst[error.topk(count).indices] = True
+                planted = (torch.arange(x.shape[1]) == 57)[coded]
+                assert bool(worst[planted].all()) and torch.equal(bs[planted], xs[planted].to(stored).to(dtype))
+                if dtype == torch.float32:  # the ranking is the codec's (fp32 decode); bf16 rounding reorders ties
+                    assert torch.equal(bs[worst], xs[worst].to(stored).to(dtype))
+                    assert torch.equal(bs[~worst], as_[~worst])
+                assert int((bs != as_).any(-1).sum()) <= count
+                assert torch.equal(b[h][rows & ~coded], x[h][rows & ~coded])  # sinks exact as before
+                checked += int(worst.sum())
+    assert checked > 0
+    assert read_header(encode(seg, "kvtc"))["version"] == 5 and read_header(encode(seg, "kvtc-o0"))["version"] == 4
+    extra = len(encode(seg, "kvtc")) - len(encode(seg, "kvtc-o0"))
+    assert 0 < extra <= checked * (16 * 2 + 4) + 4096  # 16 fp16 numbers and one int32 index per kept row, + headers
 
 
 def test_head_wise_layer_stored_without_padding():

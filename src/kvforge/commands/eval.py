@@ -91,7 +91,7 @@ def register(sub: Any, bench_sub: Any) -> None:
         "--quants",
         type=_names,
         default=["none", "int8", "int4"],
-        help="--store-once: storage codecs (none, int8, int4, int2, kvtc, kvtc-b<bits>)",
+        help="--store-once: storage codecs (none, int8, int4, int2, kvtc, kvtc-b<bits>, kvtc-o<outlier percent>)",
     )
     p.add_argument("--store", default=None, help="--store-once: where documents are stored (default memory://; with "
                    "file:///dir a later run, another process, loads what an earlier one stored)")

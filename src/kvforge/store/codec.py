@@ -44,12 +44,13 @@ from kvforge.store.transform import KVBasis, MissingBasisError, TransformScheme
 from kvforge.types import KVSegment
 
 FORMAT = "kvforge-segment"
-# 4: head-wise layers stored without padding (valid entries only, mask as bits), transform coding (kvtc); 3: a plain
+# 5: transform-coded layers keep the entries their code blurs most beside the codes (``.oidx``/``.orows``); 4: head-wise
+# layers stored without padding (valid entries only, mask as bits), transform coding (kvtc); 3: a plain
 # safetensors file, the header in its metadata; 2: the header carries a checksum of itself (``header_checksum``); 1:
 # payload checksum only. 1 and 2 put a custom prefix before the safetensors bytes. A segment that needs none of
-# version 4's layouts is written as version 3 (older readers still read it).
-VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+# version 4's layouts is written as version 3, one without outliers as version 4 (older readers still read them).
+VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 METADATA_KEY = "kvforge"  # the safetensors metadata entry holding the header
 MAGIC = b"KVFORGE\n"  # formats 1 and 2 start with it
 _PREFIX = struct.Struct("<8sQ")  # formats 1 and 2: magic, header length
@@ -158,18 +159,20 @@ def _transform_tensors(
     streams: dict[str, list[bytes]] = {"k": [], "v": []}
     side: dict[str, list[list[Tensor]]] = {"k": [[], [], []], "v": [[], [], []]}
     exact: dict[str, list[Tensor]] = {"k": [], "v": []}
+    worst: dict[str, tuple[list[Tensor], list[Tensor]]] = {"k": ([], []), "v": ([], [])}  # row indices, rows
     for head in range(h):
         rows = mask[head] if mask is not None else slice(None)
         positions = p[head][rows]
         sink = positions < transform.SINKS  # attention sinks: outliers, kept as they are
-        exact["k"].append(k[head][rows][sink])
-        exact["v"].append(v[head][rows][sink])
-        keys = k[head][rows][~sink].float()
+        stored = {"k": k[head][rows], "v": v[head][rows]}
+        exact["k"].append(stored["k"][sink])
+        exact["v"].append(stored["v"][sink])
+        keys = stored["k"][~sink].float()
         if freq is not None:
             keys = transform.unrotate(keys, positions[~sink], freq)
         parts = (
             ("k", keys, basis.key_mean[i][head], basis.key_basis[i][head], scheme.key_bits),
-            ("v", v[head][rows][~sink].float(), basis.value_mean[i][head], basis.value_basis[i][head],
+            ("v", stored["v"][~sink].float(), basis.value_mean[i][head], basis.value_basis[i][head],
              scheme.value_bits),
         )  # fmt: skip
         for name, x, mean, base, bits in parts:
@@ -177,12 +180,22 @@ def _transform_tensors(
             streams[name].append(data)
             for j, t in enumerate((b, lo, step)):
                 side[name][j].append(t)
+            if scheme.outliers > 0:  # the entries this code blurs most, kept beside it (as stored: keys after RoPE)
+                decoded = transform.decode_matrix(data, x.shape[0], b, lo, step, mean, base)
+                idx = transform.worst_rows(x, decoded, scheme.outliers)
+                worst[name][0].append(idx)
+                worst[name][1].append(stored[name][~sink][idx])
     info["layout"] = "kvtc"
     for name in ("k", "v"):
         info[f"{name}_sizes"] = [len(x) for x in streams[name]]
         out[f"{name}.{i}"] = _bytes_tensor(b"".join(streams[name]))
         out[f"{name}.{i}.bits"], out[f"{name}.{i}.min"], out[f"{name}.{i}.step"] = (torch.stack(t) for t in side[name])
         out[f"{name}.{i}.exact"] = torch.cat(exact[name])
+        if scheme.outliers > 0:
+            idx, rows_kept = torch.cat(worst[name][0]), torch.cat(worst[name][1])
+            info[f"{name}_outliers"] = [len(x) for x in worst[name][0]]
+            out[f"{name}.{i}.oidx"] = idx.to(torch.int32)
+            out[f"{name}.{i}.orows"] = rows_kept.to(transform.outlier_dtype(rows_kept))
     out |= _compact_positions(i, p, mask, info)
     return out
 
@@ -254,10 +267,12 @@ def encode_parts(
         layers.append(info)
     index, buffers = tensor_index(tensors)
     algo = checksum_algo or default_algo()
-    version4 = any("layout" in info for info in layers)
+    version = 3  # the oldest format that holds these layers
+    if any("layout" in info for info in layers):
+        version = 5 if any("k_outliers" in info for info in layers) else 4
     header = {
         "format": FORMAT,
-        "version": VERSION if version4 else 3,
+        "version": version,
         "model_id": segment.model_id,
         "tokenizer_id": segment.meta.get("tokenizer_id"),
         "dtype": layers[0]["dtype"] if layers else None,
@@ -559,6 +574,7 @@ def _compact_layer(
             raise CorruptSegmentError(f"layer {i} is transform-coded but the segment names no basis")
         k_parts, v_parts, at_k, at_v, start, at_exact = [], [], 0, 0, 0, 0
         freq = basis.inv_freq[i]
+        outliers = _Outliers(i, info, tensors, len(counts))
         k_exact, v_exact = tensors[f"k.{i}.exact"], tensors[f"v.{i}.exact"]
         for head, n in enumerate(counts):
             positions = flat[start : start + n]
@@ -570,6 +586,8 @@ def _compact_layer(
                 k_head = transform.rotate(k_head, positions[~sink], freq)
             v_head = _decode_head(tensors, info, "v", i, head, at_v, coded, basis.value_mean[i][head],
                                   basis.value_basis[i][head])  # fmt: skip
+            for name, decoded in (("k", k_head), ("v", v_head)):
+                outliers.restore(name, head, decoded)
             num_exact = n - coded
             k_full = torch.empty(n, d, dtype=dtype)
             v_full = torch.empty(n, dv, dtype=v_dtype)
@@ -589,6 +607,34 @@ def _compact_layer(
     p = torch.zeros(h, s, dtype=p_dtype)
     k[mask], v[mask], p[mask] = k_flat, v_flat, flat.to(p_dtype)
     return k, v, p, mask
+
+
+class _Outliers:
+    """The entries of a transform-coded layer kept at 16 bits (``<k|v>.<i>.oidx`` row indices among each head's coded
+    entries, ``.orows`` the rows): :meth:`restore` writes a head's rows over its decoded ones."""
+
+    def __init__(self, i: int, info: dict[str, Any], tensors: dict[str, Tensor], num_heads: int) -> None:
+        self.kept: dict[str, tuple[list[Tensor], list[Tensor]]] = {}
+        for name in ("k", "v"):
+            counts = info.get(f"{name}_outliers")
+            if counts is None:  # written without outliers (version 4)
+                continue
+            idx, rows = tensors.get(f"{name}.{i}.oidx"), tensors.get(f"{name}.{i}.orows")
+            if idx is None or rows is None or len(counts) != num_heads or idx.shape[0] != sum(counts) \
+                    or rows.shape[0] != idx.shape[0]:  # fmt: skip
+                raise CorruptSegmentError(
+                    f"layer {i}: the entries kept beside the {name} codes do not match its header"
+                )
+            self.kept[name] = (list(idx.long().split(counts)), list(rows.split(counts)))
+
+    def restore(self, name: str, head: int, decoded: Tensor) -> None:
+        if name not in self.kept:
+            return
+        idx, rows = self.kept[name][0][head], self.kept[name][1][head]
+        outside = idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= decoded.shape[0])
+        if outside or rows.shape[1:] != decoded.shape[1:]:
+            raise CorruptSegmentError(f"head {head}: an entry kept beside the {name} codes lies outside them")
+        decoded[idx] = rows.to(decoded.dtype)
 
 
 def _decode_head(

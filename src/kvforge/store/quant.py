@@ -94,7 +94,8 @@ def parse_scheme(quant: str | None) -> str | GroupScheme | TransformScheme | Non
         raise ValueError(
             f"unknown quantisation {quant!r}; choose from none, int8, {', '.join(sorted(QUANT_MODES))}, int4, int2 "
             "(int4/int2 take -g<group size> and -r<recent tokens kept in full precision>, e.g. int4-g64-r128), kvtc "
-            "(transform coding: -b<bits per element>, default 2, or -k<bits>-v<bits>, e.g. kvtc-b1.5)"
+            "(transform coding: -b<bits per element>, default 2, or -k<bits>-v<bits>; -o<percent of entries kept at 16 "
+            "bits>, default 2; e.g. kvtc-b1.5, kvtc-o0)"
         )
     group = int(m["g"] or DEFAULT_GROUP)
     if group < 4 or group % 4:

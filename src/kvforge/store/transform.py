@@ -8,6 +8,10 @@ under the water level is dropped), are quantised uniformly with the Gaussian-opt
 their spread (fp16 offset and step per component; codes not clipped to those levels), and DEFLATE-compressed (zlib,
 the standard library) one stream per layer, KV head and K/V: the entropy coder, not the bit count, sets the final
 size. The attention sinks (positions < 4) are kept exact: their keys and values are outliers no low-bit code holds.
+The entries the code blurs most are kept too: per KV head and K/V, the ``outliers`` percent (default 2%) of coded
+entries with the largest squared error after decoding are stored beside the codes at 16 bits (exact for fp16/bf16
+caches, fp16 for fp32 ones) and overwrite their decoded rows. They are rare tokens the basis does not describe well
+(digits of a number inside prose, for instance); without them a 2-bit code lost one digit of a 7-digit needle.
 Positions of kept entries are stored as per-head deltas, the validity mask of head-wise layers as bits: only valid
 entries are coded (a head-wise layer is not padded to its longest head).
 
@@ -50,8 +54,11 @@ BLOB_PREFIX = "kvbasis-"  # store blob key of a basis: kvbasis-<digest>
 MAX_BITS = 8
 SINKS = 4  # entries at positions < 4 (attention sinks) are stored exactly
 DEFAULT_BITS = 2.0
+DEFAULT_OUTLIERS = 2.0  # percent of the coded entries of each KV head (keys and values apiece) kept at 16 bits
+MAX_OUTLIERS = 50.0
 LEVEL = 6  # zlib level (Huffman only: the level changes little)
-_NAME = re.compile(r"^kvtc(?:-b(?P<b>\d+(?:\.\d+)?))?(?:-k(?P<k>\d+(?:\.\d+)?))?(?:-v(?P<v>\d+(?:\.\d+)?))?$")
+_NUM = r"\d+(?:\.\d+)?"
+_NAME = re.compile(rf"^kvtc(?:-b(?P<b>{_NUM}))?(?:-k(?P<k>{_NUM}))?(?:-v(?P<v>{_NUM}))?(?:-o(?P<o>{_NUM}))?$")
 
 
 class MissingBasisError(ModelMismatchError):
@@ -60,16 +67,20 @@ class MissingBasisError(ModelMismatchError):
 
 @dataclass(frozen=True)
 class TransformScheme:
-    """A parsed ``kvtc`` name: bits per element for keys and for values (before entropy coding)."""
+    """A parsed ``kvtc`` name: bits per element for keys and for values (before entropy coding), and the percent of
+    coded entries kept at 16 bits (the ones the code blurs most)."""
 
     key_bits: float = DEFAULT_BITS
     value_bits: float = DEFAULT_BITS
+    outliers: float = DEFAULT_OUTLIERS
 
     @property
     def name(self) -> str:
         if self.key_bits == self.value_bits:
-            return "kvtc" if self.key_bits == DEFAULT_BITS else f"kvtc-b{_num(self.key_bits)}"
-        return f"kvtc-k{_num(self.key_bits)}-v{_num(self.value_bits)}"
+            name = "kvtc" if self.key_bits == DEFAULT_BITS else f"kvtc-b{_num(self.key_bits)}"
+        else:
+            name = f"kvtc-k{_num(self.key_bits)}-v{_num(self.value_bits)}"
+        return name if self.outliers == DEFAULT_OUTLIERS else f"{name}-o{_num(self.outliers)}"
 
 
 def _num(x: float) -> str:
@@ -77,7 +88,8 @@ def _num(x: float) -> str:
 
 
 def parse_transform(name: str) -> TransformScheme | None:
-    """``kvtc`` (2 bits), ``kvtc-b3``, ``kvtc-b1.5``, ``kvtc-k3-v2``; None when ``name`` is not a kvtc name."""
+    """``kvtc`` (2 bits, 2% outliers), ``kvtc-b3``, ``kvtc-b1.5``, ``kvtc-k3-v2``, ``kvtc-b2-o0`` (no outliers kept);
+    None when ``name`` is not a kvtc name."""
     m = _NAME.match(name)
     if m is None:
         return None
@@ -85,7 +97,12 @@ def parse_transform(name: str) -> TransformScheme | None:
     k, v = float(m["k"]) if m["k"] else b, float(m["v"]) if m["v"] else b
     if not (0 < k <= MAX_BITS and 0 < v <= MAX_BITS):
         raise ValueError(f"quantisation {name!r}: bits per element must lie in (0, {MAX_BITS}]")
-    return TransformScheme(k, v)
+    outliers = float(m["o"]) if m["o"] else DEFAULT_OUTLIERS
+    if outliers > MAX_OUTLIERS:
+        raise ValueError(
+            f"quantisation {name!r}: -o<percent of entries kept at 16 bits> must lie in [0, {MAX_OUTLIERS:g}]"
+        )
+    return TransformScheme(k, v, outliers)
 
 
 # ------------------------------------------------------------------------------------------------ the basis
@@ -396,6 +413,25 @@ def encode_matrix(x: Tensor, mean: Tensor, basis: Tensor, budget: float) -> tupl
         q = ((coef[:, j] - offset[j].float()) / step[j].float()).round_().clamp_(-127, 127)
         parts.append((q + 128).to(torch.uint8).numpy().tobytes())
     return deflate(b"".join(parts)), bits, offset, step
+
+
+def worst_rows(x: Tensor, decoded: Tensor, percent: float) -> Tensor:
+    """Indices (ascending, int64) of the ``ceil(percent% of N)`` rows of ``x`` ``(N, D)`` that ``decoded`` misses by the
+    largest squared error: the entries a code blurs most."""
+    n = x.shape[0]
+    count = min(n, math.ceil(n * percent / 100 - 1e-9)) if percent > 0 else 0
+    if count == 0:
+        return torch.zeros(0, dtype=torch.long)
+    error = (x.float() - decoded.float()).square().sum(dim=-1)
+    return error.topk(count).indices.sort().values
+
+
+def outlier_dtype(rows: Tensor) -> torch.dtype:
+    """Where outlier entries are kept: as they are when 16-bit, fp16 for wider floats that fit it, else as they are."""
+    if rows.dtype.itemsize <= 2 or not rows.is_floating_point():
+        return rows.dtype
+    fits = rows.numel() == 0 or bool(torch.isfinite(rows).all() and rows.abs().max() <= torch.finfo(torch.float16).max)
+    return torch.float16 if fits else rows.dtype
 
 
 def deflate(data: bytes) -> bytes:
