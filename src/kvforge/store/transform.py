@@ -10,8 +10,8 @@ the standard library) one stream per layer, KV head and K/V: the entropy coder, 
 size. The attention sinks (positions < 4) are kept exact: their keys and values are outliers no low-bit code holds.
 The entries the code blurs most are kept too: per KV head and K/V, the ``outliers`` percent (default 2%) of coded
 entries with the largest squared error after decoding are stored beside the codes at 16 bits (exact for fp16/bf16
-caches, fp16 for fp32 ones) and overwrite their decoded rows. They are rare tokens the basis does not describe well
-(digits of a number inside prose, for instance); without them a 2-bit code lost one digit of a 7-digit needle.
+caches, fp16 for fp32 ones) and overwrite their decoded rows: tokens the basis describes badly (digits inside prose
+are over-represented among them); without them a 2-bit code lost one digit of a 7-digit needle.
 Positions of kept entries are stored as per-head deltas, the validity mask of head-wise layers as bits: only valid
 entries are coded (a head-wise layer is not padded to its longest head).
 
