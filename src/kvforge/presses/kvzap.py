@@ -104,11 +104,16 @@ class KVzapModel:
 
     def position_term(self, layer: int, size: int, device: torch.device) -> Tensor | None:
         """``(H_kv, size)`` the recency part of the log-score of ``size`` new entries, or None (no ``wp``)."""
-        params = self._params(device)
+        return self.recency(layer, position_features(size, device))
+
+    def recency(self, layer: int, features: Tensor) -> Tensor | None:
+        """``(H_kv, N)`` the recency part of the log-score of entries with :func:`position_features` ``features``
+        ``(N, 4)``, or None when layer ``layer`` has no ``wp``."""
+        params = self._params(features.device)
         p = params[layer] if layer < len(params) else None
         if p is None or "wp" not in p:
             return None
-        return p["wp"] @ position_features(size, device).T
+        return p["wp"] @ features.T
 
     def _params(self, device: torch.device) -> list[dict[str, Tensor] | None]:
         if device not in self._on:

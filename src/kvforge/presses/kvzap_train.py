@@ -204,8 +204,8 @@ def _predict(model: KVzapModel, layer: int, x: Tensor, pos: Tensor) -> Tensor | 
     got = model.predict(layer, x[None])
     if got is None:
         return None
-    wp = model.layers[layer].get("wp")  # type: ignore[union-attr]
-    return got[0].T + (pos @ wp.T if wp is not None else 0.0)
+    recency = model.recency(layer, pos)
+    return got[0].T + (recency.T if recency is not None else 0.0)
 
 
 def _validation(
@@ -310,9 +310,9 @@ def train_kvzap(
         layers = [None] * num_layers
         for layer, parts in samples.items():
             x = torch.cat([p[0] for p in parts]).float()
-            wp = linear.layers[layer]["wp"]  # type: ignore[index]
-            y = torch.cat([p[2] - p[1] @ wp.T for p in parts])  # the MLP learns what the recency term leaves
-            layers[layer] = {**_fit_mlp(x, y, epochs, seed + layer), "wp": wp}
+            # the MLP learns what the linear model's recency term leaves, and keeps that term
+            y = torch.cat([p[2] - linear.recency(layer, p[1]).T for p in parts])  # type: ignore[union-attr]
+            layers[layer] = {**_fit_mlp(x, y, epochs, seed + layer), "wp": linear.layers[layer]["wp"]}  # type: ignore[index]
         result = KVzapModel("mlp", fingerprint, layers)
     texts_info = [name for name, _ in texts][:20]
     result.info = {
