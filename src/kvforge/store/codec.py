@@ -164,27 +164,26 @@ def _transform_tensors(
         rows = mask[head] if mask is not None else slice(None)
         positions = p[head][rows]
         sink = positions < transform.SINKS  # attention sinks: outliers, kept as they are
-        stored = {"k": k[head][rows], "v": v[head][rows]}
-        exact["k"].append(stored["k"][sink])
-        exact["v"].append(stored["v"][sink])
-        keys = stored["k"][~sink].float()
+        exact["k"].append(k[head][rows][sink])
+        exact["v"].append(v[head][rows][sink])
+        coded = {"k": k[head][rows][~sink], "v": v[head][rows][~sink]}  # as stored: keys after RoPE
+        keys = coded["k"].float()
         if freq is not None:
             keys = transform.unrotate(keys, positions[~sink], freq)
         parts = (
             ("k", keys, basis.key_mean[i][head], basis.key_basis[i][head], scheme.key_bits),
-            ("v", stored["v"][~sink].float(), basis.value_mean[i][head], basis.value_basis[i][head],
-             scheme.value_bits),
+            ("v", coded["v"].float(), basis.value_mean[i][head], basis.value_basis[i][head], scheme.value_bits),
         )  # fmt: skip
         for name, x, mean, base, bits in parts:
             data, b, lo, step = transform.encode_matrix(x, mean, base, bits)
             streams[name].append(data)
             for j, t in enumerate((b, lo, step)):
                 side[name][j].append(t)
-            if scheme.outliers > 0:  # the entries this code blurs most, kept beside it (as stored: keys after RoPE)
+            if scheme.outliers > 0:  # the entries this code blurs most, kept beside it as stored
                 decoded = transform.decode_matrix(data, x.shape[0], b, lo, step, mean, base)
                 idx = transform.worst_rows(x, decoded, scheme.outliers)
                 worst[name][0].append(idx)
-                worst[name][1].append(stored[name][~sink][idx])
+                worst[name][1].append(coded[name][idx])
     info["layout"] = "kvtc"
     for name in ("k", "v"):
         info[f"{name}_sizes"] = [len(x) for x in streams[name]]
