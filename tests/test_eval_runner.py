@@ -276,6 +276,34 @@ def test_press_methods_through_the_runner(tmp_path, engine, query_aware):
         assert by[method]["kl"] >= 0 and 0 <= by[method]["needle_kept"] <= 1
 
 
+def test_press_options_are_methods_of_their_own(tmp_path, engine):
+    """``snapkv:window_size=8`` is its own row beside ``snapkv``, built with the option; the CLI names a bad option
+    before any model loads."""
+    pytest.importorskip("kvforge.presses")
+    trials = press_trials(["full", "snapkv", "snapkv:window_size=8"], [0.5])
+    assert [t.key for t in trials] == [("full", 0.0), ("snapkv", 0.5), ("snapkv:window_size=8", 0.5)]
+    assert trials[2].press.window_size == 8 and trials[1].press.window_size == 64
+    runner = EvalRunner(engine, trials, tmp_path, {"model": "tiny"}, max_new_tokens=2)
+    rows = runner.run(_examples()[:1], progress=False)
+    assert sorted(r["method"] for r in rows) == ["full", "snapkv", "snapkv:window_size=8"]
+
+
+def test_a_bad_press_option_fails_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    from kvforge.cli import main
+    from kvforge.commands import eval as eval_command
+
+    monkeypatch.setattr(eval_command, "load_engine", lambda args: pytest.fail("the model was loaded"))
+    argv = ["eval", "--model", "smollm2-135m", "--task", "needle", "--out", str(tmp_path / "o"), "--methods"]
+    assert main([*argv, "full,kvzip:pool=4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "kvforge: error: press 'kvzip:pool=4': pool must be 0 (off) or an odd window, got 4"
+    assert main([*argv, "kvzip:value_aware=maybe", "--store-once", "--quants", "kvtc"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "kvforge: error: press 'kvzip:value_aware=maybe': option value_aware must be true or false " \
+        "(default False), got 'maybe'"
+    assert not (tmp_path / "o").exists()
+
+
 def test_cli_main_reports_a_malformed_line(tmp_path, capsys):
     from kvforge.cli import main
 

@@ -55,10 +55,37 @@ def test_known_names_pass(tmp_path):
     assert names.check_model("org/model") == "hub"
 
 
+def test_press_options_are_read_from_the_name():
+    assert names.parse_press("kvzip") == ("kvzip", {})
+    assert names.parse_press(" kvzip:pool=3 : budget=layer ") == ("kvzip", {"pool": 3, "budget": "layer"})
+    assert names.parse_press("snapkv:kernel_size=7:lookahead=0") == ("snapkv", {"kernel_size": 7, "lookahead": 0})
+    assert names.parse_press("adakv:alpha_safeguard=0.25")[1] == {"alpha_safeguard": 0.25}
+    assert names.parse_press("kvzip-plus:keep_header=False:prompt=none")[1] == {"keep_header": False, "prompt": None}
+    assert names.check_press("kvzip:pool=3") == "kvzip:pool=3"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("kvzp:pool=3", "unknown press 'kvzp'; did you mean"),
+        ("kvzip:pool", "write name:key=value"),
+        ("kvzip:=3", "write name:key=value"),
+        ("kvzip:pool=", "write name:key=value"),
+        ("kvzip:", "write name:key=value"),
+        ("kvzip:pool=3:pool=5", "given twice"),
+    ],
+)
+def test_bad_press_options_are_named(spec, message):
+    with pytest.raises(UserError, match=message):
+        names.parse_press(spec)
+
+
 @pytest.mark.parametrize(
     "argv",
     [
         ["generate", "--press", "snapk", "--prompt", "hi"],
+        ["generate", "--press", "snapk:window_size=8", "--prompt", "hi"],
+        ["eval", "--model", "smollm2-135m", "--task", "needle", "--methods", "kvzip:pool", "--out", "/nonexistent"],
         ["generate", "--model", "smollm2-136m", "--prompt", "hi"],
         ["generate", "--dtype", "bf61", "--prompt", "hi"],
         ["serve", "--press", "snapk"],
@@ -76,7 +103,7 @@ def test_cli_name_mistakes_fail_without_importing_torch(argv):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["2", "False", "False"]
-    assert "did you mean" in done.stderr or "unknown" in done.stderr
+    assert "did you mean" in done.stderr or "unknown" in done.stderr or "key=value" in done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
 
 

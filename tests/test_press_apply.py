@@ -202,6 +202,37 @@ def test_build_press_errors():
     assert build_press("criticaladakv", 0.25, window_size=8).press.window_size == 8
 
 
+def test_press_options_in_the_name_build_the_same_press():
+    assert build_press("kvzip:pool=3:budget=layer", 0.75) == build_press("kvzip", 0.75, pool=3, budget="layer")
+    assert build_press("kvzip:pool=3", 0.75).registry_name == "kvzip:pool=3"
+    inner = build_press("criticaladakv:window_size=8:alpha_safeguard=0.3", 0.25)  # a wrapper: outer and inner fields
+    assert (inner.press.window_size, inner.alpha_safeguard) == (8, 0.3)
+    assert build_press("kvzip-layer:pool=3", 0.5).budget == "layer"  # the registered defaults stay under the options
+    assert build_press("kvzip-layer:budget=global", 0.5).budget == "global"
+    with pytest.raises(UserError, match="given in the name and as a keyword"):
+        build_press("kvzip:pool=3", 0.5, pool=5)
+    with pytest.raises(UserError, match="no option poo; valid: budget"):
+        build_press("kvzip:poo=3", 0.5)
+    with pytest.raises(UserError, match=r"pool must be 0 \(off\) or an odd window"):
+        build_press("kvzip:pool=4", 0.5)  # the press's own check, named with the spec
+    for spec, kind in (("kvzip:pool=3.5", "a whole number"), ("kvzip:keep_header=1", "true or false"),
+                       ("kvzip:budget=3", "a word"), ("adakv:alpha_safeguard=low", "a number")):  # fmt: skip
+        with pytest.raises(UserError, match=f"must be {kind}"):
+            build_press(spec, 0.5)
+
+
+def test_presses_command_lists_a_press_options(capsys):
+    from kvforge.cli import main
+
+    assert main(["presses", "--options", "kvzip-layer:pool=3"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()}
+    assert rows["pool"] == ["3", "KVzipPress"] and rows["budget"] == ["'layer'", "KVzipPress"]
+    assert main(["presses", "--options", "adakv"]) == 0
+    rows = {line.split()[0]: line.split()[-1] for line in capsys.readouterr().out.splitlines()}
+    assert rows["alpha_safeguard"] == "AdaKVPress" and rows["window_size"] == "SnapKVPress"
+    assert main(["presses", "--options", "kvzp"]) == 2
+
+
 def test_presses_command_lists_every_name(capsys):
     from kvforge.cli import main
     from kvforge.presses import DESCRIPTIONS

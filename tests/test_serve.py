@@ -218,6 +218,9 @@ def test_bad_requests_are_openai_errors(client: Any, engine: Engine) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=chat, extra_body={"kvforge": {"press": "nope"}})
     assert _error(e)["param"] == "kvforge.press"
+    with pytest.raises(openai.BadRequestError) as e:  # options (some name files) are the operator's, not a client's
+        client.chat.completions.create(model=MODEL, messages=chat, extra_body={"kvforge": {"press": "kvzap:model=/x"}})
+    assert _error(e)["param"] == "kvforge.press" and "options are set by the server" in _error(e)["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=chat, extra_body={"kvforge": {"reuse": "telepathy"}})
     assert _error(e)["param"] == "kvforge.reuse"

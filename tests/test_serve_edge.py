@@ -130,6 +130,18 @@ def test_token_ids_out_of_range_are_400s(client: Any, prompt: Any) -> None:
 def test_documents_with_an_odd_press_name_are_400(client: Any) -> None:
     body = {"documents": ["some text"], "press": "y" * 500}
     _one_line_400(client.post("/v1/kv/documents", json=body), "press")
+    body = {"documents": ["some text"], "press": "kvzap:model=/etc/passwd"}  # options are the operator's
+    error = _one_line_400(client.post("/v1/kv/documents", json=body), "press")
+    assert "options are set by the server" in error["message"]
+
+
+def test_the_operators_default_press_takes_options() -> None:
+    engine = Engine(tiny_model("llama"), tiny_tokenizer())
+    with TestClient(create_app(engine, model_name=MODEL, press="snapkv:window_size=8", compression_ratio=0.5)) as c:
+        r = c.post("/v1/chat/completions", json=_chat(max_tokens=2))
+        assert r.status_code == 200 and r.json()["kvforge"]["press"] == "snapkv:window_size=8", r.text
+    with pytest.raises(UserError, match="no option windw"):
+        create_app(engine, model_name=MODEL, press="snapkv:windw=8")
 
 
 def test_ignore_eos_generates_max_tokens_past_the_end_of_sequence(client: Any) -> None:

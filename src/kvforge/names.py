@@ -9,11 +9,14 @@ fails at once with a "did you mean"; ``tests/test_names.py`` keeps each list equ
 Traceback (most recent call last):
 ...
 kvforge.errors.UserError: unknown press 'snapk'; did you mean 'snapkv'? choose from: adakv, ...
+>>> parse_press("kvzip:pool=3:budget=layer")
+('kvzip', {'pool': 3, 'budget': 'layer'})
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from kvforge.errors import UserError, unknown_name
 
@@ -81,7 +84,46 @@ def _member(kind: str, name: str, names: tuple[str, ...]) -> str:
 
 
 def check_press(name: str) -> str:
-    return _member("press", name, PRESS_NAMES)
+    """A press name or a press with options (``kvzip:pool=3``, see :func:`parse_press`); returns it unchanged."""
+    parse_press(name)
+    return name
+
+
+PRESS_OPTION_SEP = ":"
+
+
+def parse_press(spec: str) -> tuple[str, dict[str, Any]]:
+    """``name`` or ``name:key=value[:key=value...]``: the registered press name and its options.
+
+    Values are read as ``true``/``false``, ``none``, an integer, a number, else kept as text. Which options a press
+    has is checked when it is built (:func:`kvforge.presses.build_press`, before any model loads); the syntax is
+    checked here, without torch.
+    """
+    name, *parts = (spec or "").strip().split(PRESS_OPTION_SEP)
+    _member("press", name.strip(), PRESS_NAMES)
+    options: dict[str, Any] = {}
+    for part in parts:
+        key, sep, value = (x.strip() for x in part.partition("="))
+        if not sep or not key.isidentifier() or not value:
+            raise UserError(f"press option {part!r} in {spec!r}: write name:key=value, e.g. kvzip:pool=3")
+        if key in options:
+            raise UserError(f"press option {key!r} is given twice in {spec!r}")
+        options[key] = _option_value(value)
+    return name.strip(), options
+
+
+def _option_value(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def check_task(name: str) -> str:

@@ -47,7 +47,8 @@ def register(sub: Any, bench_sub: Any) -> None:
                      "ruler, ruler-mk|mv|mq|vt|cwe, longbench-qa, longbench-summ, longbench, leval, squad, musique, "
                      "hub:<name>")  # fmt: skip
     p.add_argument("--model", required=True, help="smollm2-135m | gemma3-270m | a model folder | a .gguf file")
-    p.add_argument("--methods", type=_names, default=["full", "snapkv"], help="comma-separated press names")
+    p.add_argument("--methods", type=_names, default=["full", "snapkv"], help="comma-separated press names, "
+                   "options as name:key=value (kvzip:pool=3; `kvforge presses`)")  # fmt: skip
     p.add_argument("--compression-ratios", type=_floats, default=[0.5, 0.75, 0.9], help="fractions removed")
     p.add_argument("--query-agnostic", action="store_true", help="compress the context alone, question on top")
     p.add_argument("--out", type=Path, required=True, help="output folder (a re-run resumes it)")

@@ -42,7 +42,8 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--chunk-size", type=positive_int, default=512, help="prefill chunk size in tokens")
     p.add_argument("--window", type=positive_int, default=None, help="sliding-window cache: keep the last N tokens")
     p.add_argument("--num-sink", type=int, default=4, help="with --window: first tokens always kept")
-    p.add_argument("--press", default=None, help="compression method (see `kvforge presses`)")
+    p.add_argument("--press", default=None, help="compression method, options as name:key=value "
+                   "(see `kvforge presses`)")  # fmt: skip
     p.add_argument("--compression-ratio", type=ratio, default=0.5, help="fraction of KV entries removed")
     p.add_argument("--kv-budget", type=positive_int, default=None, help="with --press: keep this many entries per "
                    "layer and KV head of the prompt instead of a ratio")

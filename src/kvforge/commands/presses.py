@@ -14,8 +14,11 @@ from kvforge.errors import UserError
 
 
 def register(sub: Any, bench_sub: Any) -> None:
-    p = sub.add_parser("presses", help="list KV cache compression methods (--press NAME); `presses train`: KVzap")
-    p.set_defaults(func=run_presses)
+    p = sub.add_parser("presses", help="list KV cache compression methods (--press NAME); `presses train`: KVzap",
+                       epilog="Options: NAME:key=value[:key=value] (e.g. kvzip:pool=3) wherever a press is named "
+                       "(--press, --methods); --options NAME lists them.")  # fmt: skip
+    p.add_argument("--options", metavar="NAME", help="list the options of press NAME (set as NAME:key=value)")
+    p.set_defaults(func=run_presses, check=_check_presses)
     actions = p.add_subparsers(dest="presses_command")
     t = actions.add_parser("train", help="train the learned KVzap scorer of a model on its own KVzip+ replay scores")
     add_model_args(t)
@@ -31,9 +34,20 @@ def register(sub: Any, bench_sub: Any) -> None:
     t.set_defaults(func=run_train, check=_check_train)
 
 
-def run_presses(args: argparse.Namespace) -> int:
-    from kvforge.presses import DESCRIPTIONS, PRESSES
+def _check_presses(args: argparse.Namespace) -> None:
+    if getattr(args, "options", None):
+        from kvforge.names import check_press
 
+        check_press(args.options)
+
+
+def run_presses(args: argparse.Namespace) -> int:
+    from kvforge.presses import DESCRIPTIONS, PRESSES, press_options
+
+    if getattr(args, "options", None):
+        for key, (default, owner) in press_options(args.options).items():
+            print(f"{key:<16} {default!r:<24} {owner}")
+        return 0
     for name, build in PRESSES.items():
         print(f"{name:<24} {build(0.5).name:<26} {DESCRIPTIONS[name]}")
     return 0

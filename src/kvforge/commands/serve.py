@@ -23,7 +23,8 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--reuse", choices=[*REUSE_NAMES, "none"], default="none", help="KV reuse strategy")
     p.add_argument("--semantic-mode", choices=["canonical", "context"], default="canonical")
     add_semantic_args(p)
-    p.add_argument("--press", default=None, help="default compression method (see `kvforge presses`)")
+    p.add_argument("--press", default=None, help="default compression method, options as "
+                   "name:key=value (see `kvforge presses`; clients name presses only)")  # fmt: skip
     p.add_argument("--compression-ratio", type=ratio, default=0.5, help="fraction of KV entries removed")
     p.add_argument(
         "--api-key",

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvforge.errors import UserError
-from kvforge.names import PRESS_DESCRIPTIONS, check_press
+from kvforge.names import PRESS_DESCRIPTIONS, parse_press
 from kvforge.presses.adakv import AdaKVPress
 from kvforge.presses.apply import CompressionSource, compress_prefill, compressible_layers
 from kvforge.presses.base import LayerContext, Needs, Press, ScorerPress, Selection, WrapperPress, num_kept
@@ -84,8 +84,38 @@ def _field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)} - {"press", "compression_ratio"}
 
 
+def press_options(name: str) -> dict[str, tuple[Any, str]]:
+    """The options ``name`` (a registered press, options allowed) takes: option -> (its value for this name, the
+    class it sets). Options whose default is built per press (a model, token ids) show as None."""
+    spec = name.strip()
+    press = build_press(spec, 0.5)
+    outer_cls, inner_cls, _ = _SPECS[parse_press(spec)[0]]
+    objects = [(press, outer_cls)] + ([(press.press, inner_cls)] if inner_cls is not None else [])  # type: ignore
+    out: dict[str, tuple[Any, str]] = {}
+    for obj, cls in objects:
+        for f in dataclasses.fields(cls):
+            if f.init and f.name not in ("press", "compression_ratio") and f.name not in out:
+                value = getattr(obj, f.name, None)
+                out[f.name] = (value if isinstance(value, (bool, int, float, str, type(None))) else None, cls.__name__)
+    return out
+
+
+def _check_kind(spec: str, key: str, value: Any, cls: Any) -> None:
+    """An option read from a press name must have its field's kind: a number where the default is one, etc."""
+    default = next((f.default for f in dataclasses.fields(cls) if f.name == key), None)
+    kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}.get(type(default))
+    if kinds is None or value is None:
+        return  # no plain default (None, a list, a model): the press checks the value
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        kind = {bool: "true or false", int: "a whole number", float: "a number", str: "a word"}[type(default)]
+        raise UserError(f"press {spec!r}: option {key} must be {kind} (default {default!r}), got {value!r}")
+
+
 def build_press(name: str, compression_ratio: float = 0.0, kv_budget: int | None = None, **options: Any) -> Press:
     """The press registered as ``name`` at ``compression_ratio`` (fraction of new entries removed per layer).
+
+    ``name`` may carry options, ``name:key=value[:key=value...]`` (``"kvzip:pool=3"``): the form every entry point
+    takes (``--press``, ``--methods``); an option given both there and as a keyword is an error.
 
     ``kv_budget``: a fixed number of entries per layer and KV head to keep instead of a ratio (kvpress #102): a prompt
     of S > kv_budget tokens is compressed at ratio ``1 - kv_budget / S`` (global-budget presses such as KVzip keep
@@ -95,7 +125,11 @@ def build_press(name: str, compression_ratio: float = 0.0, kv_budget: int | None
     Raises:
         UserError: unknown name or option, ratio outside [0, 1), a budget < 1, or an invalid option value.
     """
-    check_press(name)
+    spec = name.strip()
+    name, named = parse_press(spec)
+    if twice := set(named) & set(options):
+        raise UserError(f"press {spec!r}: option {', '.join(sorted(twice))} is given in the name and as a keyword")
+    options = named | options
     if kv_budget is not None and (not isinstance(kv_budget, int) or kv_budget < 1):
         raise UserError(f"kv budget must be a whole number of entries >= 1, got {kv_budget!r}")
     try:
@@ -112,6 +146,8 @@ def build_press(name: str, compression_ratio: float = 0.0, kv_budget: int | None
     if unknown:
         valid = sorted(outer_fields | inner_fields)
         raise UserError(f"press {name!r} has no option {', '.join(sorted(unknown))}; valid: {', '.join(valid)}")
+    for key, value in named.items():  # options typed as text: their kind must be the field's
+        _check_kind(spec, key, value, outer_cls if key in outer_fields else inner_cls)
     try:
         if inner_cls is None:
             press = outer_cls(compression_ratio=ratio, **opts)  # type: ignore[call-arg]
@@ -119,8 +155,8 @@ def build_press(name: str, compression_ratio: float = 0.0, kv_budget: int | None
             inner = inner_cls(compression_ratio=ratio, **{k: v for k, v in opts.items() if k in inner_fields})
             press = outer_cls(press=inner, **{k: v for k, v in opts.items() if k in outer_fields})  # type: ignore
     except (ValueError, TypeError) as exc:
-        raise UserError(f"press {name!r}: {exc}") from None
-    press.registry_name = name  # type: ignore[attr-defined]  # reported in cache.info
+        raise UserError(f"press {spec!r}: {exc}") from None
+    press.registry_name = spec  # type: ignore[attr-defined]  # reported in cache.info
     if kv_budget is not None:
         press.kv_budget = kv_budget  # type: ignore[attr-defined]  # read by CompressionSource.compress
     return press
@@ -157,4 +193,5 @@ __all__ = [
     "compress_prefill",
     "compressible_layers",
     "num_kept",
+    "press_options",
 ]

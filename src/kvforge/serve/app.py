@@ -82,7 +82,7 @@ def create_app(
     features = Features(engine, store_url=store_url, embedder=embedder, semantic=semantic)
     reuse_kind = reuse if isinstance(reuse, str) else ("custom" if reuse is not None else "none")
     try:  # fail at startup on an unknown default press or reuse strategy
-        features.press(press, compression_ratio)
+        features.press(press, compression_ratio, client=False)  # the operator's --press may carry options
         engine.reuse = features.reuse(reuse, semantic_mode, strict=True) if isinstance(reuse, str) else reuse
     except APIError as e:
         raise UserError(e.message) from e

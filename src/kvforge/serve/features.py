@@ -13,6 +13,7 @@ from typing import Any
 
 from kvforge.engine import Engine
 from kvforge.errors import StoreUnavailableError, UserError
+from kvforge.names import PRESS_OPTION_SEP
 from kvforge.presses import build_press
 from kvforge.presses.base import Press
 from kvforge.reuse import REUSE, build_reuse
@@ -53,14 +54,20 @@ class Features:
         self._lock = threading.Lock()
         self._store_retry_at = 0.0
 
-    def press(self, name: str | None, compression_ratio: float) -> Press | None:
-        """The press ``name`` at ``compression_ratio`` (None when no press is asked for)."""
+    def press(
+        self, name: str | None, compression_ratio: float, param: str = "kvforge.press", client: bool = True
+    ) -> Press | None:
+        """The press ``name`` at ``compression_ratio`` (None when no press is asked for). A client names a press
+        only: options (``kvzip:pool=3``, some of which name files or set the work done) are the operator's."""
         if name is None or name == "none":
             return None
+        if client and PRESS_OPTION_SEP in name:
+            raise APIError(400, f"{param} takes a press name; press options are set by the server's --press",
+                           param=param, code="invalid_value")  # fmt: skip
         try:
             return build_press(name, compression_ratio=compression_ratio)
         except (UserError, ValueError, TypeError) as e:
-            raise _bad(e, "kvforge.press") from e
+            raise _bad(e, param) from e
 
     @property
     def store(self) -> KVStore:

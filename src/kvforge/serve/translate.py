@@ -61,7 +61,7 @@ class Translator:
             return self._rag(req, opts, prompt, raw)
         ratio = opts.compression_ratio if opts.compression_ratio is not None else o.compression_ratio
         press_name = opts.press if opts.press is not None else o.press
-        press = self.features.press(press_name, ratio)
+        press = self.features.press(press_name, ratio, client=opts.press is not None)
         reuse, label = self._reuse(opts)
         if press is not None and label != "none" and (opts.query_aware is not False or label == "semantic"):
             raise APIError(400, PRESS_WITH_REUSE, param="kvforge.press")  # the engine's and the CLI's message

@@ -50,7 +50,7 @@ async def _store_documents(server: Server, request: HTTPRequest, req: S.Document
             raise APIError(400, "press, compression_ratio and quant store prefix documents compressed: they need "
                            "mode 'prefix' and a press", param="press")  # fmt: skip
         ratio = options.compression_ratio if req.compression_ratio is None else req.compression_ratio
-        press = features.press(req.press, ratio)
+        press = features.press(req.press, ratio, param="press")
         if req.quant is not None:
             check_quant_name(req.quant, "quant")
     kind = "document" if press is not None else "prefix"
