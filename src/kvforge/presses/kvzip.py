@@ -27,7 +27,7 @@ As in the paper (and each switchable so its effect is measured):
   sinks and goes first, which is kvpress's behaviour.
 - ``pool`` (kvforge, 0 = off): before the top-k, each entry's score becomes the max over a window of ``pool`` entries
   around it (odd; per KV head), so the tokens next to a surprising one (a needle's key words beside its value) are
-  kept with it. Measured on narrative needles in docs/presses.md.
+  kept with it. Measured in docs/presses.md ("Score pooling") and docs/store.md (the best stored point).
 - ``value_aware`` (KVzip+): score x the entry's projected value contribution ``||V_i W_O||_1`` (CriticalKV's
   :func:`~kvforge.presses.criticalkv.projected_value_norms`), normalised by its mean over the layer's entries so that
   layers compare under a global budget (the paper normalises by the residual stream's norm; the layer mean of the
