@@ -6,8 +6,6 @@ importable. Each test starts one or two in-process engines (a few seconds each o
 
 from __future__ import annotations
 
-import gc
-import os
 from pathlib import Path
 
 import pytest
@@ -18,104 +16,38 @@ try:
 except Exception as e:  # not installed, or installed with broken vision/audio wheels
     pytest.skip(f"vLLM is not importable here ({type(e).__name__}: {str(e)[:80]})", allow_module_level=True)
 
+from vllm_engine import PROMPT, TEXT, assert_same_answer, run
+
 from kvforge.engine import Engine
 from kvforge.model import folder_fingerprint, load_model
 from kvforge.reuse import PrefixReuse
 from kvforge.store import open_store
-from kvforge.testing import tiny_model, tiny_tokenizer
 
-pytestmark = pytest.mark.vllm
-
-TEXT = (Path(__file__).resolve().parents[1] / "src/kvforge/data/haystack_gutenberg/moby_dick_excerpt.txt").read_text()
-PROMPT = TEXT[:700]  # 700 tokens with the character tokenizer: two whole 256-token store blocks
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama vLLM's CPU attention accepts (head size 32), saved with the character tokenizer."""
-    path = tmp_path_factory.mktemp("tiny-vllm-llama")
-    tiny_model("llama", hidden_size=128, intermediate_size=256, num_hidden_layers=3).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
-
-
-@pytest.fixture(autouse=True, scope="module")
-def in_process_engine():
-    """One process, a small KV pool: engines start in seconds and tests see their logs."""
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")}
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-def run(model_dir: Path, prompts: list[str | list[int]], store: str | None, **extra: object) -> list[dict]:
-    """Start an engine (with the connector on ``store``, or without one), answer greedily, stop it."""
-    from vllm import LLM, SamplingParams
-
-    kwargs = {}
-    if store is not None:
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "KVForgeConnector",
-            "kv_connector_module_path": "kvforge.vllm",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"store": store, **extra},
-        }
-    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=2048, enforce_eager=True, seed=0, **kwargs)
-    try:
-        inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
-        outs = llm.generate(inputs, SamplingParams(max_tokens=8, temperature=0, logprobs=0), use_tqdm=False)
-        return [
-            {
-                "prompt_ids": list(o.prompt_token_ids),
-                "cached": o.num_cached_tokens,
-                "tokens": list(o.outputs[0].token_ids),
-                "logprobs": chosen_logprobs(o.outputs[0]),
-            }
-            for o in outs
-        ]
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-
-
-def chosen_logprobs(completion) -> list[float]:
-    return [lps[t].logprob for lps, t in zip(completion.logprobs, completion.token_ids, strict=True)]
-
-
-def assert_same_answer(warm: dict, cold: dict, tol: float = 1e-4) -> None:
-    assert warm["tokens"] == cold["tokens"]
-    torch.testing.assert_close(torch.tensor(warm["logprobs"]), torch.tensor(cold["logprobs"]), rtol=0, atol=tol)
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("vllm_in_process")]
 
 
 def block_files(store_dir: Path) -> list[Path]:
     return sorted(store_dir.glob("segments/*/prefix-v2-*.kvseg"))
 
 
-def test_a_restarted_engine_loads_the_stored_blocks_and_answers_the_same(model_dir, tmp_path):
+def test_a_restarted_engine_loads_the_stored_blocks_and_answers_the_same(vllm_model_dir, tmp_path):
     store = f"file://{tmp_path}/kv"
-    (cold,) = run(model_dir, [PROMPT], store)
+    (cold,) = run(vllm_model_dir, [PROMPT], store)
     assert cold["cached"] == 0 and len(block_files(tmp_path / "kv")) == 2
-    (warm,) = run(model_dir, [PROMPT], store)  # a new engine: only the store remembers
+    (warm,) = run(vllm_model_dir, [PROMPT], store)  # a new engine: only the store remembers
     assert warm["cached"] == 512
     assert_same_answer(warm, cold)
-    (plain,) = run(model_dir, [PROMPT], None)  # vLLM without the connector: the reference answer
+    (plain,) = run(vllm_model_dir, [PROMPT], None)  # vLLM without the connector: the reference answer
     assert_same_answer(cold, plain)
 
 
-def test_kvforge_engine_and_vllm_share_blocks(model_dir, tmp_path):
+def test_kvforge_engine_and_vllm_share_blocks(vllm_model_dir, tmp_path):
     """vLLM's blocks give kvforge's engine a full prefill's logits; kvforge's blocks give vLLM its own answer."""
     store_url = f"file://{tmp_path}/kv"
-    (first,) = run(model_dir, [PROMPT], store_url)
-    model, tokenizer = load_model(str(model_dir), device="cpu")
+    (first,) = run(vllm_model_dir, [PROMPT], store_url)
+    model, tokenizer = load_model(str(vllm_model_dir), device="cpu")
     engine = Engine(model, tokenizer)
-    assert engine.model_id == folder_fingerprint(model_dir)
+    assert engine.model_id == folder_fingerprint(vllm_model_dir)
     store = open_store(store_url)
     prefix = PrefixReuse(store, engine.model_id)
     ids = first["prompt_ids"]
@@ -134,22 +66,22 @@ def test_kvforge_engine_and_vllm_share_blocks(model_dir, tmp_path):
     cache, _ = engine.prefill(other)
     prefix.record(other, cache)
     store.close()
-    (warm,) = run(model_dir, [other], store_url)
-    (plain,) = run(model_dir, [other], None)
+    (warm,) = run(vllm_model_dir, [other], store_url)
+    (plain,) = run(vllm_model_dir, [other], None)
     assert warm["cached"] == 512
     assert_same_answer(warm, plain)
 
 
-def test_blocks_carry_kvforges_chain_header_and_a_copied_block_is_recomputed(model_dir, tmp_path):
+def test_blocks_carry_kvforges_chain_header_and_a_copied_block_is_recomputed(vllm_model_dir, tmp_path):
     """vLLM's blocks have PrefixReuse's header (chain, parent, block_start, next) and are listed as kvforge lists its
     own; a block copied under another prompt's key (same tokens at the same positions, another first block) fails
     the chain check inside vLLM: recomputed, the right block stored in its place, the answer vLLM's own."""
     from kvforge.reuse import chain as ch
 
     store_url = f"file://{tmp_path}/kv"
-    (a,) = run(model_dir, [PROMPT], store_url)
+    (a,) = run(vllm_model_dir, [PROMPT], store_url)
     store = open_store(store_url)
-    prefix = PrefixReuse(store, folder_fingerprint(model_dir))
+    prefix = PrefixReuse(store, folder_fingerprint(vllm_model_dir))
     chains = prefix.block_chains(a["prompt_ids"])
     first = store.get(ch.block_key(chains[0]))
     second = store.get(ch.block_key(chains[1]))
@@ -159,73 +91,73 @@ def test_blocks_carry_kvforges_chain_header_and_a_copied_block_is_recomputed(mod
     assert [c for c, _ in roots] == [chains[0]]
 
     other = "Z" * 10 + PROMPT[10:]  # block 0 differs; blocks 1 and 2 hold the same characters
-    (plain,) = run(model_dir, [other], None)
+    (plain,) = run(vllm_model_dir, [other], None)
     b_ids = plain["prompt_ids"]
     b_chains = prefix.block_chains(b_ids)
     assert b_ids[256:512] == a["prompt_ids"][256:512] and b_chains[1] != chains[1]
     store.close()
-    run(model_dir, [b_ids[:300]], store_url)  # stores b's block 0 only
+    run(vllm_model_dir, [b_ids[:300]], store_url)  # stores b's block 0 only
     store = open_store(store_url)
     store.put(ch.block_key(b_chains[1]), second)  # a's block 1 copied under b's key
     store.close()
-    (b,) = run(model_dir, [b_ids], store_url)
+    (b,) = run(vllm_model_dir, [b_ids], store_url)
     assert_same_answer(b, plain)
     store = open_store(store_url)
     assert store.get(ch.block_key(b_chains[1])).meta["parent"] == b_chains[0]  # the right block, stored again
     store.close()
-    (again,) = run(model_dir, [b_ids], store_url)
+    (again,) = run(vllm_model_dir, [b_ids], store_url)
     assert again["cached"] == 512
     assert_same_answer(again, plain)
 
 
-def test_a_corrupt_block_is_recomputed_never_used(model_dir, tmp_path):
+def test_a_corrupt_block_is_recomputed_never_used(vllm_model_dir, tmp_path):
     store = f"file://{tmp_path}/kv"
-    (cold,) = run(model_dir, [PROMPT], store)
+    (cold,) = run(vllm_model_dir, [PROMPT], store)
     files = block_files(tmp_path / "kv")
     data = bytearray(files[0].read_bytes())
     data[-100] ^= 0xFF  # inside the tensor data: the checksum catches it
     files[0].write_bytes(bytes(data))
-    (warm,) = run(model_dir, [PROMPT], store)
+    (warm,) = run(vllm_model_dir, [PROMPT], store)
     assert_same_answer(warm, cold)
-    (again,) = run(model_dir, [PROMPT], store)  # the corrupt entry was removed and stored again
+    (again,) = run(vllm_model_dir, [PROMPT], store)  # the corrupt entry was removed and stored again
     assert again["cached"] == 512
     assert_same_answer(again, cold)
 
 
 @pytest.mark.redis
-def test_a_redis_store_survives_a_restart_too(model_dir, tmp_path):
+def test_a_redis_store_survives_a_restart_too(vllm_model_dir, tmp_path):
     from store_helpers import redis_server
 
     with redis_server(tmp_path) as url:
-        (cold,) = run(model_dir, [PROMPT], url)
-        (warm,) = run(model_dir, [PROMPT], url)
+        (cold,) = run(vllm_model_dir, [PROMPT], url)
+        (warm,) = run(vllm_model_dir, [PROMPT], url)
     assert warm["cached"] == 512
     assert_same_answer(warm, cold)
 
 
-def test_a_store_of_another_model_is_not_used(model_dir, tmp_path):
+def test_a_store_of_another_model_is_not_used(vllm_model_dir, tmp_path):
     store = f"file://{tmp_path}/kv"
-    run(model_dir, [PROMPT], store, model_id="LlamaForCausalLM:another:model:float32")
-    (warm,) = run(model_dir, [PROMPT], store)
+    run(vllm_model_dir, [PROMPT], store, model_id="LlamaForCausalLM:another:model:float32")
+    (warm,) = run(vllm_model_dir, [PROMPT], store)
     assert warm["cached"] == 0
 
 
-def test_int8_blocks_cost_a_quarter_and_answer_close(model_dir, tmp_path):
+def test_int8_blocks_cost_a_quarter_and_answer_close(vllm_model_dir, tmp_path):
     store = f"file://{tmp_path}/kv?quant=int8"
-    (cold,) = run(model_dir, [PROMPT], store)
+    (cold,) = run(vllm_model_dir, [PROMPT], store)
     stored = sum(f.stat().st_size for f in block_files(tmp_path / "kv"))
     full = 2 * 3 * 2 * 2 * 256 * 32 * 4  # blocks x layers x K/V x heads x tokens x dim x fp32 bytes
     assert stored < 0.35 * full
-    (warm,) = run(model_dir, [PROMPT], store)
+    (warm,) = run(vllm_model_dir, [PROMPT], store)
     assert warm["cached"] == 512
     assert_same_answer(warm, cold, tol=5e-2)
 
 
-def test_bad_options_stop_the_engine_with_a_clear_error(model_dir, tmp_path):
+def test_bad_options_stop_the_engine_with_a_clear_error(vllm_model_dir, tmp_path):
     with pytest.raises(Exception, match="unknown kvforge connector option"):
-        run(model_dir, [PROMPT], f"file://{tmp_path}/kv", blocksize=128)
+        run(vllm_model_dir, [PROMPT], f"file://{tmp_path}/kv", blocksize=128)
     with pytest.raises(Exception, match="multiple of vLLM's block size"):
-        run(model_dir, [PROMPT], f"file://{tmp_path}/kv", block_size=200)
+        run(vllm_model_dir, [PROMPT], f"file://{tmp_path}/kv", block_size=200)
 
 
 def test_the_cpu_backend_layout_round_trips_through_its_own_kernel():

@@ -36,10 +36,11 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from kvforge.errors import UserError
 from kvforge.reuse.prefix import PrefixReuse
 from kvforge.store import open_store
+from kvforge.vllm import documents as docs
 from kvforge.vllm.blocks import BlockWriter, block_segment, check_block
 from kvforge.vllm.identity import ServedModel, announce
 from kvforge.vllm.layout import BlockLayout, LayoutError, probe_layout
-from kvforge.vllm.plan import BlockMove, StepMoves, TransferPlanner
+from kvforge.vllm.plan import BlockMove, DocumentMove, StepMoves, TransferPlanner
 from kvforge.vllm.settings import ConnectorSettings
 
 if TYPE_CHECKING:
@@ -172,6 +173,8 @@ class KVForgeConnector(KVConnectorBase_V1):
             self._saving: dict[str, tuple[BlockMove, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
             self._load_errors: set[int] = set()
             self._layers = vllm_config.compilation_config.static_forward_context
+            self._hf_config = vllm_config.model_config.hf_config
+            self._rope: Any = None  # read from the model's config when a document is first loaded
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -194,10 +197,41 @@ class KVForgeConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
+            doc = docs.ServedDocument.from_params(getattr(request, "kv_transfer_params", None))
+            if doc is not None:
+                return self._match_document(request, doc, num_computed_tokens), False
             return self.planner.matched_tokens(request.prompt_token_ids or [], num_computed_tokens), False
         except Exception as e:
             self._warn_once("lookup failed (%s); treated as a miss", e)
             return 0, False
+
+    def _match_document(self, request: Request, doc: docs.ServedDocument, num_computed: int) -> int:
+        """Slots of stored document ``doc`` to load for ``request``; 0 (and the outcome reported as not loaded) when
+        the prompt does not start with the document's placeholder or the store no longer describes it."""
+        prompt = request.prompt_token_ids or []
+        reason = None
+        if len(prompt) <= doc.num_slots or prompt[: doc.num_slots] != doc.placeholder_ids():
+            reason = "the prompt does not start with the document's placeholder"
+        elif docs.find(self.store, doc.key) != doc:
+            reason = "the document is not stored (or was stored again since)"
+        if reason is not None:
+            self._warn_once("request names document %s but %s; it is not loaded", doc.key[:24], reason)
+            self.planner.document_failed.add(request.request_id)
+            return 0
+        return self.planner.match_document(request.request_id, doc, num_computed)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Report, in the response's ``kv_transfer_params``, whether a named document was served from its KV."""
+        try:
+            doc = docs.ServedDocument.from_params(getattr(request, "kv_transfer_params", None))
+        except docs.DocumentError:
+            doc = None
+        if doc is None:
+            return False, None
+        failed = request.request_id in self.planner.document_failed
+        if failed:  # its placeholder may now be cached with other KV: never send it again
+            docs.withdraw(self.store, doc.key)
+        return False, {docs.PARAM: {"key": doc.key, "loaded": not failed, "slots": doc.num_slots}}
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self.planner.allocated(request.request_id, num_external_tokens)
@@ -273,10 +307,12 @@ class KVForgeConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVForgeMetadata)
         self._load_errors.update(meta.moves.failed)
-        if not meta.moves.loads:
+        if not meta.moves.loads and not meta.moves.documents:
             return
         caches = {name: layer.kv_cache for name, layer in forward_context.no_compile_layers.items()
                   if name in self.spec.layer_index}  # fmt: skip
+        for doc_move in meta.moves.documents:
+            self._load_document(doc_move, caches)
         for move in reversed(meta.moves.loads):  # the last block read first: prefixes stay the most recently used
             segment = None if self._disabled else self._read(move)
             try:
@@ -293,6 +329,43 @@ class KVForgeConnector(KVConnectorBase_V1):
             except LayoutError as e:
                 self._disable(e)
                 self._load_errors.update(move.block_ids)
+
+    def _load_document(self, move: DocumentMove, caches: dict[str, torch.Tensor]) -> None:
+        """Write slots ``[first, last)`` of a stored document into the request's blocks (keys rotated by ``k - n``);
+        a document that cannot be read or checked is reported failed (vLLM recomputes the blocks)."""
+        doc, spec = move.doc, self.spec
+        try:
+            if self._disabled:
+                raise LookupError(self._disabled)
+            segment = self.store.get(doc.key)
+            if segment is None:
+                raise LookupError("missing or corrupt in the store")
+            reason = docs.check_document(segment, doc, self.model_id, len(spec.layer_index), spec.num_kv_heads,
+                                         spec.head_size)  # fmt: skip
+            if reason is not None:
+                raise LookupError(reason)
+            if self._rope is None:
+                from kvforge.reuse.rag.rope import rope_spec_from_config
+
+                self._rope = rope_spec_from_config(self._hf_config)
+            keys, values = docs.slot_kv(segment, doc, self._rope, spec.dtype)
+            for name, cache in caches.items():
+                layer = spec.layer_index[name]
+                blocks = self._kernel_blocks(cache, move.block_ids)[1]
+                lo = move.first - move.first % spec.block_size  # the block of slot ``first`` is written whole
+                size = len(move.block_ids) * spec.block_size
+                k = keys[layer].new_zeros(spec.num_kv_heads, size, spec.head_size)
+                v = values[layer].new_zeros(spec.num_kv_heads, size, spec.head_size)
+                k[:, : move.last - lo] = keys[layer][:, lo : move.last]
+                v[:, : move.last - lo] = values[layer][:, lo : move.last]
+                self._layout(name, cache).scatter(cache, blocks, k, v)
+        except (LookupError, LayoutError, docs.DocumentError) as e:
+            logger.warning("kvforge connector: document %s not loaded (%s); its request is recomputed",
+                           doc.key[:24], e)  # fmt: skip
+            self._load_errors.update(move.block_ids)
+        except Exception as e:  # a store that went away
+            logger.warning("kvforge connector: document %s unreadable (%s)", doc.key[:24], e)
+            self._load_errors.update(move.block_ids)
 
     def _read(self, move: BlockMove) -> Any:
         try:

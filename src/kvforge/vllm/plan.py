@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvforge.reuse import chain as ch
+from kvforge.vllm.documents import ServedDocument
 
 
 @dataclass
@@ -53,6 +54,19 @@ class BlockMove:
 
 
 @dataclass
+class DocumentMove:
+    """A stored compressed document to write into a request's first slots: slots ``[first, last)`` of its
+    ``doc.num_slots`` (vLLM's prefix cache may hold the first ones), held by vLLM's ``block_ids`` from the block of
+    slot ``first`` on."""
+
+    request_id: str
+    doc: ServedDocument
+    first: int
+    last: int
+    block_ids: list[int]
+
+
+@dataclass
 class StepMoves:
     """What the workers move around one model step: loads before it, saves after it; ``failed``: vLLM blocks the
     scheduler counts as loaded but that no load will fill (the workers report them, and vLLM recomputes them)."""
@@ -60,6 +74,7 @@ class StepMoves:
     loads: list[BlockMove] = field(default_factory=list)
     saves: list[BlockMove] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
+    documents: list[DocumentMove] = field(default_factory=list)
 
 
 @dataclass
@@ -116,6 +131,8 @@ class TransferPlanner:
         self.in_flight_s = in_flight_s
         self.clock = clock
         self._pending_loads: dict[str, int] = {}  # request id -> external tokens to load (set after allocation)
+        self._documents: dict[str, ServedDocument] = {}  # request id -> the stored document filling its first slots
+        self.document_failed: set[str] = set()  # request ids whose document could not be loaded
         self._running: dict[str, _Running] = {}
         self._saving: dict[str, float] = {}  # key -> when its save was planned (written in the background since)
 
@@ -140,6 +157,15 @@ class TransferPlanner:
         """What ``get_num_new_matched_tokens`` answers: stored tokens beyond the ``num_computed`` vLLM holds."""
         return max(self.stored_tokens(prompt) - num_computed, 0)
 
+    def match_document(self, request_id: str, doc: ServedDocument, num_computed: int) -> int:
+        """A request whose first ``doc.num_slots`` tokens stand for stored document ``doc`` (checked by the
+        caller): the slots left to load beyond the ``num_computed`` vLLM's prefix cache holds."""
+        self._documents[request_id] = doc
+        return max(doc.num_slots - num_computed, 0)
+
+    def document_of(self, request_id: str) -> ServedDocument | None:
+        return self._documents.get(request_id)
+
     def allocated(self, request_id: str, num_external: int) -> None:
         """``update_state_after_alloc``: remember how many tokens the scheduler will have loaded."""
         if num_external > 0:
@@ -161,7 +187,8 @@ class TransferPlanner:
         if prompt is None:  # prompt embeddings: no token ids to key blocks by
             self.finish([request_id])
             return
-        self._running[request_id] = _Running(list(prompt), self._full_chains(prompt), [])
+        chains = [] if request_id in self._documents else self._full_chains(prompt)  # placeholders are never saved
+        self._running[request_id] = _Running(list(prompt), chains, [])
         self.resume(request_id, block_ids, num_computed, num_scheduled, moves)
 
     def resume(
@@ -173,7 +200,12 @@ class TransferPlanner:
         if state is None:
             return
         state.block_ids = list(block_ids)
-        if num_external > 0:
+        doc = self._documents.get(request_id)
+        if num_external > 0 and doc is not None:
+            first = num_computed - num_external
+            blocks = state.block_ids[first // self.block_size : -(-num_computed // self.block_size)]
+            moves.documents.append(DocumentMove(request_id, doc, first, num_computed, blocks))
+        elif num_external > 0:
             moves.loads += self._loads(state, num_computed - num_external, num_computed)
         self._saves(state, num_computed + num_scheduled, moves)
 
@@ -199,9 +231,11 @@ class TransferPlanner:
 
     def failed(self, block_ids: set[int]) -> None:
         """vLLM blocks whose load failed: vLLM recomputes them, and the store blocks they hold are saved again."""
-        for state in self._running.values():
+        for request_id, state in self._running.items():
             for i, block in enumerate(state.block_ids):
                 if block in block_ids:
+                    if request_id in self._documents:
+                        self.document_failed.add(request_id)
                     first = i * self.block_size // self.store_block_size
                     state.saved_blocks = min(state.saved_blocks, first)
                     for key in state.keys[first:]:
@@ -213,6 +247,8 @@ class TransferPlanner:
         for request_id in request_ids:
             self._running.pop(request_id, None)
             self._pending_loads.pop(request_id, None)
+            self._documents.pop(request_id, None)
+            self.document_failed.discard(request_id)
 
     def _move(self, state: _Running, index: int, first: int, last: int) -> BlockMove:
         start = index * self.store_block_size
@@ -233,7 +269,7 @@ class TransferPlanner:
     def _saves(self, state: _Running, computed: int, moves: StepMoves) -> None:
         if not self.save:
             return
-        done = min(computed, len(state.prompt)) // self.store_block_size
+        done = min(min(computed, len(state.prompt)) // self.store_block_size, len(state.chains))
         if done <= state.saved_blocks:
             return
         now = self.clock()

@@ -113,3 +113,14 @@ def rope_spec(model: Any) -> RopeSpec:
             )
         inv_freq.append(freq.detach().float().cpu())
     return RopeSpec(inv_freq=inv_freq, head_dim=head_dim)
+
+
+def rope_spec_from_config(config: Any) -> RopeSpec:
+    """:func:`rope_spec` of the model ``config`` describes, without its weights (parameters on the meta device, the
+    rotary buffers computed as loading would): for a process that serves the model with another engine."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config)
+    return rope_spec(model)

@@ -1,0 +1,174 @@
+"""Compressed documents for a vLLM server, from the client's side (no vLLM import): store a document compressed by
+kvforge, and turn a question on it into the request vLLM serves from the stored KV.
+
+>>> docs = VllmDocuments.for_model(model_folder, "file:///var/cache/kv", press="kvzip", compression_ratio=0.75)
+>>> docs.add(["<a long report>"])                                   # compressed once, by kvforge's engine
+>>> body = docs.completion("<a long report>", "Who wrote it?")      # None: not stored, send the chat as it is
+>>> requests.post("http://127.0.0.1:8000/v1/completions", json={"model": model_folder, **body, "max_tokens": 64})
+
+A question is matched to a document exactly as ``kvforge serve`` matches one: the prompt ``[system?, user]`` whose
+user message is ``document + "\\n\\n" + question``, tokenised with the chat template, keyed by the model, the
+document's tokens, the press with its parameters and the storage quantisation. Any difference is another key: a
+miss, never a wrong hit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvforge.errors import UserError
+from kvforge.vllm import documents as docs
+
+if TYPE_CHECKING:
+    from kvforge.engine import Engine
+    from kvforge.presses.base import Press
+    from kvforge.store.base import KVStore
+
+logger = logging.getLogger(__name__)
+
+
+def uniform_press(name: str, compression_ratio: float) -> Press:
+    """The press ``name`` keeping one count of entries on every layer and KV head (what vLLM's cache holds):
+    ``budget="head"`` for presses with a budget; a press named with another budget is refused."""
+    from kvforge.names import parse_press
+    from kvforge.presses import build_press
+
+    base, options = parse_press(name)
+    press = build_press(name, compression_ratio)
+    if hasattr(press, "budget") and press.budget != "head":
+        if "budget" in options:
+            raise UserError(
+                f"press {name!r}: vLLM's paged cache holds one count of entries for every layer and KV head; "
+                "use budget=head"
+            )
+        press = build_press(name, compression_ratio, budget="head")
+    if type(press).__name__ in ("AdaKVPress", "CriticalAdaKVPress", "PyramidKVPress", "DecodingPress"):
+        raise UserError(f"press {base!r} keeps a different number of entries per layer or head: vLLM cannot hold it")
+    return press
+
+
+@dataclass
+class DocumentMatch:
+    """A question on a stored compressed document, as vLLM serves it."""
+
+    doc: docs.ServedDocument
+    prompt_ids: list[int]  # the placeholder, then the question's tokens
+
+    def completion(self) -> dict[str, Any]:
+        """The fields of a ``/v1/completions`` body that ask for it (add model, max_tokens, sampling)."""
+        return {"prompt": self.prompt_ids, "kv_transfer_params": self.doc.params()}
+
+
+@dataclass
+class VllmDocuments:
+    """Stores documents compressed for vLLM and builds the requests that use them.
+
+    Args:
+        store: the kvforge store the vLLM server's connector reads.
+        tokenizer: the served model's tokenizer (its chat template makes the prompt).
+        model_id: the served model's kvforge fingerprint (:func:`kvforge.model.folder_fingerprint`).
+        press: a press keeping a uniform count (:func:`uniform_press`); None stores documents uncompressed.
+        quant: storage quantisation or transform code (``int8``, ``kvtc``, ...; None: the store's own).
+        engine: kvforge's engine on the same weights, to compress documents (only :meth:`store` needs it).
+    """
+
+    store: KVStore
+    tokenizer: Any
+    model_id: str
+    press: Press | None
+    quant: str | None = None
+    engine: Engine | None = None
+    _reuse: Any = field(default=None, repr=False)
+
+    @classmethod
+    def for_model(
+        cls, folder: str, store: str | KVStore, press: str | None = "kvzip", compression_ratio: float = 0.75,
+        quant: str | None = None, load: bool = True,
+    ) -> VllmDocuments:  # fmt: skip
+        """For the model folder vLLM serves (``load``: also load it into kvforge's engine, to store documents)."""
+        from kvforge.model import folder_fingerprint
+        from kvforge.store import open_store
+
+        press_obj = uniform_press(press, compression_ratio) if press else None
+        if quant is not None:
+            from kvforge.store.base import check_quant
+
+            quant = check_quant(quant)
+        kv = open_store(store) if isinstance(store, str) else store
+        if load:
+            from kvforge.engine import Engine
+            from kvforge.model import load_model
+
+            model, tokenizer = load_model(folder)
+            engine: Engine | None = Engine(model, tokenizer)
+            model_id = engine.model_id  # type: ignore[union-attr]
+        else:
+            from transformers import AutoTokenizer
+
+            engine, tokenizer, model_id = None, AutoTokenizer.from_pretrained(folder), folder_fingerprint(folder)
+        return cls(kv, tokenizer, model_id, press_obj, quant, engine)
+
+    @property
+    def reuse(self) -> Any:
+        from kvforge.reuse.document import DocumentReuse
+
+        if self._reuse is None:
+            self._reuse = DocumentReuse(self.store, self.model_id)
+        return self._reuse
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def _context(self, text: str, num_tokens: int) -> Any:
+        from kvforge.reuse.base import PromptContext
+
+        return PromptContext(text, num_tokens, press=self.press, quant=self.quant)
+
+    def key(self, text: str, question: str = "?", system: str | None = None) -> tuple[str, list[int]]:
+        """(the document's store key, the question's tokens after it) for ``text`` asked ``question``."""
+        from kvforge.request import encode_qa
+
+        ctx_ids, q_ids = encode_qa(self.tokenizer, text, question, system)
+        return self.reuse.key(ctx_ids, self._context(text, len(ctx_ids))), q_ids
+
+    def add(self, texts: Sequence[str], system: str | None = None) -> list[docs.ServedDocument]:
+        """Compress and store each document once (kvforge's engine), described for vLLM; stored ones are kept."""
+        from kvforge.request import Document, Request
+
+        if self.engine is None:
+            raise UserError("storing documents needs kvforge's engine on the served weights (load=True)")
+        out = []
+        for text in texts:
+            key, _ = self.key(text, system=system)
+            doc = docs.find(self.store, key)
+            if doc is None:
+                if not self.store.contains(key):
+                    request = Request(Document(text, None, system), max_new_tokens=0, press=self.press,
+                                      query_aware=False, reuse=self.reuse, quant=self.quant)  # fmt: skip
+                    self.engine.run(request)
+                doc = docs.publish(self.store, key, self.vocab_size)
+            out.append(doc)
+        return out
+
+    def match(self, text: str, question: str, system: str | None = None) -> DocumentMatch | None:
+        """The vLLM request for ``question`` on stored ``text`` (None: not stored for this model, press and code)."""
+        key, q_ids = self.key(text, question, system)
+        doc = docs.find(self.store, key)
+        if doc is None and self.store.contains(key):  # stored by kvforge's own engine, not yet described
+            try:
+                doc = docs.publish(self.store, key, self.vocab_size)
+            except docs.DocumentError as e:
+                logger.info("stored document %s cannot be served by vLLM: %s", key[:24], e)
+                return None
+        if doc is None or not q_ids:
+            return None
+        return DocumentMatch(doc, docs.document_prompt(doc, q_ids))
+
+    def completion(self, text: str, question: str, system: str | None = None) -> dict[str, Any] | None:
+        """``/v1/completions`` fields for ``question`` on stored ``text`` (None: not stored: ask the full prompt)."""
+        found = self.match(text, question, system)
+        return None if found is None else found.completion()
