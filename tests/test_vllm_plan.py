@@ -376,3 +376,16 @@ def test_settings_are_checked_with_clear_errors():
     with pytest.raises(UserError, match="quant"):
         ConnectorSettings.parse({"quant": "int3"})
     assert "***" in ConnectorSettings.parse({"store": "redis://:secret@h:6379/0"}).describe()
+
+
+def test_vllm_releases_outside_the_tested_range_are_refused_in_one_line():
+    from kvforge.vllm.settings import VLLM_RANGE, check_vllm_version
+
+    for version in ("0.31.0", "0.32.0", "0.32.1+cpu"):
+        check_vllm_version(version)
+    for version in ("0.30.0", "0.33.0", "1.0.0"):
+        with pytest.raises(UserError, match=f"vLLM {version} is outside .*{VLLM_RANGE}") as err:
+            check_vllm_version(version)
+        assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match="not a release"):
+        check_vllm_version("garbage")

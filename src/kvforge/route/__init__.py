@@ -40,6 +40,32 @@ def build_normalizer(
     return PromptNormalizer(semantic, prefix.block_keys, served.block_size, store.contains)
 
 
+def build_documents(
+    store: KVStore, model: str, press: str | None = None, compression_ratio: float = 0.75, quant: str | None = None,
+    max_model_len: int | None = None,
+) -> Any:  # fmt: skip
+    """The compressed-document matcher for ``model`` (the path vLLM serves) on ``store``: its tokenizer (read from
+    the model folder, offline) and the fingerprint the connector announced."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from kvforge.route.documents import DocumentRouter
+    from kvforge.vllm.client import VllmDocuments
+    from kvforge.vllm.identity import find_served
+
+    served = find_served(store, model)
+    if served is None:
+        raise UserError(f"no vLLM server with kvforge's connector has announced {model!r} in the store")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except OSError as e:
+        raise UserError(f"cannot read the tokenizer of {model!r} here ({e})") from None
+    base = VllmDocuments(store, tokenizer, served.model_id, None)
+    folder = model if Path(model).is_dir() else None
+    return DocumentRouter(base, press, compression_ratio, quant, max_model_len, folder)
+
+
 def create_router_app(*args: Any, **kwargs: Any) -> Any:
     """See :func:`kvforge.route.app.create_router_app` (imported on use: it needs the serve extra)."""
     from kvforge.route.app import create_router_app as create
@@ -47,4 +73,4 @@ def create_router_app(*args: Any, **kwargs: Any) -> Any:
     return create(*args, **kwargs)
 
 
-__all__ = ["PromptNormalizer", "RouteDecision", "build_normalizer", "create_router_app"]
+__all__ = ["PromptNormalizer", "RouteDecision", "build_documents", "build_normalizer", "create_router_app"]

@@ -21,6 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from kvforge.errors import UserError
+from kvforge.route.documents import DocumentRoute, DocumentRouter, chat_answer, chat_stream, loaded
 from kvforge.route.normalize import Endpoint, PromptNormalizer, RouteDecision
 from kvforge.serve.errors import error_body
 from kvforge.serve.middleware import GuardMiddleware
@@ -60,8 +62,10 @@ def create_router_app(
     max_body_bytes: int = 8 * 2**20,
     record_wait_s: float = 10.0,
     transport: httpx.AsyncBaseTransport | None = None,
+    documents: DocumentRouter | None = None,
 ) -> Any:
-    """The ASGI app. ``transport`` replaces the network in tests (an ``httpx.MockTransport``)."""
+    """The ASGI app. ``transport`` replaces the network in tests (an ``httpx.MockTransport``); ``documents``: serve
+    chats on stored compressed documents and store them (``POST /v1/kv/documents``)."""
     metrics = RouteMetrics()
     state: dict[str, Any] = {}
 
@@ -108,6 +112,15 @@ def create_router_app(
             return _error(400, "the request body is not JSON", "invalid_json")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object", "invalid_json")
+        document = DocumentRoute("skip", "no document matching on this router")
+        if endpoint == "chat" and documents is not None:
+            try:
+                document = await asyncio.to_thread(documents.match, body)
+            except Exception as e:  # a store fault: a full prefill rather than a failed request
+                logger.warning("route: document lookup failed (%s); forwarding unchanged", e)
+                document = DocumentRoute("skip", f"lookup failed: {type(e).__name__}")
+            if document.kind == "hit":
+                return await answer_document(request, body, document)
         try:
             decision = await asyncio.to_thread(normalizer.decide, endpoint, body)
         except Exception as e:  # a store or index fault: forward the request untouched rather than fail it
@@ -117,6 +130,8 @@ def create_router_app(
         sent = normalizer.rewrite(body, decision)
         headers = upstream_headers(request)
         route_header = {"x-kvforge-route": decision.header()}
+        if endpoint == "chat" and documents is not None:
+            route_header["x-kvforge-document"] = document.header()
         client: httpx.AsyncClient = state["client"]
         upstream_request = client.build_request("POST", request.url.path, json=sent, headers=headers,
                                                 params=request.query_params)  # fmt: skip
@@ -154,8 +169,64 @@ def create_router_app(
             return Response(data, status_code=response.status_code, headers=route_header,
                             media_type=response.headers.get("content-type"))  # fmt: skip
         if isinstance(answer, dict) and response.status_code < 300:
-            answer["kvforge"] = decision.report()
+            answer["kvforge"] = decision.report() | (document.report() if "x-kvforge-document" in route_header else {})
         return JSONResponse(answer, status_code=response.status_code, headers=route_header)
+
+    async def answer_document(request: Request, body: dict[str, Any], document: DocumentRoute) -> Response:
+        """A chat on a stored compressed document, asked of vLLM as a completion on the document's slots."""
+        client: httpx.AsyncClient = state["client"]
+        sent, headers = document.completion or {}, upstream_headers(request)
+        head = {"x-kvforge-document": document.header()}
+        try:
+            response = await client.send(client.build_request("POST", "/v1/completions", json=sent, headers=headers),
+                                         stream=True)  # fmt: skip
+        except httpx.HTTPError as e:
+            return _error(502, f"upstream {upstream} unreachable: {type(e).__name__}", "upstream_unavailable")
+        if sent.get("stream") and response.status_code < 300:
+
+            async def relay() -> AsyncIterator[bytes]:
+                try:
+                    async for chunk in chat_stream(response.aiter_lines()):
+                        yield chunk
+                finally:
+                    await response.aclose()
+
+            return StreamingResponse(relay(), media_type="text/event-stream", headers=head)
+        try:
+            answer = json.loads(await response.aread())
+        except ValueError:
+            answer = None
+        finally:
+            await response.aclose()
+        if response.status_code >= 300 or not isinstance(answer, dict):
+            return JSONResponse(answer, status_code=response.status_code, headers=head)
+        if not loaded(answer):  # the connector could not load the document: the full chat, never a wrong answer
+            fallback = DocumentRoute("fallback", "the document's KV could not be loaded", document.doc)
+            try:
+                full = await client.post("/v1/chat/completions", json={k: v for k, v in body.items() if k != "kvforge"},
+                                         headers=headers)  # fmt: skip
+                answer = full.json()
+            except (httpx.HTTPError, ValueError) as e:
+                return _error(502, f"upstream {upstream} failed: {type(e).__name__}", "upstream_unavailable")
+            if isinstance(answer, dict) and full.status_code < 300:
+                answer["kvforge"] = fallback.report()
+            return JSONResponse(answer, status_code=full.status_code, headers={"x-kvforge-document": "fallback"})
+        out = chat_answer(answer)
+        out["kvforge"] = document.report()
+        return JSONResponse(out, headers=head)
+
+    @app.post("/v1/kv/documents")
+    async def store_documents(request: Request) -> Response:
+        if documents is None:
+            return _error(404, "this router stores no documents", "not_found")
+        try:
+            body = json.loads(await request.body())
+            data = await asyncio.to_thread(documents.store, body)
+        except ValueError as e:  # not JSON, or a body DocumentsRequest refuses (pydantic's error is a ValueError)
+            return _error(400, f"invalid documents request: {str(e)[:500]}", "invalid_request")
+        except UserError as e:
+            return _error(400, str(e), "invalid_request")
+        return JSONResponse({"object": "list", "data": data})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

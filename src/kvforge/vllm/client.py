@@ -120,6 +120,13 @@ class VllmDocuments:
         return self._reuse
 
     @property
+    def stored_quant(self) -> str:
+        """The canonical name of the code documents are stored under (``none``: full precision)."""
+        from kvforge.reuse.document import quant_name
+
+        return quant_name(self.quant if self.quant is not None else getattr(self.store, "quant", None))
+
+    @property
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 

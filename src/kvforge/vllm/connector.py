@@ -41,7 +41,7 @@ from kvforge.vllm.blocks import BlockWriter, block_segment, check_block
 from kvforge.vllm.identity import ServedModel, announce
 from kvforge.vllm.layout import BlockLayout, LayoutError, probe_layout
 from kvforge.vllm.plan import BlockMove, DocumentMove, StepMoves, TransferPlanner
-from kvforge.vllm.settings import ConnectorSettings
+from kvforge.vllm.settings import ConnectorSettings, check_vllm_version
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -141,6 +141,9 @@ class KVForgeConnector(KVConnectorBase_V1):
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        import vllm
+
+        check_vllm_version(vllm.__version__)
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _share_vllm_logging()
         self._warned: dict[str, float] = {}

