@@ -238,3 +238,42 @@ def test_rag_chunks_through_a_kvtc_store():
         assert again.token_ids == first.token_ids
         answers[quant] = first.token_ids
     assert answers["kvtc-b8"] == answers["none"]
+
+
+def test_every_writer_of_a_store_codes_with_the_basis_the_store_names(tmp_path, caplog):
+    """The store's ``kvbasis-model-`` blob, not each process's own basis, decides how a model's entries are coded:
+    kvforge's engine and a vLLM connector writing one store code alike; a forged pointer is ignored."""
+    from kvforge.store.transform import basis_for_put, basis_from_segment, model_blob_key, publish_basis, store_basis
+
+    segment = make_segment(lengths=(64, 64), masked=False, model_id="m:shared:1:float32")
+    other = make_segment(lengths=(64, 64), masked=False, model_id="m:shared:1:float32", seed=5)
+    named, mine = basis_from_segment(segment), basis_from_segment(other)
+    assert named.digest != mine.digest
+    store = open_store(f"file://{tmp_path}/kv")
+    publish_basis(store, named)
+    BOOK.add(mine)  # this process would code with its own basis
+    assert basis_for_put(store, other, "kvtc").digest == named.digest
+    store.put("k", other, quant="kvtc")
+    fresh = open_store(f"file://{tmp_path}/kv")  # another process: finds the basis in the store
+    assert store_basis(fresh, other.model_id).digest == named.digest
+    assert fresh.get("k") is not None
+
+    empty = open_store(f"file://{tmp_path}/kv2")
+    assert basis_for_put(empty, other, "kvtc").digest == mine.digest  # no pointer yet: this process's, now named
+    assert store_basis(open_store(f"file://{tmp_path}/kv2"), other.model_id).digest == mine.digest
+
+    forged = open_store(f"file://{tmp_path}/kv3")
+    forged.put_blob(model_blob_key(other.model_id), b'{"model_id": "m:shared:1:float32", "digest": "../../etc"}')
+    assert store_basis(forged, other.model_id) is None
+
+
+def test_cache_calibrate_names_the_models_basis_in_the_store(tiny_llama_dir, tmp_path, capsys):
+    from kvforge.cli import main
+    from kvforge.model import load_model, model_fingerprint
+    from kvforge.store.transform import store_basis
+
+    url = f"file://{tmp_path}/kv"
+    assert main(["cache", "calibrate", "--store", url, "--model", str(tiny_llama_dir), "--device", "cpu"]) == 0
+    model_id = model_fingerprint(*load_model(str(tiny_llama_dir), device="cpu"))
+    basis = store_basis(open_store(url), model_id)
+    assert basis is not None and basis.digest in capsys.readouterr().out

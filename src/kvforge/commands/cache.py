@@ -1,4 +1,5 @@
-"""``kvforge cache ls|stats|clear --store URL``: look into and empty a KV store."""
+"""``kvforge cache ls|stats|clear|calibrate --store URL``: look into and empty a KV store; calibrate the transform
+code (``kvtc``) its writers share for a model."""
 
 from __future__ import annotations
 
@@ -93,6 +94,25 @@ def run_clear(args: argparse.Namespace) -> int:
     return 1
 
 
+def run_calibrate(args: argparse.Namespace) -> int:
+    """Fit the model's KV basis on the bundled sample text and make it the one every writer of the store codes
+    with (kvforge's engine and vLLM's connector alike)."""
+    from kvforge.commands._common import check_store_url, load
+    from kvforge.model import model_fingerprint
+    from kvforge.store import open_store
+    from kvforge.store.transform import BOOK, calibrate_basis, publish_basis
+
+    check_store_url(args.store)
+    store = open_store(args.store)
+    model, tokenizer = load(args)
+    model_id = model_fingerprint(model, tokenizer)
+    basis = BOOK.add(calibrate_basis(model, tokenizer))
+    publish_basis(store, basis)
+    print(f"KV basis {basis.digest} of {model_id} stored in {redact_url(args.store)}: kvtc entries of this model "
+          "written to this store are coded with it")  # fmt: skip
+    return 0
+
+
 def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse._SubParsersAction) -> None:
     """Add ``kvforge cache {ls,stats,clear}``."""
     cache = subparsers.add_parser("cache", help="list, summarise or clear a KV store")
@@ -106,9 +126,14 @@ def register(subparsers: argparse._SubParsersAction, bench_subparsers: argparse.
         ("ls", run_ls, "one line per stored segment: key, tokens, bytes, model, press"),
         ("stats", run_stats, "JSON: entries, bytes, capacity, hits, tiers, stored vs full"),
         ("clear", run_clear, "remove every segment and blob of the store"),
+        ("calibrate", run_calibrate, "fit a model's KV basis (kvtc codes) once, shared by every writer of the store"),
     ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--store", default=default, help=help_store)
+        if name == "calibrate":
+            from kvforge.commands._common import add_model_args
+
+            add_model_args(p)
         if name == "ls":
             p.add_argument("--json", action="store_true", help="one JSON object per line")
         if name == "stats":

@@ -458,23 +458,67 @@ def decode_matrix(data: bytes | memoryview, n: int, bits: Tensor, offset: Tensor
 
 
 # ------------------------------------------------------------------------------------------------ stores
-_WRITTEN: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+
+MODEL_BLOB_PREFIX = "kvbasis-model-"  # store blob naming the basis a store codes one model's entries with
+_STORE_BASES: weakref.WeakKeyDictionary[Any, dict[str, KVBasis]] = weakref.WeakKeyDictionary()
+
+
+def model_blob_key(model_id: str) -> str:
+    return MODEL_BLOB_PREFIX + hashlib.sha256(model_id.encode()).hexdigest()[:40]
+
+
+def store_basis(store: Any, model_id: str) -> KVBasis | None:
+    """The basis ``store`` codes ``model_id``'s entries with (named by its ``kvbasis-model-`` blob), or None: every
+    writer on one store (kvforge's engine, a vLLM connector, another process) then codes with the same basis."""
+    cached = _STORE_BASES.get(store, {}).get(model_id) if _weak(store) else None
+    if cached is not None:
+        return cached
+    data = store.get_blob(model_blob_key(model_id))
+    if data is None or len(data) > 4096:
+        return None
+    try:
+        fields = json.loads(data)
+        digest = str(fields["digest"])
+        if fields.get("model_id") != model_id or not re.fullmatch(r"[0-9a-f]{16,64}", digest):
+            return None
+        basis = BOOK.by_digest(digest, fetch=store.get_blob)
+    except (ValueError, KeyError, TypeError, CorruptSegmentError) as exc:
+        logger.warning("the store's KV basis pointer for %s is unusable (%s); ignored", model_id, exc)
+        return None
+    if basis is not None and _weak(store):
+        _STORE_BASES.setdefault(store, {})[model_id] = basis
+    return basis
+
+
+def publish_basis(store: Any, basis: KVBasis) -> None:
+    """Write ``basis`` into ``store`` and make it the one its writers code ``basis.model_id``'s entries with."""
+    key = BLOB_PREFIX + basis.digest
+    if store.get_blob(key) is None:
+        store.put_blob(key, basis.to_bytes())
+    pointer = {"model_id": basis.model_id, "digest": basis.digest}
+    store.put_blob(model_blob_key(basis.model_id), json.dumps(pointer, sort_keys=True).encode())
+    if _weak(store):
+        _STORE_BASES.setdefault(store, {})[basis.model_id] = basis
+
+
+def _weak(store: Any) -> bool:
+    try:
+        weakref.ref(store)
+    except TypeError:
+        return False
+    return True
 
 
 def basis_for_put(store: Any, segment: Any, quant: str | None) -> KVBasis | None:
     """For a store about to write ``segment`` under ``quant``: the basis to code it with (None unless ``quant`` is a
-    kvtc name), written once as a blob of the store (``kvbasis-<digest>``) so any process reading the store can
-    decode it."""
+    kvtc name): the one the store names for the model, else this process's (calibrated, saved or fitted on this
+    segment), which is then written into the store and named for the model, so any process reading the store can
+    decode it and every process writing it codes alike."""
     if not quant or parse_transform(str(quant)) is None:
         return None
+    basis = store_basis(store, segment.model_id)
+    if basis is not None:
+        return basis
     basis = BOOK.for_model(segment.model_id, sample=segment)
-    key = BLOB_PREFIX + basis.digest
-    try:
-        written = _WRITTEN.setdefault(store, set())
-    except TypeError:  # a store that cannot be weakly referenced: check every time
-        written = set()
-    if key not in written:
-        if store.get_blob(key) is None:
-            store.put_blob(key, basis.to_bytes())
-        written.add(key)
+    publish_basis(store, basis)
     return basis
