@@ -135,11 +135,13 @@ class VllmDocuments:
 
         return PromptContext(text, num_tokens, press=self.press, quant=self.quant)
 
-    def key(self, text: str, question: str = "?", system: str | None = None) -> tuple[str, list[int]]:
+    def key(
+        self, text: str, question: str = "?", system: str | None = None, answer_prefix: str = ""
+    ) -> tuple[str, list[int]]:
         """(the document's store key, the question's tokens after it) for ``text`` asked ``question``."""
         from kvforge.request import encode_qa
 
-        ctx_ids, q_ids = encode_qa(self.tokenizer, text, question, system)
+        ctx_ids, q_ids = encode_qa(self.tokenizer, text, question, system, answer_prefix)
         return self.reuse.key(ctx_ids, self._context(text, len(ctx_ids))), q_ids
 
     def add(self, texts: Sequence[str], system: str | None = None) -> list[docs.ServedDocument]:
@@ -161,9 +163,11 @@ class VllmDocuments:
             out.append(doc)
         return out
 
-    def match(self, text: str, question: str, system: str | None = None) -> DocumentMatch | None:
+    def match(
+        self, text: str, question: str, system: str | None = None, answer_prefix: str = ""
+    ) -> DocumentMatch | None:
         """The vLLM request for ``question`` on stored ``text`` (None: not stored for this model, press and code)."""
-        key, q_ids = self.key(text, question, system)
+        key, q_ids = self.key(text, question, system, answer_prefix)
         doc = docs.find(self.store, key)
         if doc is None and self.store.contains(key):  # stored by kvforge's own engine, not yet described
             try:

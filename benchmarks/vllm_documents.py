@@ -1,0 +1,497 @@
+"""Compressed documents inside vLLM, side by side: vLLM alone (its prefix cache), vLLM + LMCache (when its CPU path
+runs), vLLM + kvforge full prefix blocks, vLLM + kvforge kvtc prefix blocks, vLLM + kvforge compressed documents.
+
+Per configuration, one JSON line each: stored bytes per document, TTFT of a new question on a stored document,
+decode seconds per token, KV slots per sequence (vLLM's usage: prompt + generated tokens), normalised score on needle
+sets (against vLLM's own full prefill of the same token ids), and, in a fixed KV space, how many questions on distinct
+documents run at once without preemption (vLLM's /metrics). Servers run one at a time (the others are stopped).
+
+    M=$(python -c "from kvforge.model import model_folder; print(model_folder('smollm2-135m'))")
+    python benchmarks/vllm_documents.py --model "$M" --data-dir DATA_DIR --out runs/vllm_documents.jsonl
+    python benchmarks/vllm_documents.py --report runs/vllm_documents.jsonl --plot docs/vllm_results/documents.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from vllm_servers import Server, reset_prefix_cache, vllm_server
+
+from kvforge.eval.metrics import score_prediction
+from kvforge.eval.tasks import TASKS, TaskConfig
+from kvforge.paths import bundled_data_dir
+from kvforge.request import encode_qa
+from kvforge.vllm.client import VllmDocuments
+
+TEXT_SAMPLE = next(iter(sorted((bundled_data_dir() / "haystack_gutenberg").glob("*.txt")))).read_text()[:4000]
+
+
+def examples(args: argparse.Namespace, tokenizer: Any) -> list[tuple[str, Any]]:
+    """(set name, example) for every ``--set NAME=TASK:SEEDS[:HAYSTACK,...]``."""
+    out = []
+    for spec in args.set:
+        name, _, rest = spec.partition("=")
+        task, seeds, *hay = rest.split(":")
+        haystack = tuple(Path(args.data_dir) / h for h in hay[0].split(",")) if hay else None
+        for seed in (int(s) for s in seeds.split(",")):
+            cfg = TaskConfig(
+                Path(args.data_dir),
+                tokenizer=tokenizer,
+                seed=seed,
+                lengths=(args.length,),
+                depths=tuple(args.depths),
+                num_samples=1,
+                haystack=haystack,
+            )
+            out += [(name, ex) for ex in TASKS[task](cfg)]
+    return out[: args.limit] if args.limit else out
+
+
+def complete(
+    url: str, model: str, prompt: list[int], max_tokens: int, params: dict | None = None, ignore_eos: bool = False
+) -> dict[str, Any]:
+    """One greedy streamed completion on token ids: TTFT, decode s/token, text, usage."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": ignore_eos,
+    }
+    if params:
+        body["kv_transfer_params"] = params
+    start = time.perf_counter()
+    ttft, pieces, usage = None, [], {}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=1800) as answer:
+        if answer.status_code != 200:
+            raise RuntimeError(f"{url} answered {answer.status_code}: {answer.read().decode()[:300]}")
+        for line in answer.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            usage = event.get("usage") or usage
+            for choice in event.get("choices", []):
+                if choice.get("text") and ttft is None:
+                    ttft = time.perf_counter() - start
+                pieces.append(choice.get("text") or "")
+    latency = time.perf_counter() - start
+    generated = usage.get("completion_tokens") or 0
+    return {
+        "ttft_s": ttft if ttft is not None else latency,
+        "text": "".join(pieces),
+        "decode_s_per_token": (latency - ttft) / (generated - 1) if ttft and generated > 1 else None,
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "completion_tokens": generated,
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+    }
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of a series of vLLM's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
+
+
+def at_once(url: str, model: str, prompts: list[tuple[list[int], dict | None]], max_tokens: int) -> dict[str, Any]:
+    """Send every prompt at once; the most requests vLLM ran together and the preemptions it needed."""
+    before = metric(url, "vllm:num_preemptions_total")
+    peak = [0.0]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], metric(url, "vllm:num_requests_running"))
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    results: list[dict] = [{}] * len(prompts)
+
+    def one(i: int) -> None:
+        results[i] = complete(url, model, prompts[i][0], max_tokens, prompts[i][1], ignore_eos=True)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done.set()
+    watcher.join()
+    return {
+        "requests": len(prompts),
+        "max_running": int(peak[0]),
+        "preemptions": int(metric(url, "vllm:num_preemptions_total") - before),
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def fp16_bytes(num_tokens: int, config: Any) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return num_tokens * config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2
+
+
+def start(name: str, args: argparse.Namespace, log_dir: Path, store: str | None, **extra: Any) -> Server:
+    server = vllm_server(name, args.port, args.model, log_dir, store, **extra)
+    if args.kv_space is not None and name.endswith("kv-space"):
+        server.env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_space)
+    if args.enforce_eager:
+        server.command.append("--enforce-eager")
+    return server.start().wait()
+
+
+def run(args: argparse.Namespace) -> None:
+    from transformers import AutoConfig
+
+    work = Path(tempfile.mkdtemp(prefix="kvforge-vllm-docs-"))
+    out = open(args.out, "a")  # noqa: SIM115
+
+    def emit(row: dict[str, Any]) -> None:
+        row = {"bench": "vllm_documents", **row}
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+        print(json.dumps(row), file=sys.stderr)
+
+    config = AutoConfig.from_pretrained(args.model)
+    docs_url, kvtc_url = f"file://{work}/docs", f"file://{work}/kvtc"
+    client = VllmDocuments.for_model(args.model, docs_url, args.press, args.compression_ratio, args.quant)
+    sets = examples(args, client.tokenizer)
+    stored = []
+    for i, (name, ex) in enumerate(sets):  # compress once, in kvforge's engine (no server running)
+        t0 = time.perf_counter()
+        (doc,) = client.add([ex.context], system=ex.system)
+        match = client.match(ex.context, ex.question, ex.system, ex.answer_prefix)
+        ctx_ids, q_ids = encode_qa(client.tokenizer, ex.context, ex.question, ex.system, ex.answer_prefix)
+        stored.append(
+            {
+                "set": name,
+                "ex": ex,
+                "doc": doc,
+                "match": match,
+                "full": ctx_ids + q_ids,
+                "bytes": client.store.stored_size(doc.key),
+                "fp16": fp16_bytes(doc.num_tokens, config),
+            }
+        )
+        print(f"[bench] stored {i + 1}/{len(sets)} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    client.store.close()
+    engine, client.engine = client.engine, None
+    del engine
+    model = args.model
+    base = {
+        "press": args.press,
+        "compression_ratio": args.compression_ratio,
+        "quant": args.quant,
+        "length": args.length,
+        "examples": len(stored),
+    }
+
+    def quality(url: str, kind: str) -> list[dict]:
+        rows = []
+        for s in stored:
+            ex = s["ex"]
+            if kind == "documents":
+                r = complete(url, model, s["match"].prompt_ids, ex.max_new_tokens, s["doc"].params())
+                r["loaded"] = r["cached_tokens"] >= s["doc"].num_slots
+            else:
+                r = complete(url, model, s["full"], ex.max_new_tokens)
+            r["score"] = score_prediction(r["text"], ex.answers, ex.metric)
+            rows.append({"set": s["set"], "id": ex.id, **r})
+        return rows
+
+    def new_question(url: str, kind: str, reset: bool) -> list[dict]:
+        """TTFT of a second question on each of the first ``--ttft-docs`` documents (decode s/token beside it)."""
+        rows = []
+        for s in stored[: args.ttft_docs]:
+            if reset:
+                reset_prefix_cache(url)
+            if kind == "documents":
+                r = complete(url, model, s["match"].prompt_ids, args.decode_tokens, s["doc"].params(), True)
+            else:
+                r = complete(url, model, s["full"], args.decode_tokens, ignore_eos=True)
+            rows.append(r)
+        return rows
+
+    def summary(rows: list[dict]) -> dict[str, Any]:
+        med = sorted(r["ttft_s"] for r in rows)[len(rows) // 2]
+        decode = sorted(r["decode_s_per_token"] for r in rows if r["decode_s_per_token"])
+        return {
+            "ttft_s": round(med, 3),
+            "decode_s_per_token": round(decode[len(decode) // 2], 4) if decode else None,
+            "kv_slots": rows[0]["prompt_tokens"] + rows[0]["completion_tokens"],
+            "cached_tokens": rows[0]["cached_tokens"],
+        }
+
+    full_slots = len(stored[0]["full"]) + args.decode_tokens
+    # 1. vLLM alone: quality reference (its own full prefill), prefix-cache hit TTFT
+    server = start("vllm", args, work / "logs", None)
+    try:
+        reference = quality(server.url, "full")
+        hit = new_question(server.url, "full", reset=False)  # the documents are in its prefix cache now
+        emit(
+            {
+                **base,
+                "config": "vllm alone (prefix cache)",
+                "stored_bytes_per_doc": 0,
+                **summary(hit),
+                "score": sum(r["score"] for r in reference),
+                "full_score": sum(r["score"] for r in reference),
+            }
+        )
+    finally:
+        server.stop()
+    ref = {r["id"]: r for r in reference}
+    # 2. vLLM + kvforge: compressed documents, and full fp32 blocks on the same server
+    server = start("vllm-kvforge", args, work / "logs", docs_url)
+    try:
+        compressed = quality(server.url, "documents")
+        cold_doc = new_question(server.url, "documents", reset=True)  # from the store, vLLM's memory emptied
+        warm_doc = new_question(server.url, "documents", reset=False)  # the placeholder's blocks in vLLM's cache
+        full_ref = {r["id"]: r for r in reference}
+        score = sum(r["score"] for r in compressed)
+        emit(
+            {
+                **base,
+                "config": "vllm + kvforge compressed documents",
+                **summary(cold_doc),
+                "ttft_s_warm": summary(warm_doc)["ttft_s"],
+                "full_slots": full_slots,
+                "stored_bytes_per_doc": sum(s["bytes"] for s in stored) / len(stored),
+                "fp16_bytes_per_doc": sum(s["fp16"] for s in stored) / len(stored),
+                "score": score,
+                "full_score": sum(r["score"] for r in reference),
+                "normalised": round(100 * score / max(sum(r["score"] for r in reference), 1e-9), 1),
+                "loaded": sum(r["loaded"] for r in compressed),
+                "by_set": {
+                    name: [
+                        sum(r["score"] for r in compressed if r["set"] == name),
+                        sum(full_ref[r["id"]]["score"] for r in compressed if r["set"] == name),
+                    ]
+                    for name in sorted({r["set"] for r in compressed})
+                },
+                "rows": [{k: r[k] for k in ("set", "id", "text", "score", "loaded")} for r in compressed],
+            }
+        )
+        blocks = _prefix_blocks(server.url, "vllm + kvforge full blocks", docs_url, args, config, base, ref, stored)
+        if blocks:
+            emit(blocks)
+    finally:
+        server.stop()
+    # 3. vLLM + kvforge kvtc prefix blocks
+    server = start("vllm-kvforge-kvtc", args, work / "logs", kvtc_url, quant=args.block_quant)
+    try:
+        emit(
+            _prefix_blocks(
+                server.url, f"vllm + kvforge {args.block_quant} blocks", kvtc_url, args, config, base, ref, stored
+            )
+        )
+    finally:
+        server.stop()
+    if args.lmcache_python:
+        emit({**base, **lmcache_probe(args, work)})
+    if args.concurrency_docs:
+        emit({**base, **concurrency(args, work, config)})
+    out.close()
+
+
+LMCACHE_PROBE = """
+import os, sys
+os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", LMCACHE_LOCAL_CPU="True",
+                  LMCACHE_CHUNK_SIZE="256", LMCACHE_MAX_LOCAL_CPU_SIZE="1")
+import lmcache, vllm
+from importlib.metadata import version
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=2048,
+          kv_transfer_config={"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
+prompt = [{"prompt_token_ids": [int(t) for t in sys.argv[2].split(",")]}]
+for _ in range(2):
+    out = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    llm.reset_prefix_cache()
+print("LMCACHE", version("lmcache"), vllm.__version__, out[0].num_cached_tokens, flush=True)
+"""
+
+
+def lmcache_probe(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Whether vLLM + LMCache's CPU path reuses a prompt here: a prompt asked twice (vLLM's own cache emptied
+    between); the reason in one line when it does not."""
+    import subprocess
+
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(args.model)(TEXT_SAMPLE * 40).input_ids[:1000]
+    done = subprocess.run([args.lmcache_python, "-c", LMCACHE_PROBE, args.model, ",".join(map(str, ids))],
+                          capture_output=True, text=True, timeout=1800)  # fmt: skip
+    found = re.search(r"^LMCACHE (\S+) (\S+) (\d+)$", done.stdout, re.M)
+    errors = re.findall(r"^[\w.]*(?:Error|Exception): .*$", done.stdout + done.stderr, re.M)
+    cached = int(found.group(3)) if found else 0
+    reason = None if cached else (errors[0] if errors else f"exit {done.returncode}, nothing reused")
+    return {
+        "config": "vllm + lmcache",
+        "lmcache": found.group(1) if found else None,
+        "vllm": found.group(2) if found else None,
+        "cached_tokens_on_repeat": cached,
+        "reason": reason,
+    }
+
+
+def concurrency(args: argparse.Namespace, work: Path, config: Any) -> dict[str, Any]:
+    """In a KV space of ``--kv-space`` GiB (which holds two full documents of ``--concurrency-length`` tokens and not
+    three): questions on ``--concurrency-docs`` distinct stored compressed documents at once, then as many full
+    prompts; how many ran together and the preemptions vLLM needed."""
+    url = f"file://{work}/space"
+    client = VllmDocuments.for_model(args.model, url, args.concurrency_press, args.compression_ratio, args.quant)
+    cfg = TaskConfig(
+        Path(args.data_dir),
+        tokenizer=client.tokenizer,
+        seed=args.concurrency_seed,
+        lengths=(args.concurrency_length,),
+        depths=tuple(i / 7 for i in range(args.concurrency_docs)),
+        num_samples=1,
+    )
+    docs = TASKS["needle"](cfg)[: args.concurrency_docs]
+    prompts, full = [], []
+    for i, ex in enumerate(docs):
+        t0 = time.perf_counter()
+        client.add([ex.context], system=ex.system)
+        match = client.match(ex.context, ex.question, ex.system, ex.answer_prefix)
+        prompts.append((match.prompt_ids, match.doc.params()))
+        ctx_ids, q_ids = encode_qa(client.tokenizer, ex.context, ex.question, ex.system, ex.answer_prefix)
+        full.append((ctx_ids + q_ids, None))
+        print(f"[bench] long document {i + 1}/{len(docs)} stored ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    client.store.close()
+    client.engine = None
+    server = start("vllm-kvforge-kv-space", args, work / "logs", url)
+    try:
+        compressed = at_once(server.url, args.model, prompts, args.decode_tokens)
+        whole = at_once(server.url, args.model, full[: args.concurrency_full], args.decode_tokens)
+    finally:
+        server.stop()
+    per_token = fp16_bytes(1, config) * 2  # fp32 cache
+    return {
+        "config": "concurrency in a fixed KV space",
+        "kv_space_gib": args.kv_space,
+        "kv_space_tokens": args.kv_space * 2**30 // per_token,
+        "document_tokens": args.concurrency_length,
+        "concurrency_press": args.concurrency_press,
+        "compressed": compressed,
+        "full": whole,
+        "slots_compressed": len(prompts[0][0]) + args.decode_tokens,
+        "slots_full": len(full[0][0]) + args.decode_tokens,
+    }
+
+
+def _prefix_blocks(
+    url: str,
+    name: str,
+    store_url: str,
+    args: argparse.Namespace,
+    config: Any,
+    base: dict,
+    ref: dict,
+    stored: list[dict],
+) -> dict:
+    """Each full prompt once (its blocks stored), vLLM's memory emptied, then again: loaded from the store."""
+    rows = []
+    for s in stored:
+        first = complete(url, args.model_name, s["full"], s["ex"].max_new_tokens)
+        reset_prefix_cache(url)
+        time.sleep(0.5)  # the connector writes blocks from a background thread
+        again = complete(url, args.model_name, s["full"], s["ex"].max_new_tokens)
+        rows.append(
+            {
+                "id": s["ex"].id,
+                "same": again["text"] == ref[s["ex"].id]["text"],
+                "first": first,
+                "again": again,
+                "score": score_prediction(again["text"], s["ex"].answers, s["ex"].metric),
+            }
+        )
+    folder = Path(store_url.removeprefix("file://"))
+    block_bytes = sum(f.stat().st_size for f in folder.glob("segments/*/prefix-v2-*.kvseg"))
+    tokens = sum(len(s["full"]) // 256 * 256 for s in stored)
+    ttft = sorted(r["again"]["ttft_s"] for r in rows)
+    return {
+        **base,
+        "config": name,
+        "stored_bytes_per_doc": block_bytes / len(stored),
+        "stored_fraction_of_fp16": round(block_bytes / fp16_bytes(tokens, config), 4),
+        "stored_tokens": tokens,
+        "ttft_s": round(ttft[len(ttft) // 2], 3),
+        "cached_tokens": rows[0]["again"]["cached_tokens"],
+        "kv_slots": rows[0]["again"]["prompt_tokens"],
+        "same_greedy": sum(r["same"] for r in rows),
+        "score": sum(r["score"] for r in rows),
+        "full_score": sum(ref[r["id"]]["score"] for r in rows),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="the model folder vLLM serves (fp32 safetensors)")
+    p.add_argument("--data-dir", help="the evaluation data folder (needle haystacks)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=None,
+        help="NAME=TASK:SEEDS[:HAYSTACK,...], e.g. ruler=needle:4,5 (repeatable)",
+    )
+    p.add_argument("--length", type=int, default=2048)
+    p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    p.add_argument("--limit", type=int, default=None, help="at most this many examples (smoke runs)")
+    p.add_argument("--press", default="kvzip:pool=3")
+    p.add_argument("--compression-ratio", type=float, default=0.75)
+    p.add_argument("--quant", default="kvtc-b2.2", help="how compressed documents are stored")
+    p.add_argument("--block-quant", default="kvtc-b2.2", help="how the kvtc configuration stores prefix blocks")
+    p.add_argument("--ttft-docs", type=int, default=3)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--kv-space", type=int, default=1, help="GiB of KV cache of the concurrency server")
+    p.add_argument("--concurrency-docs", type=int, default=8, help="0: skip the concurrency run")
+    p.add_argument("--concurrency-full", type=int, default=4, help="full prompts sent at once in the same space")
+    p.add_argument("--concurrency-length", type=int, default=7800)
+    p.add_argument("--concurrency-seed", type=int, default=9)
+    p.add_argument(
+        "--concurrency-press",
+        default="streaming_llm",
+        help="press of the long documents (the slots they take do not depend on it)",
+    )
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--lmcache-python", default=None, help="python of an environment with vLLM + lmcache (probe)")
+    p.add_argument("--port", type=int, default=8311)
+    p.add_argument("--out", default="benchmarks/results/vllm_documents.jsonl")
+    p.add_argument("--report", default=None, help="print the table of a results file instead of running")
+    p.add_argument("--plot", default=None)
+    args = p.parse_args()
+    if args.report:
+        report(args.report, args.plot)
+        return
+    args.set = args.set or ["ruler=needle:4,5", "narrative=needle-narrative:2,3:haystack_gutenberg/books.jsonl"]
+    args.model_name = args.model
+    run(args)
+
+
+def report(path: str, plot: str | None) -> None:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    print("| configuration | stored bytes / document | TTFT s, new question | decode s/token | KV slots | score |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        score = r.get("normalised")
+        score = f"{score} normalised" if score is not None else f"{r.get('score')} of {r.get('full_score')}"
+        print(
+            f"| {r['config']} | {r.get('stored_bytes_per_doc', 0) / 1e6:.2f} MB | {r.get('ttft_s')} | "
+            f"{r.get('decode_s_per_token')} | {r.get('kv_slots')} | {score} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
