@@ -154,7 +154,7 @@ def start(name: str, args: argparse.Namespace, log_dir: Path, store: str | None,
 def run(args: argparse.Namespace) -> None:
     from transformers import AutoConfig
 
-    work = Path(tempfile.mkdtemp(prefix="kvforge-vllm-docs-"))
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="kvforge-vllm-docs-"))
     out = open(args.out, "a")  # noqa: SIM115
 
     def emit(row: dict[str, Any]) -> None:
@@ -163,6 +163,10 @@ def run(args: argparse.Namespace) -> None:
         out.flush()
         print(json.dumps(row), file=sys.stderr)
 
+    import torch
+
+    if args.compress_threads:  # kvforge's engine in this process; the servers choose their own threads
+        torch.set_num_threads(args.compress_threads)
     config = AutoConfig.from_pretrained(args.model)
     docs_url, kvtc_url = f"file://{work}/docs", f"file://{work}/kvtc"
     client = VllmDocuments.for_model(args.model, docs_url, args.press, args.compression_ratio, args.quant)
@@ -466,6 +470,13 @@ def main() -> None:
         help="press of the long documents (the slots they take do not depend on it)",
     )
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--compress-threads", type=int, default=None, help="torch threads of the compressing engine")
+    p.add_argument(
+        "--work",
+        default=None,
+        help="folder of the stores and logs (default: a new temporary one); "
+        "documents already stored there are not compressed again",
+    )
     p.add_argument("--lmcache-python", default=None, help="python of an environment with vLLM + lmcache (probe)")
     p.add_argument("--port", type=int, default=8311)
     p.add_argument("--out", default="benchmarks/results/vllm_documents.jsonl")
