@@ -238,6 +238,17 @@ def run(args: argparse.Namespace) -> None:
         }
 
     full_slots = len(stored[0]["full"]) + args.decode_tokens
+    if args.only == "documents":  # one server: full prefills and compressed documents, timed alternately
+        server = start("vllm-kvforge", args, work / "logs", docs_url)
+        try:
+            reference = quality(server.url, "full")
+            compressed = quality(server.url, "documents")
+            emit({**base, **documents_row(reference, compressed, stored, full_slots)})
+            emit({**base, **alternating(server.url, args, stored)})
+        finally:
+            server.stop()
+        out.close()
+        return
     # 1. vLLM alone: quality reference (its own full prefill), prefix-cache hit TTFT
     server = start("vllm", args, work / "logs", None)
     try:
@@ -347,6 +358,64 @@ def lmcache_probe(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "cached_tokens_on_repeat": cached,
         "reason": reason,
     }
+
+
+def documents_row(reference: list[dict], compressed: list[dict], stored: list[dict], full_slots: int) -> dict:
+    """Normalised score of the compressed documents against vLLM's own full prefill of the same token ids."""
+    full = {r["id"] + r["set"]: r for r in reference}
+    score, full_score = sum(r["score"] for r in compressed), sum(r["score"] for r in reference)
+    return {
+        "config": "vllm + kvforge compressed documents (quality)",
+        "score": score,
+        "full_score": full_score,
+        "normalised": round(100 * score / max(full_score, 1e-9), 1),
+        "loaded": sum(r["loaded"] for r in compressed),
+        "kv_slots": compressed[0]["prompt_tokens"] + compressed[0]["completion_tokens"],
+        "full_kv_slots": reference[0]["prompt_tokens"] + reference[0]["completion_tokens"],
+        "stored_bytes_per_doc": sum(s["bytes"] for s in stored) / len(stored),
+        "fp16_bytes_per_doc": sum(s["fp16"] for s in stored) / len(stored),
+        "by_set": {
+            name: [
+                sum(r["score"] for r in compressed if r["set"] == name),
+                sum(full[r["id"] + r["set"]]["score"] for r in compressed if r["set"] == name),
+            ]
+            for name in sorted({r["set"] for r in compressed})
+        },
+        "rows": [
+            {
+                "set": r["set"],
+                "id": r["id"],
+                "text": r["text"],
+                "score": r["score"],
+                "loaded": r["loaded"],
+                "full_text": full[r["id"] + r["set"]]["text"],
+            }
+            for r in compressed
+        ],
+    }
+
+
+def alternating(url: str, args: argparse.Namespace, stored: list[dict]) -> dict[str, Any]:
+    """TTFT of a new question on a stored document, alternating on one server: vLLM's own prefix-cache hit on the
+    full document, then the compressed document loaded from the store (vLLM's memory of it emptied first), then the
+    compressed document again (its placeholder's blocks now in vLLM's prefix cache); decode s/token of each."""
+    rows: dict[str, list[dict]] = {"prefix_hit": [], "compressed_from_store": [], "compressed_in_memory": []}
+    for s in stored[: args.ttft_docs]:
+        complete(url, args.model, s["full"], 1)  # the full document now in vLLM's prefix cache
+        rows["prefix_hit"].append(complete(url, args.model, s["full"], args.decode_tokens, ignore_eos=True))
+        reset_prefix_cache(url)
+        for name in ("compressed_from_store", "compressed_in_memory"):
+            r = complete(url, args.model, s["match"].prompt_ids, args.decode_tokens, s["doc"].params(), True)
+            rows[name].append(r)
+    out: dict[str, Any] = {"config": "ttft, alternating on one server", "documents": len(rows["prefix_hit"])}
+    for name, got in rows.items():
+        out[name] = {
+            "ttft_s": [round(r["ttft_s"], 3) for r in got],
+            "decode_s_per_token": [round(r["decode_s_per_token"] or 0, 4) for r in got],
+            "kv_slots": got[0]["prompt_tokens"] + got[0]["completion_tokens"],
+            "cached_tokens": [r["cached_tokens"] for r in got],
+        }
+    return out
 
 
 def concurrency(args: argparse.Namespace, work: Path, config: Any) -> dict[str, Any]:
@@ -470,6 +539,12 @@ def main() -> None:
         help="press of the long documents (the slots they take do not depend on it)",
     )
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--only",
+        choices=["documents"],
+        default=None,
+        help="documents: one server, compressed documents' quality and TTFT against the prefix-cache hit",
+    )
     p.add_argument("--compress-threads", type=int, default=None, help="torch threads of the compressing engine")
     p.add_argument(
         "--work",

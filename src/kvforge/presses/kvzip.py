@@ -50,7 +50,8 @@ from kvforge.presses.criticalkv import projected_value_norms
 
 REPEAT_PROMPT = "Repeat the previous context exactly."
 REPEAT_PART_PROMPT = "Repeat the part of the previous context exactly, starting with"
-BUDGETS = ("head", "layer", "global")
+BUDGETS = ("head", "layer", "global", "token", "tokens")
+UNIFORM_BUDGETS = ("head", "token", "tokens")  # one count of entries on every layer and KV head (vLLM's paged cache)
 TURNS = ("continue", "new")
 NORMALISE = ("chunk", "all")
 OVERLAP = 8  # a later chunk's request quotes the previous chunk's last tokens (KVzip / kvpress)
@@ -59,7 +60,9 @@ OVERLAP = 8  # a later chunk's request quotes the previous chunk's last tokens (
 class BudgetedSelection:
     """How a scorer press with a ``budget`` turns its scores into a selection (KVzip, KVzap): ``"head"`` keeps
     ``num_kept`` entries in every KV head, ``"layer"`` one top-k over a layer's heads, ``"global"`` one over every
-    (layer, head, token) of the model; ``pool`` is checked here too (0 off, else an odd window)."""
+    (layer, head, token) of the model; ``"token"`` keeps the same ``num_kept`` tokens in every KV head of a layer
+    (a token's score: its highest over the layer's heads), ``"tokens"`` the same tokens in every layer and head (its
+    highest over the model); ``pool`` is checked here too (0 off, else an odd window)."""
 
     budget: str
     pool: int
@@ -87,6 +90,10 @@ class BudgetedSelection:
             return [self.compress(c) for c in contexts]
         if self.budget == "layer":
             return [top_entries([self.score(c)], [c], self.compression_ratio)[0] for c in contexts]
+        if self.budget == "token":
+            return [shared_tokens([self.score(c)], self.compression_ratio)[0] for c in contexts]
+        if self.budget == "tokens":
+            return shared_tokens([self.score(c) for c in contexts], self.compression_ratio)
         return top_entries([self.score(c) for c in contexts], contexts, self.compression_ratio)
 
 
@@ -168,6 +175,14 @@ def top_entries(scores: list[Tensor], contexts: list[LayerContext], compression_
         out.append(Selection(keep=keep[:, at : at + n].reshape(s.shape)))
         at += n
     return out
+
+
+def shared_tokens(scores: list[Tensor], compression_ratio: float) -> list[Selection]:
+    """The same ``num_kept`` tokens kept in every KV head of every layer of ``scores`` ``[(B, H_kv, S)]`` (one prompt):
+    the tokens whose highest score over those heads and layers is highest."""
+    best = torch.stack([s.float().nan_to_num(float("-inf")).amax(dim=1) for s in scores]).amax(dim=0)  # (B, S)
+    keep = topk_mask(best, num_kept(best.shape[-1], compression_ratio))
+    return [Selection(keep=keep[:, None, :].expand(s.shape).clone()) for s in scores]
 
 
 def header_length(tokenizer: Any, ids: list[int]) -> int:
