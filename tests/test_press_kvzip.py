@@ -333,3 +333,26 @@ def test_pool_keeps_the_neighbours_of_a_high_score():
     assert (pooled[0, 0] > 0.5).nonzero().flatten().tolist() == [48, 49, 50, 51, 52]
     with pytest.raises(ValueError, match="odd"):
         KVzipPress(0.5, pool=4)
+
+
+@pytest.mark.parametrize("budget", ["token", "tokens"])
+def test_shared_token_budgets_keep_the_same_tokens_in_every_head(budget):
+    """``token``: the same num_kept tokens in every KV head of a layer; ``tokens``: in every layer too; each token
+    ranked by its highest score over those heads (and layers)."""
+    from kvforge.presses.base import num_kept
+    from kvforge.presses.kvzip import shared_tokens
+
+    g = torch.Generator().manual_seed(0)
+    scores = [torch.rand(1, 3, 40, generator=g) for _ in range(2)]
+    scores[1][0, 2, 7] = 5.0  # one head of one layer wants token 7 badly
+    groups = [[s] for s in scores] if budget == "token" else [scores]
+    for group in groups:
+        selections = shared_tokens(group, 0.75)
+        k = num_kept(40, 0.75)
+        kept = [sel.keep for sel in selections]
+        assert all(int(m.sum(-1).min()) == int(m.sum(-1).max()) == k for m in kept)  # one count everywhere
+        assert all(torch.equal(m[0, h], kept[0][0, 0]) for m in kept for h in range(3))  # the same tokens
+        best = torch.stack([s.amax(dim=1) for s in group]).amax(dim=0)
+        assert set(best[0].topk(k).indices.tolist()) == set(kept[0][0, 0].nonzero().flatten().tolist())
+    if budget == "tokens":
+        assert bool(kept[0][0, 0, 7])  # kept in the other layer too

@@ -32,17 +32,19 @@ logger = logging.getLogger(__name__)
 
 def uniform_press(name: str, compression_ratio: float) -> Press:
     """The press ``name`` keeping one count of entries on every layer and KV head (what vLLM's cache holds):
-    ``budget="head"`` for presses with a budget; a press named with another budget is refused."""
+    ``budget="head"`` for presses with a budget unless the name sets ``token`` or ``tokens``; a press named with a
+    ragged budget is refused."""
     from kvforge.names import parse_press
     from kvforge.presses import build_press
+    from kvforge.presses.kvzip import UNIFORM_BUDGETS
 
     base, options = parse_press(name)
     press = build_press(name, compression_ratio)
-    if hasattr(press, "budget") and press.budget != "head":
+    if hasattr(press, "budget") and press.budget not in UNIFORM_BUDGETS:
         if "budget" in options:
             raise UserError(
                 f"press {name!r}: vLLM's paged cache holds one count of entries for every layer and KV head; "
-                "use budget=head"
+                f"use budget={' or budget='.join(UNIFORM_BUDGETS)}"
             )
         press = build_press(name, compression_ratio, budget="head")
     if type(press).__name__ in ("AdaKVPress", "CriticalAdaKVPress", "PyramidKVPress", "DecodingPress"):
