@@ -238,6 +238,10 @@ def run(args: argparse.Namespace) -> None:
         }
 
     full_slots = len(stored[0]["full"]) + args.decode_tokens
+    if args.only == "concurrency":  # a KV space that holds two full requests, not three
+        emit({**base, **space_run(args, work, docs_url, stored)})
+        out.close()
+        return
     if args.only == "documents":  # one server: full prefills and compressed documents, timed alternately
         server = start("vllm-kvforge", args, work / "logs", docs_url)
         try:
@@ -416,6 +420,32 @@ def alternating(url: str, args: argparse.Namespace, stored: list[dict]) -> dict[
             "cached_tokens": [r["cached_tokens"] for r in got],
         }
     return out
+
+
+def space_run(args: argparse.Namespace, work: Path, url: str, stored: list[dict]) -> dict[str, Any]:
+    """vLLM with exactly ``N`` KV blocks, ``N`` chosen to hold two full requests (document, question, answer) and
+    not three; ``--concurrency-docs`` questions on distinct stored compressed documents sent at once, then as many
+    full prompts: how many ran together and how many preemptions vLLM needed."""
+    block = 128
+    full = max(len(s["full"]) for s in stored) + args.decode_tokens
+    small = max(len(s["match"].prompt_ids) for s in stored) + args.decode_tokens
+    f, c = -(-full // block), -(-small // block)
+    blocks = max(2 * f, args.concurrency_docs * c)
+    if blocks >= 3 * f:
+        raise SystemExit(f"{args.concurrency_docs} compressed requests need {blocks} blocks: the space would hold 3")
+    server = vllm_server("vllm-kvforge-space", args.port, args.model, work / "logs", url)
+    server.command += ["--num-gpu-blocks-override", str(blocks)] + (["--enforce-eager"] if args.enforce_eager else [])
+    server.start().wait()
+    chosen = stored[: args.concurrency_docs]
+    try:
+        compressed = at_once(server.url, args.model, [(s["match"].prompt_ids, s["doc"].params()) for s in chosen],
+                             args.decode_tokens)  # fmt: skip
+        whole = at_once(server.url, args.model, [(s["full"], None) for s in chosen], args.decode_tokens)
+    finally:
+        server.stop()
+    return {"config": "concurrency in a fixed KV space", "kv_blocks": blocks, "block_tokens": block,
+            "blocks_per_full_request": f, "blocks_per_compressed_request": c, "compressed": compressed,
+            "full": whole}  # fmt: skip
 
 
 def concurrency(args: argparse.Namespace, work: Path, config: Any) -> dict[str, Any]:
