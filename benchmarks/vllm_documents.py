@@ -571,7 +571,7 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument(
         "--only",
-        choices=["documents"],
+        choices=["documents", "concurrency"],
         default=None,
         help="documents: one server, compressed documents' quality and TTFT against the prefix-cache hit",
     )
