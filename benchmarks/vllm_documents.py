@@ -434,7 +434,9 @@ def space_run(args: argparse.Namespace, work: Path, url: str, stored: list[dict]
     if blocks >= 3 * f:
         raise SystemExit(f"{args.concurrency_docs} compressed requests need {blocks} blocks: the space would hold 3")
     server = vllm_server("vllm-kvforge-space", args.port, args.model, work / "logs", url)
-    server.command += ["--num-gpu-blocks-override", str(blocks)] + (["--enforce-eager"] if args.enforce_eager else [])
+    server.command += ["--num-gpu-blocks-override", str(blocks), "--max-model-len", str(blocks * block // 2)] + (
+        ["--enforce-eager"] if args.enforce_eager else []
+    )
     server.start().wait()
     chosen = stored[: args.concurrency_docs]
     try:
