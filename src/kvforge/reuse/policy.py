@@ -99,12 +99,13 @@ def shipped_prior(embedder: str) -> Prior | None:
     return Prior.from_json(json.loads(path.read_text()))
 
 
-def wrong_bins(counts: dict[CountKey, int], guards: Sequence[str]) -> list[int]:
-    """The similarity bins of the wrong candidates in ``counts``, ``NEVER`` for those one of ``guards`` refused."""
+def wrong_bins(counts: dict[CountKey, int], guards: Sequence[str], floor: float = POPULATION_FLOOR) -> list[int]:
+    """The score bins of the wrong candidates in ``counts`` at or above ``floor``, ``NEVER`` for those one of
+    ``guards`` refused."""
     active = set(guards)
     out: list[int] = []
     for (wrong, failed, b), c in counts.items():
-        if not wrong or b < round(POPULATION_FLOOR * 1000):
+        if not wrong or b < round(floor * 1000):
             continue  # not in the population the bound is about
         refused = bool(active & set(failed.split("+")) - {""})
         out += [NEVER if refused else b] * c
@@ -118,14 +119,17 @@ class BoundedErrorPolicy:
     Args:
         max_error: delta, the tolerated share of wrong candidates served.
         confidence: 1 - alpha, the probability that the certificate holds.
-        min_similarity: nothing below this similarity is served.
-        prior: calibration counts (None: none; the default is the shipped one of the strategy's embedder).
+        min_similarity: nothing scored below this is served.
+        prior: calibration counts (None: none; the default is the shipped one of the strategy's scorer).
+        population_floor: counts below this score are outside the population the bound is about (the cosine's
+            floor; 0 for a verifier's score, whose population is chosen by cosine before it is scored).
     """
 
     max_error: float = DEFAULT_MAX_ERROR
     confidence: float = 0.95
     min_similarity: float = DEFAULT_MIN_SIMILARITY
     prior: Prior | None = None
+    population_floor: float = POPULATION_FLOOR
     _cache: dict[Any, float] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -150,8 +154,8 @@ class BoundedErrorPolicy:
         pooled = dict(self.prior.counts) if self.prior is not None else {}
         for k, c in online.items():
             pooled[k] = pooled.get(k, 0) + c
-        t = certify(wrong_bins(pooled, guards), self.max_error, self.alpha)
-        own = wrong_bins(online, guards)
+        t = certify(wrong_bins(pooled, guards, self.population_floor), self.max_error, self.alpha)
+        own = wrong_bins(online, guards, self.population_floor)
         if len(own) >= min_wrong_needed(self.max_error, self.alpha):
             t = max(t, certify(own, self.max_error, self.alpha))
         if len(self._cache) > 64:
