@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if verifier is None:
         print("no verifier is shipped for the embedder", file=sys.stderr)
         return 1
-    verifier.cache_size = 2 * len(pairs)  # every text's token states once for all rows
+    verifier.cache_size = len(pairs)  # every pair scored once for all rows
     print("| decider | threshold | " + " | ".join(c[0] for c in COLUMNS) + " |")
     print("|---|---|" + "---|" * len(COLUMNS))
     RESULTS.mkdir(parents=True, exist_ok=True)

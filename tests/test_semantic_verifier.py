@@ -1,123 +1,101 @@
-"""The learned verifier of semantic reuse: its features, deterministic training, its file, and its decisions."""
+"""The learned verifier of semantic reuse: deterministic training, its file, its pairs, and its decisions."""
 
 from __future__ import annotations
 
-import hashlib
-import re
-from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from kvforge.reuse.decide import build_decider
 from kvforge.reuse.verifier import (
-    NUM_FEATURES,
     VERIFIER_FORMAT,
-    AlignmentVerifier,
-    VerifierWeights,
-    feature_index,
-    fit_weights,
+    CrossEncoder,
+    CrossVerifier,
+    load_tensors,
+    save_tensors,
 )
+from kvforge.reuse.verifier_train import synthetic_pairs, train_verifier
+
+WORDS = "what is the capital city of france which who won 2018 2014 world cup final not safe for dogs ? , ."
 
 
-class WordStates:
-    """Token states without a model: one piece per word, a hashed unit vector per word at layer 0, and each layer
-    mixing in the neighbours (so a word in another context drifts, as in a transformer)."""
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random BERT and a word-level vocabulary saved as a model folder: the verifier's architecture without
+    MiniLM's weights (fast, nothing to install)."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
 
-    name = "words"
-
-    def __init__(self) -> None:
-        self.vocab: list[str] = []
-
-    def _id(self, word: str) -> int:
-        if word not in self.vocab:
-            self.vocab.append(word)
-        return self.vocab.index(word)
-
-    def token_states(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
-        out = []
-        for text in texts:
-            words = re.findall(r"\w+|[^\w\s]", text.lower())
-            ids = np.array([self._id(w) for w in words], np.int64)
-            layer = np.stack([_unit(np.random.default_rng(int(hashlib.sha256(w.encode()).hexdigest()[:8], 16))
-                                    .normal(size=32)) for w in words])  # fmt: skip
-            layers = [layer]
-            for _ in range(6):
-                mixed = layer + 0.3 * (np.roll(layer, 1, 0) + np.roll(layer, -1, 0))
-                layer = mixed / np.linalg.norm(mixed, axis=1, keepdims=True)
-                layers.append(layer)
-            out.append((ids, np.stack(layers).astype(np.float32)))
-        return out
-
-    def vocabulary(self) -> list[str]:
-        return list(self.vocab)
+    path = tmp_path_factory.mktemp("tiny-bert")
+    (path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS.split()]) + "\n")
+    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(WORDS.split()) + 5, hidden_size=16, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=32, max_position_embeddings=64)  # fmt: skip
+    BertModel(config).save_pretrained(path)
+    return path
 
 
-def _unit(v: np.ndarray) -> np.ndarray:
-    return v / np.linalg.norm(v)
+TRAIN = [
+    ("what is the capital of france ?", "which city is the capital of france ?", True),
+    ("who won the 2018 world cup final ?", "who won the 2014 world cup final ?", False),
+    ("is it safe for dogs ?", "is it not safe for dogs ?", False),
+    ("what is the capital city of france ?", "what is the capital of france", True),
+] * 4
 
 
-def _features(query: str, donor: str) -> dict[str, float]:
-    verifier = AlignmentVerifier(WordStates(), weights=None)
-    verifier.states([query, donor])  # the vocabulary grows with the texts before the tables are read
-    row = verifier.features([(query, donor)])[0]
-    assert row.shape == (NUM_FEATURES,)
-    names = ("cosine", "lone_share_asked", "numbers_differ", "lone_numbers", "negations_differ", "inversions",
-             "adjacency_kept", "neighbour_change_max", "length_ratio")  # fmt: skip
-    return {n: float(row[feature_index(n)]) for n in names}
+def _train(path: Path) -> dict[str, np.ndarray]:
+    return train_verifier(CrossEncoder(str(path)), TRAIN, epochs=2, batch=4, lr=1e-2)
 
 
-def test_features_see_identity_order_numbers_and_negation():
-    same = _features("flights from new york to florida", "flights from new york to florida")
-    assert same["lone_share_asked"] == 0 and same["inversions"] == 0 and same["adjacency_kept"] == 1
-    assert same["cosine"] == pytest.approx(1.0) and same["neighbour_change_max"] == 0
-    swapped = _features("flights from florida to new york", "flights from new york to florida")
-    assert swapped["lone_share_asked"] == 0 and swapped["inversions"] > 0 and swapped["neighbour_change_max"] > 0
-    number = _features("what is 15 percent of 300", "what is 15 percent of 200")
-    assert number["lone_numbers"] == 2 and number["numbers_differ"] == 0  # replaced: as many numbers, others
-    added = _features("is it safe for dogs in 2020", "is it safe for dogs")
-    assert added["numbers_differ"] == 1 and added["length_ratio"] < 1
-    negated = _features("is chocolate not safe for dogs", "is chocolate safe for dogs")
-    assert negated["negations_differ"] == 1
-
-
-def _toy(n: int = 300) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(n, NUM_FEATURES)).astype(np.float32)
-    return x, (x[:, 0] - x[:, 5] + 0.3 * rng.normal(size=n) > 0).astype(np.float64)
-
-
-def test_training_is_deterministic_and_the_file_round_trips(tmp_path):
-    x, y = _toy()
-    first, second = fit_weights(x, y, hidden=8, max_iter=50), fit_weights(x, y, hidden=8, max_iter=50)
-    for name in ("mean", "scale", "w1", "b1", "w2"):
-        assert np.array_equal(getattr(first, name), getattr(second, name))
-    assert first.b2 == second.b2
-    accuracy = ((first.probability(x) > 0.5) == y).mean()
-    assert accuracy > 0.9
+def test_training_is_deterministic_and_the_file_round_trips(tiny_bert: Path, tmp_path: Path):
+    first, second = _train(tiny_bert), _train(tiny_bert)
+    assert first.keys() == second.keys() and all(np.array_equal(first[k], second[k]) for k in first)
+    base = CrossEncoder(str(tiny_bert)).tensors()
+    assert any(not np.array_equal(first[k], base[k]) for k in first)  # it learned something
+    assert all(k.startswith("head.") or k.endswith(".bias") or "LayerNorm" in k for k in first)  # BitFit only
     path = tmp_path / "v.safetensors"
-    first.save(path)
-    assert b"pickle" not in path.read_bytes()[:200] and VERIFIER_FORMAT.encode() in path.read_bytes()[:400]
-    loaded = VerifierWeights.load(path)
-    np.testing.assert_allclose(loaded.probability(x), first.probability(x), rtol=1e-5)  # stored as float32
+    save_tensors(first, path, {"trained_on": "toy"})
+    loaded, meta = load_tensors(path)
+    assert meta["format"] == VERIFIER_FORMAT and all(np.array_equal(loaded[k], first[k]) for k in first)
+    verifier = CrossVerifier(SimpleNamespace(path=str(tiny_bert)), name="toy", tensors=loaded)
+    pairs = [(b, a) for a, b, _ in TRAIN[:4]]
+    scores = verifier.score_many(pairs)
+    assert np.array_equal(scores, CrossVerifier(SimpleNamespace(path=str(tiny_bert)), "toy", loaded).score_many(pairs))
+    assert not np.allclose(scores, 0.5, atol=1e-6)  # an untrained head (zeros) scores every pair 0.5
+    assert verifier.score(*pairs[0]) == scores[0]  # cached
 
 
-def test_a_file_of_another_format_or_width_is_refused(tmp_path):
+def test_files_that_are_not_a_verifier_of_this_model_are_refused(tiny_bert: Path, tmp_path: Path):
     from safetensors.numpy import save_file
 
-    x, y = _toy()
-    weights = fit_weights(x, y, hidden=4, max_iter=5)
     path = tmp_path / "v.safetensors"
-    save_file({"mean": np.zeros(3, np.float32)}, str(path), metadata={"format": "other"})
+    save_file({"x": np.zeros(3, np.float32)}, str(path), metadata={"format": "other"})
     with pytest.raises(ValueError, match="not a kvforge semantic verifier"):
-        VerifierWeights.load(path)
-    tensors = {k: np.asarray(getattr(weights, k), np.float32)[:3] for k in ("mean", "scale", "w1", "b1", "w2")}
-    save_file(tensors | {"b2": np.zeros(1, np.float32)}, str(path), metadata={"format": VERIFIER_FORMAT})
-    with pytest.raises(ValueError, match="features"):
-        VerifierWeights.load(path)
+        load_tensors(path)
+    tensors = CrossEncoder(str(tiny_bert)).tensors()
+    with pytest.raises(ValueError, match="do not fit"):
+        CrossEncoder(str(tiny_bert), {k: v for k, v in tensors.items() if k != "head.bias"})
+    wrong = dict(tensors) | {"head.weight": np.zeros((1, 3), np.float32)}
+    with pytest.raises(ValueError, match="shape"):
+        CrossEncoder(str(tiny_bert), wrong)
 
 
-def test_an_embedder_without_token_states_decides_by_cosine_with_every_guard():
+def test_one_edit_pairs_are_deterministic_and_labelled_by_their_edit():
+    questions = ["Who won the 2018 World Cup final?", "Is chocolate safe for dogs?", "In 1990, who won the election?",
+                 "What is the largest city of France?"]  # fmt: skip
+    pairs = synthetic_pairs(questions)
+    assert pairs == synthetic_pairs(questions) and len(pairs) == 2 * len(questions)
+    by = {(stored, same): asked for stored, asked, same in pairs}
+    assert all(by[(q, True)] != q and by[(q, False)] != q for q in questions)
+    assert by[("In 1990, who won the election?", True)] in {"in 1990, who won the election",
+                                                          "Who won the election in 1990?"} or \
+        by[("In 1990, who won the election?", True)].endswith("in 1990, who won the election?")  # fmt: skip
+
+
+def test_an_embedder_without_a_shipped_verifier_decides_by_cosine_with_every_guard():
     from kvforge.reuse import FakeEmbedder
     from kvforge.reuse.guards import DEFAULT_GUARDS
 
@@ -152,7 +130,7 @@ def minilm():
 
 def test_the_shipped_verifier_serves_paraphrases_and_refuses_near_misses(minilm):
     decider = build_decider(minilm)
-    assert decider.verifier is not None and decider.scorer == "align-minilm-v1"
+    assert decider.verifier is not None and decider.scorer == "cross-minilm-v1"
     texts = [t for pair in PARAPHRASES + NEAR_MISSES for t in pair]
     vectors = dict(zip(texts, minilm.embed(texts), strict=True))
     for asked, stored in PARAPHRASES:

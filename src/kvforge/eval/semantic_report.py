@@ -69,12 +69,14 @@ def pair_rates(specs: list[str], data_dir: Path | None, embedder: Any, cache: Pa
 
 def decide_pairs(decider: Any, pairs: list[Any], chunk: int = 128) -> list[bool]:
     """Whether ``decider`` serves each pair's stored prompt for its asked one (pairs carry their cosine similarity;
-    the verifier's token states are computed a chunk of pairs at a time)."""
+    the verifier scores a chunk of pairs at a time, then each pair is decided)."""
+    from kvforge.reuse.policy import POPULATION_FLOOR
+
     hits = []
     for start in range(0, len(pairs), chunk):
         part = pairs[start : start + chunk]
-        if decider.verifier is not None:
-            decider.verifier.states([t for p in part for t in (p.stored, p.asked)])
+        if decider.verifier is not None:  # batched: decide() then finds each score cached
+            decider.verifier.score_many([(p.asked, p.stored) for p in part if p.similarity >= POPULATION_FLOOR])
         for p in part:
             decision = decider.decide(p.asked, p.stored, p.similarity)
             p.score = decision.score

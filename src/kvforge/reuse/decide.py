@@ -114,7 +114,7 @@ def build_decider(
     """The decider every entry point builds from its options.
 
     Args:
-        embedder: the index's embedder; its shipped verifier (``verifier="default"``) reads its token states.
+        embedder: the index's embedder; its shipped verifier (``verifier="default"``) starts from its weights.
         threshold: a fixed minimum cosine similarity (the paper's rule; no verifier, every guard by default).
         max_error: the bounded policy's tolerated false-hit rate (default 0.01).
         guards: the guards (default: :data:`VERIFIER_GUARDS` with a verifier, every guard without one).
@@ -142,11 +142,9 @@ def build_decider(
 
 
 def default_verifier(embedder: Any) -> Any:
-    """The verifier shipped for ``embedder`` (one that can give token states), or None."""
-    from kvforge.reuse.verifier import DEFAULT_VERIFIER, AlignmentVerifier, shipped_weights
+    """The verifier shipped for ``embedder`` (MiniLM: the verifier starts from its weights), or None."""
+    from kvforge.reuse.verifier import DEFAULT_VERIFIER, CrossVerifier, shipped_tensors
 
-    if not callable(getattr(embedder, "token_states", None)) or getattr(embedder, "name", None) != "all-minilm-l6-v2":
+    if getattr(embedder, "name", None) != "all-minilm-l6-v2" or shipped_tensors(DEFAULT_VERIFIER) is None:
         return None
-    if shipped_weights(DEFAULT_VERIFIER) is None:
-        return None
-    return AlignmentVerifier(embedder, DEFAULT_VERIFIER)
+    return CrossVerifier(embedder, DEFAULT_VERIFIER)

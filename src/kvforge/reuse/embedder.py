@@ -77,32 +77,6 @@ class MiniLMEmbedder:
         np.add.at(out, np.asarray(owner), vecs)
         return _normalise(out)
 
-    def token_states(self, texts: Sequence[str], max_pieces: int = 256) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per text: its word piece ids without [CLS]/[SEP] and the unit hidden states of every layer,
-        ``(L + 1, S, D)`` float32 (layer 0: the piece embeddings), of its first ``max_pieces`` pieces: what the
-        learned verifier (:mod:`kvforge.reuse.verifier`) aligns."""
-        import torch
-
-        transformer = self._load()[0]
-        out = []
-        with torch.inference_mode():
-            for start in range(0, len(texts), self.batch_size):
-                batch = list(texts[start : start + self.batch_size])
-                enc = transformer.tokenizer(batch, padding=True, truncation=True, max_length=max_pieces,
-                                            return_tensors="pt")  # fmt: skip
-                hidden = transformer.auto_model(**enc, output_hidden_states=True).hidden_states
-                stacked = torch.stack(hidden, 1).float()  # (B, L + 1, S, D)
-                stacked = stacked / stacked.norm(dim=-1, keepdim=True).clamp_min(1e-9)
-                for j in range(len(batch)):
-                    n = int(enc["attention_mask"][j].sum())
-                    out.append((enc["input_ids"][j, 1 : n - 1].numpy(), stacked[j, :, 1 : n - 1].numpy()))
-        return out
-
-    def vocabulary(self) -> list[str]:
-        """The word pieces of the tokenizer, by id."""
-        tokenizer = self._load()[0].tokenizer
-        return list(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))))
-
 
 @dataclass
 class FakeEmbedder:

@@ -137,9 +137,9 @@ class SemanticReuse:
         if self.mode not in MODES:
             raise ValueError(f"unknown semantic mode {self.mode!r}; choose from {list(MODES)}")
         verifier = self.verifier if self.mode == "canonical" else None  # documents: the cosine and every guard
-        self.decider: Decider = build_decider(self.embedder, threshold=self.threshold, max_error=self.max_error,
-                                              guards=self.guards, verifier=verifier, policy=self.policy)  # fmt: skip
-        self.policy, self.guards, self.verifier = self.decider.policy, self.decider.guards, self.decider.verifier
+        decider = build_decider(self.embedder, threshold=self.threshold, max_error=self.max_error, guards=self.guards,
+                                verifier=verifier, policy=self.policy)  # fmt: skip
+        self.policy, self.guards, self.verifier = decider.policy, decider.guards, decider.verifier
         if not 0.0 <= self.verify_ratio <= 1.0:
             raise ValueError(f"verify_ratio is a share in [0, 1], got {self.verify_ratio}")
         if not self.model_id:
@@ -220,6 +220,12 @@ class SemanticReuse:
             kind=kind,  # type: ignore[arg-type]
             info={"load_s": time.perf_counter() - t0, "mode": self.mode},
         )
+
+    @property
+    def decider(self) -> Decider:
+        """The decision function of this strategy (its current policy, guards and verifier)."""
+        assert self.policy is not None and self.guards is not None
+        return Decider(self.policy, tuple(self.guards), self.verifier)
 
     def _stats(self) -> StatsView | None:
         return self.stats.view() if isinstance(self.policy, BoundedErrorPolicy) else None
