@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from types import SimpleNamespace
 from typing import Any
 
 from kvforge.reuse.guards import DEFAULT_GUARDS, check, check_names, failed
@@ -142,9 +144,17 @@ def build_decider(
 
 
 def default_verifier(embedder: Any) -> Any:
-    """The verifier shipped for ``embedder`` (MiniLM: the verifier starts from its weights), or None."""
-    from kvforge.reuse.verifier import DEFAULT_VERIFIER, CrossVerifier, shipped_tensors
+    """The verifier shipped for ``embedder`` (MiniLM: the verifier starts from its weights), or None. One per
+    process and MiniLM folder: its model is read-only and its scores depend on the texts only."""
+    from kvforge.reuse.verifier import DEFAULT_VERIFIER, minilm_path, shipped_tensors
 
     if getattr(embedder, "name", None) != "all-minilm-l6-v2" or shipped_tensors(DEFAULT_VERIFIER) is None:
         return None
-    return CrossVerifier(embedder, DEFAULT_VERIFIER)
+    return _shared_verifier(minilm_path(embedder), DEFAULT_VERIFIER)
+
+
+@lru_cache(maxsize=4)
+def _shared_verifier(path: str, name: str) -> Any:
+    from kvforge.reuse.verifier import CrossVerifier
+
+    return CrossVerifier(SimpleNamespace(path=path), name)
