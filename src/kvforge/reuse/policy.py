@@ -1,21 +1,22 @@
 """Hit-or-miss policies of semantic reuse: a fixed similarity threshold, or a bounded error rate (``--max-error``).
 
 :class:`BoundedErrorPolicy` (the default, ``max_error=0.01``) serves a stored candidate when the guards pass and its
-similarity reaches the entry's threshold::
+score (the learned verifier's ``P(same)``, or the cosine similarity where no verifier is used: "similarity" below
+stands for either) reaches the entry's threshold::
 
-    t_entry = max(t*, min_similarity, the highest similarity at which this entry was verified wrong + 0.001)
+    t_entry = max(t*, min_similarity, the highest score at which this entry was verified wrong + 0.001)
 
 ``t*`` is the lowest threshold whose false-hit rate (the share of wrong candidates served) is certified <= max_error
 with confidence ``confidence`` (:mod:`kvforge.reuse.bound`), from the wrong candidates seen: the shipped calibration
-(labelled pairs, ``kvforge/data/semantic/prior-*.json``, made by ``benchmarks/semantic_calibrate.py``) plus every
+(labelled pairs, ``kvforge/data/semantic/prior-*.json``, made by ``benchmarks/semantic_verifier.py`` for the
+verifier and ``benchmarks/semantic_calibrate.py`` for the cosine) plus every
 verified lookup of every process sharing the store (:mod:`kvforge.reuse.stats`); once the verified lookups alone hold
 enough wrong candidates, their own certificate applies too and the stricter threshold wins. The per-entry term is
 what the entry itself taught (vCache's per-entry threshold): a candidate verified wrong at similarity ``s`` is never
 served again at ``s`` or below. Both only raise the threshold, so the bound still holds for what is served.
 
-``min_similarity`` (0.9) is a floor below which nothing is served: few wrong calibration pairs pass every guard (the
-guards decide almost every near-miss), so the certificate alone would reach far below what was ever observed; the
-floor keeps lookups there out until verified lookups say more.
+``min_similarity`` is a floor below which nothing is served (0.9 for the cosine: few wrong calibration pairs pass
+every guard, so the certificate alone would reach far below what was ever observed; 0.5 for the verifier's score).
 With no calibration for the embedder and no verified lookups, nothing is certified and every lookup is a miss.
 """
 

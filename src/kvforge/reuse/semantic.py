@@ -2,11 +2,12 @@
 
 After C. Lee (Samsung Electronics), "A Study on the Caching Strategies for Semantically Similar Prompts in KV Cache
 Storage Offloading" (embedding -> FAISS top-1 -> cosine >= 0.7 -> the matched prompt's tokens and KV). kvforge
-decides hit or miss per stored entry with a bounded error rate instead of a fixed threshold (after vCache: the user
-sets ``max_error``; :mod:`kvforge.reuse.policy`), learns from verified lookups shared through the store
-(:mod:`kvforge.reuse.stats`), refuses word substitutions, reorderings, other numbers and negations whatever the
-similarity (:mod:`kvforge.reuse.guards`), and embeds only what the user wrote (the request's text: a chat's last user
-message, :func:`kvforge.request.encode_turn`).
+decides hit or miss with one decision function (:mod:`kvforge.reuse.decide`): a learned verifier scores the top-1
+candidate (:mod:`kvforge.reuse.verifier`), and the score must reach a threshold certified for a bounded false-hit
+rate (after vCache: the user sets ``max_error``; :mod:`kvforge.reuse.policy`), raised per entry by verified lookups
+shared through the store (:mod:`kvforge.reuse.stats`); a few word guards (numbers, negations, code-like marks:
+:mod:`kvforge.reuse.guards`) refuse what the verifier does not learn. Only what the user wrote is compared (the
+request's text: a chat's last user message, :func:`kvforge.request.encode_turn`).
 
 Modes:
     ``canonical`` (the paper): the prompt text is embedded, the top-1 stored prompt is the candidate, and on a hit
@@ -21,7 +22,8 @@ Modes:
 Verification: a share ``verify_ratio`` of the lookups whose best candidate has similarity >= 0.5 (hits and misses
 alike, so the sample is a uniform one) carry a :class:`~kvforge.reuse.base.Check` in their plan: after the answer,
 the engine continues the prompt asked (full prefill) and the candidate's prompt (on its stored KV) greedily through
-its loop, and whether both agree is added to the shared statistics: every process sharing the store learns from it.
+its loop, and whether both agree is added, with the candidate's score, to the shared statistics: every process
+sharing the store learns from it.
 
 The donor's KV is never stored under the new prompt's key (``record`` refuses a cache that does not hold exactly the
 prompt's tokens, or that was built on approximate reuse). The index lives in the store as one small record blob per
