@@ -9,9 +9,7 @@ rather than what PAWS sentences look like:
   replaced by one from another question, a content word inserted from another question, two content words swapped,
   the question word changed;
 * the same: lower case without the question mark, a polite frame ("can you tell me ..."), a contraction, ``which``
-  for ``what``, a leading phrase moved to the end ("In 1990, who won X?" / "Who won X in 1990?") or a final one to
-  the front, a noun moved into the question word ("What is the largest city of X?" / "Which city is the largest of
-  X?").
+  for ``what``, a leading phrase moved to the end ("In 1990, who won X?" / "Who won X in 1990?").
 
 Fit: the biases and LayerNorms of MiniLM and a logistic head (BitFit), AdamW with a linear warm-up and decay, on one
 thread with fixed seeds: the same pairs give the same parameters.
@@ -48,8 +46,6 @@ _OPPOSITES = (
     "upload download", "true false", "cheap expensive", "allowed forbidden", "rise fall", "higher lower",
 )  # fmt: skip
 OPPOSITE = {a: b for pair in _OPPOSITES for a, b in (pair.split(), pair.split()[::-1])}
-_TAIL = re.compile(r"\s((?:in|on|at|for|with|by|during|after|before|since|from) (?:\w+ ){0,3}\w+)([?.!]?)$")
-_WHAT_IS = re.compile(r"What is the (\w+) (\w+)(?= of | in )")  # "What is the A B of" / "Which B is the A of"
 _FRAMES = ("can you tell me ", "please tell me ", "i'd like to know ", "quick question: ", "do you know ")
 
 
@@ -134,13 +130,6 @@ def _positives(q: str, rng: random.Random) -> list[str]:
     if sep and len(head.split()) <= 5 and rest:
         body = rest.rstrip("?").rstrip()
         out.append(body[:1].upper() + body[1:] + " " + head[:1].lower() + head[1:] + ("?" if q.endswith("?") else ""))
-    tail = _TAIL.search(q)
-    if tail and not sep and len(q[: tail.start()].split()) >= 3:
-        phrase, body = tail.group(1), q[: tail.start()]
-        out.append(phrase[:1].upper() + phrase[1:] + ", " + body[:1].lower() + body[1:] + tail.group(2))
-    which = _WHAT_IS.match(q)
-    if which:
-        out.append(f"Which {which.group(2)} is the {which.group(1)}{q[which.end() :]}")
     return [p for p in out if p != q]
 
 
