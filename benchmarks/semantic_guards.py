@@ -7,7 +7,7 @@ labelled pairs are decided: written near-miss pairs and the calibration side (wh
 calibrated on), and the evaluation side of the shared data and the hold-out near-miss kinds (never used to choose).
 One markdown table on stdout, one JSON line per row in ``benchmarks/results/semantic_guards.jsonl``.
 
-Then the curve of the default decider over ``--curve`` max-error values (the certified verifier threshold each gives):
+Then the curve of the verifier's decider over ``--curve`` max-error values (the certified threshold each gives):
 evaluation-side hit rates against PAWS false-hit rates, with 95% Clopper-Pearson intervals (a table, and a figure
 with ``--plot``), and what the verifier adds to a lookup (mean and 95th percentile over ``--latency`` pairs scored
 one at a time, as a lookup does, on one torch thread).
@@ -120,7 +120,7 @@ def curve(embedder: Any, verifier: Any, pairs: list[Any], deltas: list[float]) -
     print("|---|---|" + "---|" * len(CURVE))
     points = []
     for delta in deltas:
-        decider = build_decider(embedder, max_error=delta, verifier=verifier)
+        decider = build_decider(embedder, max_error=delta, verifier=verifier)  # the verifier with its default guards
         hits = decide_pairs(decider, pairs)
         t = decider.policy.threshold_for("", decider.guards, None)
         point: dict[str, Any] = {"max_error": delta, "threshold": t}

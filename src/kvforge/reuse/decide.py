@@ -11,10 +11,11 @@ A candidate (the index's nearest stored prompt) is served when
    nothing that far is a paraphrase, and such lookups are outside the statistics);
 2. its *score* reaches the entry's threshold from the policy (:mod:`kvforge.reuse.policy`: certified from the shipped
    calibration and the verified lookups shared in the store, raised per entry by what the entry was verified wrong
-   at). The score is the learned verifier's ``P(same)`` (:mod:`kvforge.reuse.verifier`, the default) or, without a
-   verifier, the cosine similarity itself (a fixed ``--threshold``, or an embedder with no shipped verifier);
-3. no guard of ``guards`` refuses it. With the verifier only :data:`VERIFIER_GUARDS` are on by default: the guards
-   whose refusals the verifier does not learn from the training pairs (what each adds: docs/reuse.md, "Ablation").
+   at). The score is the cosine similarity (the default) or, with ``verifier="default"``, the learned verifier's
+   ``P(same)`` (:mod:`kvforge.reuse.verifier`; opt-in: on the evaluation pairs it does not yet serve more
+   paraphrases than the guards, docs/reuse.md);
+3. no guard of ``guards`` refuses it: every guard with the cosine; with the verifier :data:`VERIFIER_GUARDS` (what
+   each adds: docs/reuse.md, "Ablation").
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def build_decider(
     threshold: float | None = None,
     max_error: float | None = None,
     guards: Sequence[str] | None = None,
-    verifier: Any = "default",
+    verifier: Any = None,
     policy: Policy | None = None,
 ) -> Decider:
     """The decider every entry point builds from its options.
@@ -120,8 +121,8 @@ def build_decider(
         threshold: a fixed minimum cosine similarity (the paper's rule; no verifier, every guard by default).
         max_error: the bounded policy's tolerated false-hit rate (default 0.01).
         guards: the guards (default: :data:`VERIFIER_GUARDS` with a verifier, every guard without one).
-        verifier: ``"default"`` (the shipped verifier of the embedder, if any), None (the cosine decides) or a
-            verifier object.
+        verifier: None (the default: the cosine decides), ``"default"`` (the verifier shipped for the embedder,
+            if any: opt-in, see docs/reuse.md for what it serves and refuses today) or a verifier object.
         policy: a ready policy instead of ``threshold``/``max_error``.
     """
     if threshold is not None and max_error is not None:

@@ -2,12 +2,12 @@
 
 After C. Lee (Samsung Electronics), "A Study on the Caching Strategies for Semantically Similar Prompts in KV Cache
 Storage Offloading" (embedding -> FAISS top-1 -> cosine >= 0.7 -> the matched prompt's tokens and KV). kvforge
-decides hit or miss with one decision function (:mod:`kvforge.reuse.decide`): a learned verifier scores the top-1
-candidate (:mod:`kvforge.reuse.verifier`), and the score must reach a threshold certified for a bounded false-hit
-rate (after vCache: the user sets ``max_error``; :mod:`kvforge.reuse.policy`), raised per entry by verified lookups
-shared through the store (:mod:`kvforge.reuse.stats`); a few word guards (numbers, negations, code-like marks:
-:mod:`kvforge.reuse.guards`) refuse what the verifier does not learn. Only what the user wrote is compared (the
-request's text: a chat's last user message, :func:`kvforge.request.encode_turn`).
+decides hit or miss with one decision function (:mod:`kvforge.reuse.decide`): the top-1 candidate's score (its
+cosine similarity, or with ``verifier="default"`` a learned verifier's, :mod:`kvforge.reuse.verifier`) must reach a
+threshold certified for a bounded false-hit rate (after vCache: the user sets ``max_error``;
+:mod:`kvforge.reuse.policy`), raised per entry by verified lookups shared through the store
+(:mod:`kvforge.reuse.stats`), and the word guards (:mod:`kvforge.reuse.guards`) must pass. Only what the user wrote
+is compared (the request's text: a chat's last user message, :func:`kvforge.request.encode_turn`).
 
 Modes:
     ``canonical`` (the paper): the prompt text is embedded, the top-1 stored prompt is the candidate, and on a hit
@@ -105,8 +105,9 @@ class SemanticReuse:
         policy: a ready policy object instead of ``threshold``/``max_error``.
         guards: names from :data:`kvforge.reuse.guards.GUARDS`; any difference they find is a miss (default: those
             of :data:`~kvforge.reuse.decide.VERIFIER_GUARDS` with the verifier, every guard without).
-        verifier: ``"default"``: the learned verifier shipped for the embedder scores canonical-mode candidates
-            (:mod:`kvforge.reuse.verifier`); None: the cosine similarity is the score; or a verifier object.
+        verifier: None (the default): the cosine similarity is the score; ``"default"``: the learned verifier shipped
+            for the embedder scores canonical-mode candidates (:mod:`kvforge.reuse.verifier`, opt-in); or a
+            verifier object.
         min_text_ratio: context mode: minimum word-level edit ratio between the documents.
         device: where loaded entries go.
         reconcile_s: before a search, index stored segments that have no index record if the last such check is
@@ -125,7 +126,7 @@ class SemanticReuse:
     max_error: float | None = None
     policy: Policy | None = None
     guards: Sequence[str] | None = None
-    verifier: Any = "default"
+    verifier: Any = None
     min_text_ratio: float = 0.9
     device: Any = None
     reconcile_s: float = 60.0
