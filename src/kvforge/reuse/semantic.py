@@ -79,12 +79,6 @@ KEY_PREFIX = "semantic-v1-"
 MODES = ("canonical", "context")
 
 
-def build_policy(threshold: float | None, max_error: float | None, embedder: Any) -> Policy:
-    """A fixed threshold, or (the default) a bounded error rate with the shipped calibration of ``embedder``'s
-    verifier (of its cosine similarity when it has none)."""
-    return build_decider(embedder, threshold=threshold, max_error=max_error).policy
-
-
 def text_ratio(a: str, b: str) -> float:
     """Word-level similarity ratio in [0, 1] (difflib): 1.0 = same words in the same order."""
     return difflib.SequenceMatcher(a=tokens(a), b=tokens(b), autojunk=False).ratio()
