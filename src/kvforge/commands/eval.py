@@ -97,7 +97,8 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--store", default=None, help="--store-once: where documents are stored (default memory://; with "
                    "file:///dir a later run, another process, loads what an earlier one stored)")
     p.add_argument("--semantic", type=_names, help="semantic-reuse rows instead of presses, one per policy: default "
-                   "(bounded error 0.01), paper (fixed 0.7, no guards), max-error=X, threshold=X; with --task "
+                   "(bounded error 0.01), verifier (the default with the learned verifier), paper (fixed 0.7, "
+                   "no guards), max-error=X, threshold=X; with --task "
                    "semantic / semantic-long (docs/reuse.md)")
     p.add_argument("--report-only", action="store_true", help="rebuild summary, plots and report from results.jsonl")
     p.set_defaults(func=run, check=_check)
