@@ -87,6 +87,7 @@ def assemble(
     values: list[list[Tensor]] = [[] if prefix is None else [prefix.values[i]] for i in range(len(keys))]
     cursor = p  # position of the next placed token
     max_len = max(len(c) for c in prompt.chunk_ids)
+    deltas: list[Tensor] = [torch.zeros(p, dtype=torch.long)]  # how far each cached entry moves (the prefix stays)
 
     def place(piece: list[int], is_ctx: bool, is_cached: bool) -> None:
         nonlocal cursor
@@ -101,17 +102,12 @@ def assemble(
             raise ValueError(f"chunk {i}: stored segment holds other tokens")
         if ape:
             cursor = p  # position reuse: every chunk at P..P+L_i-1
+        first = _stored_start(seg, i, len(chunk_ids))
+        if cursor != first and rope is None:
+            raise ValueError("moving chunks needs the model's RoPE spec")
+        deltas.append(torch.full((len(chunk_ids),), cursor - first, dtype=torch.long))
         for li in range(len(keys)):
-            stored = seg.positions[li][0]  # (L,) same for every head
-            first = int(stored[0])
-            run = torch.arange(first, first + len(chunk_ids), device=stored.device)
-            if stored.numel() != len(chunk_ids) or not torch.equal(stored, run):
-                raise ValueError(f"chunk {i}, layer {li}: stored positions are not {len(chunk_ids)} contiguous ones")
-            delta = cursor - first
-            if delta and rope is None:
-                raise ValueError("moving chunks needs the model's RoPE spec")
-            moved = seg.keys[li] if delta == 0 else rope.rotate(seg.keys[li], int(delta), li)  # type: ignore[union-attr]
-            keys[li].append(moved)
+            keys[li].append(seg.keys[li])
             values[li].append(seg.values[li])
         place(chunk_ids, True, True)
         if ape and i < len(chunks) - 1:
@@ -121,16 +117,30 @@ def assemble(
         place(prompt.sep_ids, False, False)
     place(prompt.question_ids, False, False)
     is_cached = torch.tensor(cached)
+    joined = [torch.cat(k, dim=1) for k in keys]  # (H_kv, S_c, D) per layer, stored positions
+    if rope is not None:  # one rotation per layer for every chunk (each entry by its chunk's delta)
+        joined = rope.rotate_layers(joined, torch.cat(deltas))
     return Assembly(
         ids=torch.tensor(ids),
         positions=torch.tensor(pos),
         is_context=torch.tensor(ctx),
         is_cached=is_cached,
         cached_idx=is_cached.nonzero().flatten(),
-        keys=[torch.cat(k, dim=1) for k in keys],
+        keys=joined,
         values=[torch.cat(v, dim=1) for v in values],
         prefix_len=p,
     )
+
+
+def _stored_start(seg: KVSegment, index: int, num_tokens: int) -> int:
+    """The first stored position of chunk ``index``, checking that every layer holds ``num_tokens`` contiguous ones."""
+    first = int(seg.positions[0][0, 0])
+    run = torch.arange(first, first + num_tokens)
+    for li, stored in enumerate(seg.positions):
+        row = stored[0]  # (L,) same for every head
+        if row.numel() != num_tokens or not torch.equal(row.cpu(), run):
+            raise ValueError(f"chunk {index}, layer {li}: stored positions are not {num_tokens} contiguous ones")
+    return first
 
 
 def build_cache(
