@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from kvforge.cache import KVCache
+from kvforge.cache import HIDDEN, KVCache, Reserved
 from kvforge.reuse.rag.chunks import ChunkCache
 from kvforge.reuse.rag.prompt import RagPrompt
 from kvforge.reuse.rag.rope import RopeSpec
@@ -148,28 +148,37 @@ def build_cache(
     asm: Assembly,
     recompute: Tensor,
     overrides: dict[int, tuple[Tensor, Tensor]] | None = None,
+    num_layers: int | None = None,
 ) -> KVCache:
-    """A cache holding the reused entries of every cached token not in ``recompute`` ``(N,)`` bool.
+    """A cache holding every prompt token in prompt order: the reused entries of the cached tokens not in
+    ``recompute`` ``(N,)`` bool, and reserved slots (:class:`~kvforge.cache.Reserved`, at position
+    :data:`~kvforge.cache.HIDDEN` until written) for the tokens the plan runs: recomputed, separators, question.
+    :func:`kvforge.prefill.prefill_at` of exactly those tokens fills them in place (no entry moves, no sort).
 
-    ``overrides[l] = (keys, values)`` ``(H_kv, S_c, D)`` replaces layer l's reused KV (CacheBlend's fresh layers).
+    ``overrides[l] = (keys, values)`` ``(H_kv, S_c, D)`` replaces layer l's reused KV (CacheBlend's fresh layers);
+    ``num_layers``: fill only the first layers (CacheBlend's early pass runs no others).
     """
-    keep = ~recompute[asm.cached_idx]  # (S_c,)
-    pos = asm.positions[asm.cached_idx][keep]  # (S_kept,)
-    keys, values = [], []
-    for li in range(len(asm.keys)):
-        k, v = overrides[li] if overrides and li in overrides else (asm.keys[li], asm.values[li])
-        keys.append(k[:, keep])
-        values.append(v[:, keep])
-    segment = KVSegment(
-        token_ids=asm.ids[asm.cached_idx][keep].tolist(),
-        keys=keys,
-        values=values,
-        positions=[pos[None].expand(k.shape[0], -1) for k in keys],
-        valid=[None] * len(keys),
-        next_position=int(pos.max()) + 1 if pos.numel() else 0,
-    )
+    run = recompute | ~asm.is_cached  # (N,)
+    kept = ~recompute[asm.cached_idx]  # (S_c,) cached entries reused
+    slots = asm.cached_idx[kept]  # where they go
+    every = bool(kept.all())
+    positions = asm.positions.masked_fill(run, HIDDEN)
     device = next(model.parameters()).device
-    cache = KVCache.from_segments([segment], model, device=device)
+    cache = KVCache.for_model(model)
+    n = asm.num_tokens
+    for li, layer in enumerate(cache.layers[:num_layers]):
+        k, v = overrides[li] if overrides and li in overrides else (asm.keys[li], asm.values[li])
+        keys, values = k.new_zeros((1, k.shape[0], n, k.shape[2])), v.new_zeros((1, v.shape[0], n, v.shape[2]))
+        keys[0].index_copy_(1, slots, k if every else k[:, kept])
+        values[0].index_copy_(1, slots, v if every else v[:, kept])
+        layer.replace(keys.to(device), values.to(device), positions[None].to(device))
+    cache.reserved = Reserved(
+        slots=run.nonzero().flatten(),
+        positions=asm.positions[run],
+        in_order=bool((asm.positions[1:] >= asm.positions[:-1]).all()),
+    )
+    kept_positions = asm.positions[~run]
+    cache.next_position = int(kept_positions.max()) + 1 if kept_positions.numel() else 0
     cache.token_ids = []  # tokens in prompt order are set once the plan's recomputation ran
     return cache
 

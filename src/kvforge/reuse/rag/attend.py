@@ -85,5 +85,6 @@ class AttentionCapture:
         """``(num_positions,)`` mean attention received per key position."""
         out = torch.zeros(num_positions)
         for pos, mass in self._parts:
-            out.index_add_(0, pos.cpu(), mass.float().cpu())
+            seen = pos < num_positions  # a reserved slot not written yet (masked) received nothing
+            out.index_add_(0, pos[seen].cpu(), mass[seen].float().cpu())
         return out / max(self._count, 1)

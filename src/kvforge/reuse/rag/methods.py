@@ -17,7 +17,7 @@ from torch import Tensor
 
 from kvforge.cache import AttentionHook, KVCache
 from kvforge.names import RAG_RECOMPUTING
-from kvforge.prefill import forward, sort_by_position
+from kvforge.prefill import prefill_at
 from kvforge.reuse.rag.assemble import Assembly, ChunkSource, build_cache, truncated
 from kvforge.reuse.rag.attend import APEAttention
 from kvforge.reuse.rag.aux import AuxScorer, select_top
@@ -127,14 +127,10 @@ class CacheBlendStrategy:
         asm = reuse.load(prompt)
         check = min(self.check_layer, reuse.num_layers - 1)
         # early layers: every non-prefix token, over the prefix only
-        early = build_cache(reuse.model, asm, asm.is_context)
+        early = build_cache(reuse.model, asm, asm.is_context, num_layers=check + 1)
         rest = torch.arange(asm.prefix_len, asm.num_tokens)
-        device = next(reuse.model.parameters()).device
         with truncated(reuse.model, check + 1):
-            for start in range(0, rest.numel(), EARLY_CHUNK_SIZE):
-                part = rest[start : start + EARLY_CHUNK_SIZE]
-                forward(reuse.model, asm.ids[part][None], early, position_ids=asm.positions[part][None].to(device))
-        sort_by_position(early)
+            prefill_at(reuse.model, asm.ids[rest], asm.positions[rest], early, chunk_size=EARLY_CHUNK_SIZE)
         fresh = {}
         for li in range(check + 1):
             k, v, _, _ = early.layers[li].view()  # (1, H_kv, N, D): every token, in prompt order
