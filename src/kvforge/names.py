@@ -54,7 +54,7 @@ PRESS_DESCRIPTIONS: dict[str, str] = {
 PRESS_NAMES: tuple[str, ...] = tuple(PRESS_DESCRIPTIONS)
 
 TASK_NAMES: tuple[str, ...] = (
-    "needle", "needle-docs", "needle-multi", "needle-narrative", "needle-multi-narrative",
+    "needle", "needle-docs", "needle-multi", "needle-narrative", "needle-narrative-docs", "needle-multi-narrative",
     "ruler-mk", "ruler-mv", "ruler-mq", "ruler-vt", "ruler-cwe", "ruler",
     "longbench-qa", "longbench-summ", "longbench", "leval", "squad", "musique", "semantic", "semantic-long",
 )  # fmt: skip
