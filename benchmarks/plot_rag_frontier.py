@@ -24,20 +24,21 @@ FULL = "full"
 
 
 def read_rows(paths: list[str]) -> list[dict[str, Any]]:
-    rows: dict[tuple[str, str, float], dict[str, Any]] = {}
-    for path in paths:
+    """Rows of every run, each tagged with its run (a reuse row is compared with the full prefill of its own run)."""
+    rows: dict[tuple[int, str, str, float], dict[str, Any]] = {}
+    for run, path in enumerate(paths):
         for line in Path(path).read_text(encoding="utf-8").splitlines():
             if line.strip():
-                r = json.loads(line)
-                rows[(r["id"], r["method"], round(float(r["compression_ratio"]), 6))] = r
+                r = json.loads(line) | {"run": run}
+                rows[(run, r["id"], r["method"], round(float(r["compression_ratio"]), 6))] = r
     return list(rows.values())
 
 
 def points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    full = {r["id"]: r for r in rows if r["method"] == FULL}
+    full = {(r["run"], r["id"]): r for r in rows if r["method"] == FULL}
     sets: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
-        if r["id"] in full:
+        if (r["run"], r["id"]) in full:
             sets[r["task"]].append(r)
             sets["all"].append(r)
     out = []
@@ -46,7 +47,7 @@ def points(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for r in members:
             groups[(r["method"], round(float(r["compression_ratio"]), 6))].append(r)
         for (method, ratio), group in sorted(groups.items()):
-            refs = [full[r["id"]] for r in group]
+            refs = [full[(r["run"], r["id"])] for r in group]
             mean = statistics.fmean(r["score"] for r in group)
             full_mean = statistics.fmean(r["score"] for r in refs)
             kls = [r["kl"] for r in group if r.get("kl") is not None]
