@@ -170,3 +170,25 @@ def test_unknown_option_is_a_user_error():
         from kvforge.names import check_rag_strategy
 
         check_rag_strategy("epic2")
+
+
+def test_ape_merge_runs_the_other_queries_on_the_plain_kernel():
+    """Queries before the contexts' end attend plainly (sdpa), the others with the merge: the same as all eager."""
+    from types import SimpleNamespace
+
+    from kvforge.cache import KVCache
+
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, 12, 8, generator=gen), torch.randn(1, 2, 12, 8, generator=gen)
+    pos = torch.arange(12)
+    cache = KVCache(1)
+    cache.layers[0].replace(k, v, pos[None])
+    cache.query_positions = torch.tensor([[5, 6, 10, 11]])
+    q = torch.randn(1, 4, 4, 8, generator=gen)
+    mask = pos[None, None, None, :] <= cache.query_positions[:, None, :, None]  # (1, 1, Q, K)
+    hook, module = APEAttention(cache, 2, 9, 0.8, 0.7), SimpleNamespace(layer_idx=0)
+    fast = hook(module, q, k, v, mask, False, None, None)
+    eager = hook._merged(module, q, k, v, mask, None, cache.query_positions)
+    torch.testing.assert_close(fast, eager, atol=1e-5, rtol=0)
+    plain = APEAttention(cache, 2, 9, 1.0, 1.0)._merged(module, q, k, v, mask, None, cache.query_positions)
+    assert (fast[:, 2:] - plain[:, 2:]).abs().max() > 1e-3  # the merge really applies past the contexts
