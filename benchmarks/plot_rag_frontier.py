@@ -89,6 +89,7 @@ def plot(pts: list[dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     sets = sorted({p["set"] for p in pts})
+    colour = {m: f"C{i}" for i, m in enumerate(sorted({p["method"] for p in pts}))}  # one colour per method
     fig, axes = plt.subplots(len(sets), 3, figsize=(14, 3.6 * len(sets)), squeeze=False)
     for row, name in zip(axes, sets, strict=True):
         by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -100,7 +101,7 @@ def plot(pts: list[dict[str, Any]], path: str) -> None:
             x = [100 * p["recompute_share"] for p in ps]
             style = "o-" if len(ps) > 1 else "s"
             for ax, key in zip(row, ("normalized", "kl", "speedup_median"), strict=True):
-                ax.plot(x, [p[key] for p in ps], style, label=method)
+                ax.plot(x, [p[key] for p in ps], style, label=method, color=colour[method])
         for ax, label in zip(row, ("normalised score (full = 100)", "KL(full || reuse)", "TTFT speed-up (×)"),
                              strict=True):  # fmt: skip
             ax.set_xlabel("recompute share of context tokens (%)")
