@@ -14,6 +14,7 @@ from typing import Any
 from kvforge.decode import PresenceFrequencyPenalty, SamplingParams
 from kvforge.engine import Engine
 from kvforge.errors import PRESS_WITH_REUSE, UserError
+from kvforge.names import RAG_RECOMPUTING
 from kvforge.presses.base import Press
 from kvforge.request import Chunks, Document, Prompt, Request
 from kvforge.reuse.base import ReuseStrategy
@@ -122,8 +123,8 @@ class Translator:
         if (opts.chunks is None) == (opts.chunk_ids is None):
             raise APIError(400, "kvforge.rag needs exactly one of kvforge.chunks (texts) or kvforge.chunk_ids",
                            param="kvforge.chunks")  # fmt: skip
-        if opts.recompute_ratio is not None and opts.rag not in ("cacheblend", "cacheclip"):
-            raise APIError(400, "kvforge.recompute_ratio applies to cacheblend and cacheclip",
+        if opts.recompute_ratio is not None and opts.rag not in RAG_RECOMPUTING:
+            raise APIError(400, f"kvforge.recompute_ratio applies to {', '.join(RAG_RECOMPUTING)}",
                            param="kvforge.recompute_ratio")  # fmt: skip
         question, system = split_system_question(prompt, "messages")
         strategy = self.features.chunk_reuse(opts.rag, opts.recompute_ratio)
