@@ -226,6 +226,9 @@ def test_bad_names_and_sizes_in_redis_are_skipped(fake_redis: Any) -> None:
     raw.hset("kvforge:blob:sizes", "../not a key", 5)
     raw.hset("kvforge:seg:sizes", "bb", "many")
     raw.zadd("kvforge:seg:lru", {"bad name!": 2.0})
+    meta = json.loads(raw.get("kvforge:seg:aa:meta"))
+    meta["summary"] |= {"num_tokens": "many", "full_bytes": [1]}  # what `cache stats` sums
+    raw.set("kvforge:seg:aa:meta", json.dumps(meta))
     assert store.keys() == ["aa"] and store.blob_keys() == ["semantic-v1-rec-x"]
     store.client.info = lambda *a: {}  # not in fakeredis
     stats = store.stats(deep=True)
@@ -276,3 +279,10 @@ def test_foreign_statistics_blobs_are_skipped(tmp_path: Path) -> None:
     store.put_blob("st-third", json.dumps({"format": FORMAT, "writers": {}, "entries": {"k": [[1, 2]]}}).encode())
     stats = SharedStats(store, "st-")
     assert stats.view(force=True).counts == {} and stats.compact() == 0
+
+
+def test_a_children_list_naming_a_bad_chain_is_skipped() -> None:
+    from kvforge.reuse import chain
+
+    raw = json.dumps({"format": chain.FORMAT, "parent": "p", "children": [["../../x", [1]], ["abc", [2]]]}).encode()
+    assert chain.decode_list("p", raw) == [("abc", [2])]
