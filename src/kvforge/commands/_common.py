@@ -223,6 +223,14 @@ def check_store_url(url: str | None) -> None:
                 raise UserError(f"store URL {shown!r} is not an absolute path: write file:///abs/dir (three slashes)")
 
 
+def check_api_key(key: str | None) -> None:
+    """An API key that is set but empty (``KVFORGE_API_KEY=``) is refused: it would start an open server silently."""
+    if key is not None and not key.strip():
+        raise UserError(
+            "the API key is empty (--api-key or KVFORGE_API_KEY): give a key, or unset it for an open server"
+        )
+
+
 def check_port_free(host: str, port: int) -> None:
     """Fail now, not after the model loaded, when ``host:port`` cannot be bound."""
     import socket

@@ -7,7 +7,7 @@ import os
 import time
 from typing import Any
 
-from kvforge.commands._common import check_port_free, check_store_url, positive_int
+from kvforge.commands._common import check_api_key, check_port_free, check_store_url, positive_int
 from kvforge.errors import UserError
 
 
@@ -44,6 +44,9 @@ def _served_model(upstream: str, wanted: str | None, wait_s: float, api_key: str
     """The model path the upstream serves (its ``/v1/models`` ``root``), waiting for it to start."""
     import httpx
 
+    from kvforge.redact import redact_text, redact_url
+
+    shown = redact_url(upstream)
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + wait_s
     announced = False
@@ -56,20 +59,21 @@ def _served_model(upstream: str, wanted: str | None, wait_s: float, api_key: str
         except (httpx.HTTPError, KeyError, ValueError) as e:
             if time.monotonic() > deadline:
                 raise UserError(
-                    f"upstream {upstream} does not answer /v1/models ({e}); is vLLM running there?"
+                    f"upstream {shown} does not answer /v1/models ({redact_text(str(e))}); is vLLM running there?"
                 ) from None
             if not announced:
-                print(f"kvforge route: waiting for {upstream} (up to {wait_s:g} s, --upstream-wait)", flush=True)
+                print(f"kvforge route: waiting for {shown} (up to {wait_s:g} s, --upstream-wait)", flush=True)
                 announced = True
             time.sleep(2.0)
     for model in models:
         if wanted is None or wanted in (model.get("id"), model.get("root")):
             return str(model.get("root") or model["id"])
     names = ", ".join(str(m.get("id")) for m in models)
-    raise UserError(f"upstream {upstream} does not serve {wanted!r}; it serves: {names}")
+    raise UserError(f"upstream {shown} does not serve {wanted!r}; it serves: {names}")
 
 
 def run_route(args: argparse.Namespace) -> int:
+    check_api_key(args.api_key)
     check_store_url(args.store)
     check_port_free(args.host, args.port)
     if args.threshold is not None and not -1.0 <= args.threshold <= 1.0:
@@ -98,6 +102,6 @@ def run_route(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         record_wait_s=args.record_wait,
     )
-    print(f"kvforge route: http://{args.host}:{args.port}/v1 -> {args.upstream} ({model})", flush=True)
+    print(f"kvforge route: http://{args.host}:{args.port}/v1 -> {redact_url(args.upstream)} ({model})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -7,7 +7,15 @@ import contextlib
 import os
 from typing import Any
 
-from kvforge.commands._common import add_model_args, check_port_free, check_store_url, load, positive_int, ratio
+from kvforge.commands._common import (
+    add_model_args,
+    check_api_key,
+    check_port_free,
+    check_store_url,
+    load,
+    positive_int,
+    ratio,
+)
 from kvforge.commands._reuse import add_semantic_args, check_semantic_args
 from kvforge.errors import UserError
 from kvforge.names import REUSE_NAMES
@@ -59,6 +67,7 @@ def register(sub: Any, bench_sub: Any) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    check_api_key(args.api_key)
     check_store_url(args.store)  # cheap checks first: a bad URL or a port in use fails before anything heavy loads
     check_port_free(args.host, args.port)
     check_semantic_args(args)  # before any heavy import

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from kvforge.redact import redact_text, redact_url
 from kvforge.route.normalize import Endpoint, PromptNormalizer, RouteDecision
 from kvforge.serve.errors import error_body
 from kvforge.serve.middleware import GuardMiddleware
@@ -30,6 +31,8 @@ logger = logging.getLogger(__name__)
 _HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
                 "proxy-authorization", "accept-encoding"}  # fmt: skip
 _ROUTED = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+# whatever fails between the router and its upstream (refused, reset, cut-short body, stalled read): a 502, never a 500
+_UPSTREAM_ERRORS = (httpx.HTTPError, httpx.StreamError, OSError)
 
 
 class RouteMetrics:
@@ -64,6 +67,10 @@ def create_router_app(
     """The ASGI app. ``transport`` replaces the network in tests (an ``httpx.MockTransport``)."""
     metrics = RouteMetrics()
     state: dict[str, Any] = {}
+    shown = redact_url(upstream)  # the upstream as every answer and log line names it: never its credentials
+
+    def upstream_failed(e: BaseException) -> JSONResponse:
+        return _error(502, f"upstream {shown} unreachable or failed: {type(e).__name__}", "upstream_unavailable")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -94,9 +101,9 @@ def create_router_app(
             ids = [int(t) for t in tok.json()["tokens"]]
             outcome = await asyncio.to_thread(normalizer.record, decision, ids, record_wait_s)
         except (httpx.HTTPError, KeyError, ValueError, TypeError) as e:
-            outcome = f"not recorded: upstream /tokenize failed ({e})"
+            outcome = f"not recorded: upstream /tokenize failed ({redact_text(str(e))})"
         except Exception as e:  # a store fault while recording: this prompt is simply not indexed
-            outcome = f"not recorded: {type(e).__name__}: {e}"
+            outcome = f"not recorded: {type(e).__name__}: {redact_text(str(e))}"
         if outcome == "recorded":
             metrics.recorded.inc()
         logger.info("route: prompt %s", outcome)
@@ -122,8 +129,8 @@ def create_router_app(
                                                 params=request.query_params)  # fmt: skip
         try:
             response = await client.send(upstream_request, stream=True)
-        except httpx.HTTPError as e:
-            return _error(502, f"upstream {upstream} unreachable: {type(e).__name__}", "upstream_unavailable")
+        except _UPSTREAM_ERRORS as e:
+            return upstream_failed(e)
 
         def maybe_record() -> None:
             if decision.kind == "miss" and response.status_code < 300:
@@ -138,6 +145,11 @@ def create_router_app(
                     async for chunk in response.aiter_bytes():  # decoded: headers say nothing of gzip
                         yield chunk
                     maybe_record()
+                except _UPSTREAM_ERRORS as e:  # broken or stalled mid-stream: the client is told, then [DONE]
+                    logger.warning("route: upstream stream from %s failed (%s)", shown, type(e).__name__)
+                    body = error_body(f"upstream {shown} failed mid-stream: {type(e).__name__}", "server_error",
+                                      None, "upstream_unavailable")  # fmt: skip
+                    yield f"\n\ndata: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
                 finally:
                     await response.aclose()
 
@@ -145,6 +157,8 @@ def create_router_app(
             return StreamingResponse(relay(), status_code=response.status_code, media_type=media, headers=route_header)
         try:
             data = await response.aread()
+        except _UPSTREAM_ERRORS as e:  # e.g. a body cut short
+            return upstream_failed(e)
         finally:
             await response.aclose()
         maybe_record()
@@ -170,9 +184,9 @@ def create_router_app(
         try:
             answer = await state["client"].get("/health", timeout=5.0)
             ok = answer.status_code == 200
-        except httpx.HTTPError:
+        except _UPSTREAM_ERRORS:
             ok = False
-        body = {"status": "ok" if ok else "upstream unavailable", "upstream": upstream}
+        body = {"status": "ok" if ok else "upstream unavailable", "upstream": shown}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -185,8 +199,8 @@ def create_router_app(
         try:
             answer = await client.request(request.method, "/" + path, content=await request.body(),
                                           headers=upstream_headers(request), params=request.query_params)  # fmt: skip
-        except httpx.HTTPError as e:
-            return _error(502, f"upstream {upstream} unreachable: {type(e).__name__}", "upstream_unavailable")
+        except _UPSTREAM_ERRORS as e:
+            return upstream_failed(e)
         return Response(answer.content, status_code=answer.status_code,
                         media_type=answer.headers.get("content-type"))  # fmt: skip
 

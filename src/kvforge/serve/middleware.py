@@ -35,9 +35,12 @@ class GuardMiddleware:
     """
 
     def __init__(self, app: Any, metrics: Metrics, api_key: str | None, max_body_bytes: int) -> None:
+        if api_key is not None and not api_key.strip():
+            raise ValueError("the API key is empty: give a key, or none for an open server")
         self.app = app
         self.metrics = metrics
         self.api_key = api_key
+        self._key = None if api_key is None else api_key.strip().encode()  # compared as UTF-8 bytes
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
@@ -94,9 +97,9 @@ class GuardMiddleware:
     def _authorized(self, scope: Scope, path: str) -> bool:
         if self.api_key is None or path in OPEN_PATHS:
             return True
-        auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = auth.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"")  # bytes as sent: a UTF-8 key matches
+        scheme, _, token = auth.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key or b"")
 
     async def _call_limited(self, scope: Scope, receive: Any, send: Any, has_length: bool) -> None:
         """Call the app; a body without Content-Length (chunked) is read here first, up to the limit."""
