@@ -7,7 +7,14 @@ import os
 import time
 from typing import Any
 
-from kvforge.commands._common import check_api_key, check_port_free, check_store_url, positive_int
+from kvforge.commands._common import (
+    add_connection_args,
+    check_api_key,
+    check_port_free,
+    check_store_url,
+    connection_options,
+    positive_int,
+)
 from kvforge.errors import UserError
 
 
@@ -36,6 +43,7 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream request")
     p.add_argument("--record-wait", type=float, default=10.0, help="seconds to wait for a missed prompt's blocks")
     p.add_argument("--max-body-bytes", type=positive_int, default=8 * 2**20)
+    add_connection_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_route)
 
@@ -74,6 +82,7 @@ def _served_model(upstream: str, wanted: str | None, wait_s: float, api_key: str
 
 def run_route(args: argparse.Namespace) -> int:
     check_api_key(args.api_key)
+    connections = connection_options(args)  # uvicorn's: read timeouts, connection cap
     check_store_url(args.store)
     check_port_free(args.host, args.port)
     if args.threshold is not None and not -1.0 <= args.threshold <= 1.0:
@@ -103,5 +112,5 @@ def run_route(args: argparse.Namespace) -> int:
         record_wait_s=args.record_wait,
     )
     print(f"kvforge route: http://{args.host}:{args.port}/v1 -> {redact_url(args.upstream)} ({model})", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, **connections)
     return 0
