@@ -286,3 +286,31 @@ def test_a_children_list_naming_a_bad_chain_is_skipped() -> None:
 
     raw = json.dumps({"format": chain.FORMAT, "parent": "p", "children": [["../../x", [1]], ["abc", [2]]]}).encode()
     assert chain.decode_list("p", raw) == [("abc", [2])]
+
+
+# ------------------------------------------------------------------------------------------ the byte budget
+def _on_disk(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and "blobs" not in p.parts)
+
+
+def test_writers_sharing_a_folder_stay_within_max_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Room is made before a write, counting every write in flight (another process's included): at the moment a
+    write completes, the entries and the partial writes still fit ``max_bytes``."""
+    from kvforge.store import disk
+
+    size = len(codec.encode(make_segment()))
+    store = DiskStore(tmp_path / "kv", max_bytes=3 * size, fsync=False, rescan_s=3600.0)
+    for i in range(3):
+        store.put(f"k{i}", make_segment(seed=i))
+    (tmp_path / "kv" / "tmp" / "other.99.beef.tmp").write_bytes(bytes(size))  # another writer's write in flight
+    peak: list[int] = []
+    real_replace = os.replace
+
+    def replace(src: Any, dst: Any) -> None:
+        peak.append(_on_disk(tmp_path / "kv"))  # the new entry written, nothing removed yet
+        real_replace(src, dst)
+
+    monkeypatch.setattr(disk.os, "replace", replace)
+    store.put("new", make_segment(seed=9))
+    assert peak and max(peak) <= 3 * size, (peak, 3 * size)
+    assert store.contains("new") and _on_disk(tmp_path / "kv") <= 3 * size

@@ -364,6 +364,9 @@ class DiskStore(ByteStore):
                     raise ForeignEntryError(f"{folder.name}/ is a symbolic link")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             with open(fd, "wb") as f:
+                if kind == "seg":  # room first: the bytes about to be written count before they are on disk
+                    f.truncate(size)  # (sparse) the entry's size, seen by every writer that scans tmp/ from now on
+                    self._make_room(size)
                 for part in parts:
                     f.write(part)
                 f.flush()
@@ -406,6 +409,26 @@ class DiskStore(ByteStore):
             size = self._index.pop(key, None)
             if size is not None:
                 self._bytes -= size
+
+    def _make_room(self, size: int) -> None:
+        """Before a write of ``size`` bytes (already reserved as a sparse file in ``tmp/``): evict least recently used
+        entries until the entries plus every partial write fit ``max_bytes``. The partial writes are listed afresh
+        (a small folder), so writers sharing the folder count each other's writes in flight and, together, stay
+        within the bound; entries are re-listed as :meth:`_evict` does."""
+        with self.lock:
+            if time.monotonic() - self._last_scan > self.rescan_s:
+                self._rescan()
+            else:
+                self._tmp_bytes = self._scan_tmp_bytes()
+            if self._bytes + self._tmp_bytes <= self.max_bytes:
+                return
+            self._rescan()
+            while self._bytes + self._tmp_bytes > self.max_bytes and self._index:
+                old = next(iter(self._index))
+                self._forget(old)
+                self.discard(old)
+                self.num_evicted += 1
+                log.debug("disk store: evicted %s to make room for a write of %d bytes", old, size)
 
     def _evict(self, keep: str) -> None:
         """Remove least recently used segment files until the folder holds at most ``max_bytes``."""
