@@ -15,10 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-from store_helpers import make_segment
+from store_helpers import forge, make_segment
 
-from kvforge.store import DiskStore, codec, payload
-from kvforge.store.checksum import checksum
+from kvforge.store import DiskStore, codec
 from kvforge.store.disk import shard
 from kvforge.types import KVSegment
 
@@ -42,24 +41,6 @@ def _bytes_read() -> int:
         if line.startswith("rchar:"):
             return int(line.split()[1])
     raise AssertionError("no rchar")
-
-
-def forge(data: bytes, header: Callable[[dict], None] = lambda h: None,
-          tensors: Callable[[dict], None] = lambda t: None) -> bytes:  # fmt: skip
-    """``data`` (an encoded segment) with its header and tensors edited, every checksum made valid again: what
-    someone who can write the store can make."""
-    parsed = codec._parse(data)
-    found = dict(payload.read_payload(memoryview(bytearray(data)), (parsed.index, parsed.start)))
-    tensors(found)
-    index, buffers = payload.tensor_index(found)
-    h = {k: v for k, v in parsed.header.items() if k != "header_checksum"}
-    header(h)
-    algo = h["checksum_algo"]
-    h["payload_bytes"] = sum(len(b) for b in buffers)
-    h["checksum"] = checksum([payload.index_json(index), *buffers], algo)
-    h["header_checksum"] = checksum([codec._header_json(h)], algo)
-    raw = json.dumps(h, separators=(",", ":"))
-    return b"".join(bytes(p) for p in payload.write_parts(index, buffers, {codec.METADATA_KEY: raw}))
 
 
 def _kvtc_segment() -> KVSegment:
