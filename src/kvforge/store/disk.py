@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DISK_BYTES = 10 * 1024**3
 SEG_SUFFIX, BLOB_SUFFIX, TMP_SUFFIX = ".kvseg", ".blob", ".tmp"
+WRITES_MARK = ".writes"  # in segments/: its mtime changes with every committed entry (see DiskStore._make_room)
 STALE_TMP_S = 3600.0  # a tmp file older than this is a crashed write: removed on open
 READ_CHUNK = 512 << 10  # read and hashed at once, while in the CPU's cache (a helper thread hashing 8 MiB chunks
 # behind the read was slower once reads fill recycled memory, and needs a free core: see docs/store.md)
@@ -188,6 +189,7 @@ class DiskStore(ByteStore):
         self.rescan_s = rescan_s
         self._last_scan = 0.0
         self._last_ns = 0
+        self._seen_writes: int | None = None
         self._legacy: set[str] = set()  # keys still in the pre-hash layout (a read-only store cannot move them)
         self.read_only = read_only
         if read_only and not self.root.is_dir():
@@ -277,6 +279,7 @@ class DiskStore(ByteStore):
     def _rescan(self) -> None:
         """Rebuild the LRU index from the files (oldest mtime first)."""
         with self.lock:
+            self._seen_writes = self._writes_mark()  # before listing: a write committed meanwhile shows next time
             self._index = OrderedDict((key, size) for _, key, size in sorted(self._scan("seg")))
             self._bytes = sum(self._index.values())
             self._tmp_bytes = self._scan_tmp_bytes()
@@ -373,6 +376,8 @@ class DiskStore(ByteStore):
                 if self.fsync:
                     os.fsync(f.fileno())
             self._stamp(tmp)
+            if kind == "seg":
+                self._mark_write()
             os.replace(tmp, path)  # atomic: readers see the old file or the new one
         except BaseException:
             _discard(tmp)  # whatever failed (EROFS, ENOSPC, EFBIG, EDQUOT, EACCES, an interrupt): no partial file
@@ -387,6 +392,23 @@ class DiskStore(ByteStore):
                 self._bytes += size
             self._evict(keep=key)
         return True
+
+    def _writes_mark(self) -> int | None:
+        """The mtime of ``segments/.writes`` (None: no write committed yet)."""
+        try:
+            return (self.root / "segments" / WRITES_MARK).lstat().st_mtime_ns
+        except OSError:
+            return None
+
+    def _mark_write(self) -> None:
+        """Tell the processes sharing the folder that an entry is being committed (before it is: see _make_room)."""
+        mark = self.root / "segments" / WRITES_MARK
+        with self.lock:
+            before = self._writes_mark()
+            mark.touch()
+            self._stamp(mark)
+            if before == self._seen_writes:  # nobody else committed since our last listing: ours needs none
+                self._seen_writes = self._writes_mark()
 
     def _stamp(self, path: Path) -> None:
         """Set the mtime to now with ns precision, strictly increasing in this process (the kernel's own file
@@ -412,17 +434,14 @@ class DiskStore(ByteStore):
 
     def _make_room(self, size: int) -> None:
         """Before a write of ``size`` bytes (already reserved as a sparse file in ``tmp/``): evict least recently used
-        entries until the entries plus every partial write fit ``max_bytes``. The partial writes are listed afresh
-        (a small folder), so writers sharing the folder count each other's writes in flight and, together, stay
-        within the bound; entries are re-listed as :meth:`_evict` does."""
+        entries until the entries plus every partial write fit ``max_bytes``. Partial writes are listed afresh (a
+        small folder); entries when another process committed one since the last listing (the mtime of
+        ``segments/.writes``, which every writer sets just before each commit), so writers sharing the folder count
+        each other's entries and writes in flight, and a lone writer lists nothing."""
         with self.lock:
-            if time.monotonic() - self._last_scan > self.rescan_s:
-                self._rescan()
-            else:
-                self._tmp_bytes = self._scan_tmp_bytes()
-            if self._bytes + self._tmp_bytes <= self.max_bytes:
-                return
-            self._rescan()
+            self._tmp_bytes = self._scan_tmp_bytes()  # first: a write committed after this bumps the mark below
+            if self._writes_mark() != self._seen_writes or time.monotonic() - self._last_scan > self.rescan_s:
+                self._rescan()  # another process committed an entry since the last listing: count it
             while self._bytes + self._tmp_bytes > self.max_bytes and self._index:
                 old = next(iter(self._index))
                 self._forget(old)

@@ -275,6 +275,12 @@ class RedisStore(ByteStore):
         with contextlib.suppress(self._redis_error, StoreUnavailableError):
             self.remove(key, kind)
 
+    def _valid_sizes(self, kind: Kind) -> list[int]:
+        """The sizes of the entries of the sizes hash that are entry keys."""
+        found = self._call(lambda: self.client.hgetall(self._sizes(kind)))
+        keep = set(self._names(list(found), "the sizes hash"))
+        return _sizes([v for k, v in found.items() if k.decode("utf-8", "replace") in keep])
+
     def _names(self, raw: list[bytes], what: str) -> list[str]:
         """Entry names read from Redis that are valid keys (others, written by something else, are skipped, with
         one warning the first time each is met)."""
@@ -407,8 +413,7 @@ class RedisStore(ByteStore):
         return None if meta is None else int(meta["bytes"])
 
     def usage(self) -> dict[str, Any]:
-        sizes = _sizes(self._call(lambda: self.client.hvals(self._sizes("seg"))))
-        blob_sizes = _sizes(self._call(lambda: self.client.hvals(self._sizes("blob"))))
+        sizes, blob_sizes = (self._valid_sizes(kind) for kind in ("seg", "blob"))
         info = self._call(lambda: self.client.info("memory"))
         memory = {f"redis_{k}": info.get(k) for k in ("used_memory", "maxmemory", "maxmemory_policy")}
         return usage_report(self.display_url, len(sizes), sum(sizes), self.max_bytes, blob_sizes,
