@@ -3,6 +3,7 @@ connections, a router's upstream that fails or carries a password, keys and stre
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -390,8 +391,9 @@ def idle_connections(tmp: Path) -> tuple[str, dict[str, list[int]]]:
         start = time.monotonic()
         for s in socks:
             data = b""
-            while chunk := s.recv(4096):
-                data += chunk
+            with contextlib.suppress(ConnectionResetError):  # counted as no answer (status 0)
+                while chunk := s.recv(4096):
+                    data += chunk
             statuses.append(int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else 0)
             s.close()
         closed_s = time.monotonic() - start
@@ -415,7 +417,7 @@ def idle_connections(tmp: Path) -> tuple[str, dict[str, list[int]]]:
 def refused_documents(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     folder = tmp / "kv"
     with server("--reuse", "prefix", "--max-running", "1", "--max-queue", "2", store=f"file://{folder}") as srv:
-        docs = [" ".join(f"Document {d} line {i} says {(i * 31 + d) % 997}." for i in range(300)) for d in range(8)]
+        docs = [" ".join(f"Document {d} line {i} says {(i * 31 + d) % 997}." for i in range(40)) for d in range(8)]
         answer = note(httpx.post(srv.url + "/v1/kv/documents", json={"documents": docs}, timeout=120))
         deadline = time.monotonic() + 60
         while httpx.get(srv.url + "/health").json()["busy"] and time.monotonic() < deadline:

@@ -29,6 +29,7 @@ logger = logging.getLogger("kvforge.serve.connections")
 DEFAULT_READ_TIMEOUT_S = 10.0
 FD_RESERVE = 128  # file descriptors kept for everything else (model files, store entries, logs, upstream clients)
 LOG_EVERY_S = 60.0
+LINGER_S = 0.5  # a refused connection reads and drops what the client still sends this long before it is closed
 
 
 def raise_file_limit() -> int:
@@ -68,6 +69,7 @@ def protocol_class(max_connections: int, read_timeout_s: float) -> type:
 
     class GuardedH11Protocol(H11Protocol):  # type: ignore[misc]
         _timer: Any = None
+        _refused = False
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -77,7 +79,7 @@ def protocol_class(max_connections: int, read_timeout_s: float) -> type:
                 return
             self._arm()
 
-        def data_received(self, data: bytes) -> None:
+        def _data_received(self, data: bytes) -> None:
             super().data_received(data)
             state = self.conn.their_state
             if state is h11.IDLE and not self.transport.is_closing():
@@ -114,9 +116,19 @@ def protocol_class(max_connections: int, read_timeout_s: float) -> type:
                 self.transport.close()
 
         def _refuse(self, status: int, reason: str, message: str, code: str) -> None:
+            """Answer and close, lingering a moment: what the client still sends is read and dropped, so the kernel
+            does not reset the connection before the client has read the answer."""
             self._disarm()
+            self._refused = True
             self.transport.write(_raw_response(status, reason, message, code))
-            self.transport.close()
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
+            self._data_received(data)
 
     return GuardedH11Protocol
 
