@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 DEFAULT_DISK_BYTES = 10 * 1024**3
 SEG_SUFFIX, BLOB_SUFFIX, TMP_SUFFIX = ".kvseg", ".blob", ".tmp"
 WRITES_MARK = ".writes"  # in segments/: its mtime changes with every committed entry (see DiskStore._make_room)
+MAX_BLOB_BYTES = 256 << 20  # a blob (reuse indexes, KV bases) larger than this and than max_bytes is not read
 STALE_TMP_S = 3600.0  # a tmp file older than this is a crashed write: removed on open
 READ_CHUNK = 512 << 10  # read and hashed at once, while in the CPU's cache (a helper thread hashing 8 MiB chunks
 # behind the read was slower once reads fill recycled memory, and needs a free core: see docs/store.md)
@@ -110,14 +111,6 @@ def _discard(path: Path) -> None:
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-def _is_real_dir(folder: Path) -> bool:
-    """Whether ``folder`` is a folder itself, not a link to one (a shard folder linked elsewhere is not the store's)."""
-    try:
-        return stat.S_ISDIR(os.lstat(folder).st_mode)
-    except OSError:
-        return False
-
-
 def open_regular(path: Path) -> Any:
     """``path`` opened for reading only if it is a regular file inside a real folder (no symlink as the file or its
     folder, no FIFO, device or socket: opened non-blocking and checked before a byte is read, so a FIFO cannot hang
@@ -147,10 +140,11 @@ class ForeignEntryError(OSError):
 
 
 class EntryTooLargeError(OSError):
-    """A file larger than ``max_bytes`` at an entry's path: not read (a miss with one warning), left in place."""
+    """A file larger than ``max_bytes`` at an entry's path (a blob: than :data:`MAX_BLOB_BYTES` too): not read (a miss
+    with one warning), left in place."""
 
     def __init__(self, size: int, limit: int) -> None:
-        super().__init__(errno.EFBIG, f"entry of {size} bytes is over max_bytes={limit}; not read")
+        super().__init__(errno.EFBIG, f"entry of {size} bytes is over its bound of {limit} bytes; not read")
 
 
 class DiskStore(ByteStore):
@@ -259,6 +253,8 @@ class DiskStore(ByteStore):
                 return None  # the hashed copy wins
             self._legacy.add(key)
             return old
+        if new.parent.is_symlink():
+            return None  # its hashed folder links out of the store: not moved there
         try:
             if new.is_file():
                 old.unlink()  # written again since, under the new layout: that copy is the current one
@@ -317,8 +313,9 @@ class DiskStore(ByteStore):
         try:
             with open_regular(path) as f:
                 size = os.fstat(f.fileno()).st_size
-                if size > self.max_bytes:  # no entry this store or a writer with its bound makes is this large
-                    raise EntryTooLargeError(size, self.max_bytes)
+                limit = self.max_bytes if kind == "seg" else max(self.max_bytes, MAX_BLOB_BYTES)
+                if size > limit:  # no entry this store (or a writer with its bound) makes is this large
+                    raise EntryTooLargeError(size, limit)
                 if kind == "blob":
                     blob = np.empty(size, dtype=np.uint8)  # uninitialised (no zeroing pass) and writable
                     n = 0
