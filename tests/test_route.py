@@ -299,8 +299,14 @@ def test_keys_are_utf8_and_an_empty_key_is_refused(store, capsys, monkeypatch):
         assert client.post("/v1/chat/completions", json=chat(QUESTION), headers=latin1).status_code == 401
         assert client.post("/v1/chat/completions", json=chat(QUESTION),
                            headers={"Authorization": "Bearer"}).status_code == 401  # fmt: skip
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(UserError, match="empty"):
         router(store, upstream, api_key=" ")
+    from kvforge.engine import Engine
+    from kvforge.serve import create_app
+    from kvforge.testing import tiny_model, tiny_tokenizer
+
+    with pytest.raises(UserError, match="empty"):  # at once, not at the first request
+        create_app(Engine(tiny_model("llama"), tiny_tokenizer()), api_key="")
     monkeypatch.setenv("KVFORGE_API_KEY", "")
     for argv in (["route", "--upstream", "http://127.0.0.1:9"], ["serve", "--model", "smollm2-135m"]):
         assert main(argv) == 2

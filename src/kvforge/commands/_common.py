@@ -249,11 +249,12 @@ def connection_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def check_api_key(key: str | None) -> None:
-    """An API key that is set but empty (``KVFORGE_API_KEY=``) is refused: it would start an open server silently."""
-    if key is not None and not key.strip():
-        raise UserError(
-            "the API key is empty (--api-key or KVFORGE_API_KEY): give a key, or unset it for an open server"
-        )
+    """:func:`kvforge.serve.middleware.check_api_key` first thing (without the serve extra, the server says so)."""
+    try:
+        from kvforge.serve.middleware import check_api_key as check
+    except ImportError:
+        return
+    check(key)
 
 
 def check_port_free(host: str, port: int) -> None:

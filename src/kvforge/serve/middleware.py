@@ -7,6 +7,7 @@ import json
 import time
 from typing import Any
 
+from kvforge.errors import UserError
 from kvforge.serve.errors import error_body
 from kvforge.serve.metrics import Metrics
 
@@ -24,6 +25,14 @@ async def _send_error(
     await send({"type": "http.response.body", "body": body})
 
 
+def check_api_key(key: str | None) -> None:
+    """An API key that is set but empty (``KVFORGE_API_KEY=``) is refused: it would start an open server silently."""
+    if key is not None and not key.strip():
+        raise UserError(
+            "the API key is empty (--api-key or KVFORGE_API_KEY): give a key, or unset it for an open server"
+        )
+
+
 class GuardMiddleware:
     """Checks the API key and the body size before the app sees a request, and counts every answer. While the server
     drains after SIGTERM (``app.state.draining``, set by ``kvforge serve``), every new request is answered 503
@@ -35,8 +44,7 @@ class GuardMiddleware:
     """
 
     def __init__(self, app: Any, metrics: Metrics, api_key: str | None, max_body_bytes: int) -> None:
-        if api_key is not None and not api_key.strip():
-            raise ValueError("the API key is empty: give a key, or none for an open server")
+        check_api_key(api_key)
         self.app = app
         self.metrics = metrics
         self.api_key = api_key
