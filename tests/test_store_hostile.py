@@ -148,6 +148,15 @@ def test_a_deflate_bomb_is_not_inflated(name: str) -> None:
         codec.decode(bytearray(forged))
 
 
+def test_inflate_never_exceeds_the_declared_size() -> None:
+    from kvforge.store.transform import inflate
+
+    assert inflate(zlib.compress(b"abc"), 3, "x") == b"abc"
+    for size in (0, 2, 4):  # 0: zlib's "no limit" must not be what an empty stream declares
+        with pytest.raises(codec.CorruptSegmentError):
+            inflate(zlib.compress(b"abc" if size else bytes(1 << 20)), size, "x")
+
+
 def test_the_basis_name_is_never_a_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     opened: list[str] = []
     real = Path.read_bytes

@@ -451,7 +451,7 @@ def inflate(data: bytes | memoryview, size: int, what: str) -> bytes:
     a :class:`CorruptSegmentError`, found before more than ``size`` bytes are allocated."""
     unpacker = zlib.decompressobj()
     try:
-        out = unpacker.decompress(bytes(data), size)
+        out = unpacker.decompress(bytes(data), max(size, 1))  # (a max_length of 0 would mean "no limit")
     except zlib.error as e:
         raise CorruptSegmentError(f"{what} is not a DEFLATE stream ({e})") from None
     if len(out) != size or unpacker.unconsumed_tail or (not unpacker.eof and unpacker.decompress(b"", 1)):
