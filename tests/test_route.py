@@ -259,7 +259,7 @@ def test_the_upstream_password_never_leaves_the_router(store, capsys):
     assert code == 2 and PASSWORD not in out.out + out.err
 
 
-class _Broken(httpx.AsyncByteStream):
+class BrokenStream(httpx.AsyncByteStream):
     """A body that yields ``first`` then fails (a reset or a stall, as httpx reports them)."""
 
     def __init__(self, first: bytes, error: Exception) -> None:
@@ -275,7 +275,7 @@ def test_an_upstream_that_fails_mid_answer_is_a_502_or_an_sse_error_then_done(st
     def cut(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         first = b'data: {"choices": [{"delta": {"content": "Par"}}]}\n\n' if body.get("stream") else b'{"choi'
-        return httpx.Response(200, stream=_Broken(first, error), headers={"content-type": "application/json"})
+        return httpx.Response(200, stream=BrokenStream(first, error), headers={"content-type": "application/json"})
 
     normalizer = build_normalizer(store, MODEL, embedder=FakeEmbedder())
     app = create_router_app(normalizer, "http://vllm.test", transport=httpx.MockTransport(cut))

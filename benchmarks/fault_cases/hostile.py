@@ -486,26 +486,19 @@ def router_password(tmp: Path) -> str:
     return f"{sum(password in t for t in texts)} of {len(texts)} show the password"
 
 
-class _Broken(httpx.AsyncByteStream):
-    def __init__(self, first: bytes, error: Exception) -> None:
-        self.first, self.error = first, error
-
-    async def __aiter__(self):  # type: ignore[no-untyped-def]
-        yield self.first
-        raise self.error
-
-
 @case(
     "the router's upstream cuts a body short, then stalls a stream (ReadTimeout)",
     "502 upstream_unavailable; the stream ends with an SSE error event then `data: [DONE]`",
     lambda o: o == "502; error event, [DONE]",
 )
 def router_broken_upstream(tmp: Path) -> str:
+    from test_route import BrokenStream
+
     def cut(request: httpx.Request) -> httpx.Response:
         stream = json.loads(request.content).get("stream")
         first = b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n' if stream else b'{"choi'
         error = httpx.ReadTimeout("stalled") if stream else httpx.RemoteProtocolError("peer closed")
-        return httpx.Response(200, stream=_Broken(first, error))
+        return httpx.Response(200, stream=BrokenStream(first, error))
 
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     with _router("http://vllm.test", cut) as client:
