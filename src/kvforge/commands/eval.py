@@ -60,8 +60,12 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096], help="needle/RULER context sizes (tokens)")
     p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
     p.add_argument("--num-samples", type=int, default=1, help="needle/RULER samples per length x depth")
-    p.add_argument("--haystack", type=haystack_file, action="append", help="haystack text/JSONL file (repeatable; "
-                   "books.jsonl#ID reads the JSONL row whose id is ID)")
+    p.add_argument(
+        "--haystack",
+        type=haystack_file,
+        action="append",
+        help="haystack text/JSONL file (repeatable; books.jsonl#ID reads the JSONL row whose id is ID)",
+    )
     p.add_argument("--max-context", type=int, help="converted tasks: cut the middle of longer contexts (tokens)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--dtype", help="float32, bfloat16, float16")

@@ -65,8 +65,9 @@ def register(sub: Any, bench_sub: Any) -> None:
     p = sub.add_parser("rag", help="answer over documents reusing per-chunk KV (naive, ape, cacheblend, cacheclip, "
                        "epic)")
     add_model_args(p)
-    p.add_argument("--docs", nargs="+", type=input_file, required=True, metavar="FILE",
-                   help="one document (chunk) per text file")
+    p.add_argument(
+        "--docs", nargs="+", type=input_file, required=True, metavar="FILE", help="one document (chunk) per text file"
+    )
     p.add_argument("--question", required=True)
     p.add_argument("--strategy", default="cacheclip", choices=RAG_STRATEGY_NAMES)
     p.add_argument("--recompute-ratio", type=float, default=None, help="share of context tokens recomputed (0.2)")

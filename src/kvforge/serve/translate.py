@@ -58,6 +58,8 @@ class Translator:
         """A completion (``raw``) or a chat completion as a tokenised request."""
         o, opts = self.options, req.kvforge or S.KVForgeOptions()
         self.check_model(req.model)
+        if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM answer it
+            raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         if opts.rag is not None or opts.chunks is not None or opts.chunk_ids is not None or opts.recompute_ratio:
             return self._rag(req, opts, prompt, raw)
         ratio = opts.compression_ratio if opts.compression_ratio is not None else o.compression_ratio
