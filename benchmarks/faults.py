@@ -15,6 +15,7 @@ need redis-server or mount namespaces are reported as skipped, with the reason, 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import shutil
@@ -26,6 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' helpers (OS faults, redis-server)
 import fault_cases.cli
+import fault_cases.hostile
 import fault_cases.serve
 import fault_cases.store  # noqa: F401  (importing a case module registers its cases)
 from fault_cases import CASES, Case, promised_status, promises
@@ -37,6 +39,8 @@ def _skip_reason(c: Case) -> str | None:
         return "skipped: redis-server not on PATH"
     if c.needs == "namespaces":
         return why_no_namespaces()
+    if c.needs == "fakeredis" and not all(importlib.util.find_spec(m) for m in ("fakeredis", "lupa")):
+        return "skipped: fakeredis with Lua (pip install 'fakeredis[lua]') not installed"
     return None
 
 

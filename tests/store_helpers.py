@@ -6,7 +6,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,29 @@ def make_segment(
         model_id=model_id,
         meta={"press": {"name": "snapkv", "compression_ratio": 0.5}} if meta is None else meta,
     )
+
+
+def forge(data: bytes, header: Callable[[dict], None] = lambda h: None,
+          tensors: Callable[[dict], None] = lambda t: None) -> bytes:  # fmt: skip
+    """``data`` (an encoded segment) with its header and tensors edited, every checksum made valid again: what
+    someone who can write the store can make."""
+    import json
+
+    from kvforge.store import codec, payload
+    from kvforge.store.checksum import checksum
+
+    parsed = codec._parse(data)
+    found = dict(payload.read_payload(memoryview(bytearray(data)), (parsed.index, parsed.start)))
+    tensors(found)
+    index, buffers = payload.tensor_index(found)
+    h = {k: v for k, v in parsed.header.items() if k != "header_checksum"}
+    header(h)
+    algo = h["checksum_algo"]
+    h["payload_bytes"] = sum(len(b) for b in buffers)
+    h["checksum"] = checksum([payload.index_json(index), *buffers], algo)
+    h["header_checksum"] = checksum([codec._header_json(h)], algo)
+    raw = json.dumps(h, separators=(",", ":"))
+    return b"".join(bytes(p) for p in payload.write_parts(index, buffers, {codec.METADATA_KEY: raw}))
 
 
 def redis_chunk_audit(url: str, prefix: str) -> tuple[set[str], set[str], dict[str, int]]:

@@ -191,6 +191,17 @@ def test_needle_docs_split_the_needle_context_into_whole_documents(tok, depth):
     assert example_from_json(json.loads(json.dumps(ex.to_json()))).chunks == ex.chunks
 
 
+def test_narrative_needle_docs_keep_each_wording_whole_in_one_document(tok):
+    """needle-narrative-docs: the needle-narrative contexts (wordings in turn) in 10 documents, nothing lost."""
+    cfg = _cfg(tok, lengths=(8000,), depths=(0.3, 0.7))
+    docs, base = build_task("needle-narrative-docs", cfg), build_task("needle-narrative", cfg)
+    assert len(docs) == 2 and len({ex.id.split("-L")[0] for ex in docs}) == 2  # two wordings
+    for ex, b in zip(docs, base, strict=True):
+        assert ex.task == "needle-narrative-docs" and ex.id == b.id.replace("narrative-", "narrative-docs-", 1)
+        assert len(ex.chunks) == 10 and " ".join(ex.chunks).split() == b.context.split()
+        assert sum(ex.needles[0] in c for c in ex.chunks) == 1 and (ex.question, ex.answers) == (b.question, b.answers)
+
+
 def test_narrative_needles_are_plain_statements_at_sentence_ends_in_their_own_words(tok):
     """needle-narrative: each cell its own wording (none RULER's template), the needle whole and at a sentence end,
     the question names its key, the answer is in the needle; deterministic for a seed."""

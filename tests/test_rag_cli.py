@@ -52,7 +52,7 @@ def test_registered_in_the_cli(tiny_llama_dir, docs, tmp_path, capsys):
     assert main(["rag", "--model", str(tiny_llama_dir), "--docs", str(tmp_path / "nope.txt"), "--question", "q"]) == 2
 
 
-@pytest.mark.parametrize("strategy", ["full", "naive", "ape", "cacheblend", "cacheclip"])
+@pytest.mark.parametrize("strategy", ["full", "naive", "ape", "cacheblend", "cacheclip", "epic", "epic-ape"])
 def test_rag_command_answers_and_reports(tiny_llama_dir, docs, strategy, capsys):
     argv = [
         "--model",

@@ -51,7 +51,7 @@ def _run(rag, prompt, name, **kwargs):
 
 
 def test_registry_names():
-    assert set(STRATEGIES) == {"full", "naive", "ape", "cacheblend", "cacheclip"}
+    assert set(STRATEGIES) == {"full", "naive", "ape", "cacheblend", "cacheclip", "epic", "epic-ape"}
 
 
 @pytest.mark.parametrize("name", ["cacheblend", "cacheclip"])

@@ -332,3 +332,43 @@ def test_engine_generate_embeds_the_user_message(model, tok):
     other = {"role": "system", "content": "Answer in French."}  # another system prompt: never a candidate
     gen = engine.generate([other, {"role": "user", "content": "what is the capital of austria"}], max_new_tokens=2)
     assert gen.info["reuse"]["kind"] == "miss"
+
+
+class StubVerifier:
+    """A verifier that scores every pair alike (what the strategy does with a score, not what a model scores)."""
+
+    name = "stub"
+
+    def __init__(self, value: float) -> None:
+        self.value, self.calls = value, 0
+
+    def score(self, query: str, donor: str) -> float:
+        self.calls += 1
+        return self.value
+
+    def describe(self) -> str:
+        return "stub"
+
+
+def test_verifier_scores_decide_and_a_verified_error_raises_that_entry(model, tok):
+    """With a verifier the policy thresholds its score, not the cosine; a lookup verified wrong raises the entry's
+    threshold above the score it was served at (per entry, in every instance on the store)."""
+    from kvforge.reuse.policy import BoundedErrorPolicy, Prior
+
+    store, verifier = DictStore(), StubVerifier(0.9)
+    policy = BoundedErrorPolicy(0.05, prior=Prior("stub", {(1, "", 100): 2000}), min_similarity=0.5,
+                                population_floor=0.0)  # fmt: skip
+    first = make(store, threshold=None, verifier=verifier, policy=policy, verify_ratio=1.0, stats_refresh_s=0)
+    assert first.guards == ("numbers", "negation", "marks") and first.decider.scorer == "stub"
+    donor_ids = encode(tok, Q_ORIG)
+    first.record(donor_ids, full(model, donor_ids)[0], text=Q_ORIG)
+    para_ids = encode(tok, Q_PARA)
+    plan = first.plan(para_ids, text=Q_PARA)
+    assert plan.kind == "semantic" and plan.info["score"] == 0.9 and verifier.calls == 1
+    plan.check.report(False)
+    second = make(store, threshold=None, verifier=verifier, policy=policy, verify_ratio=0.0, stats_refresh_s=0)
+    assert second.threshold_for(first.entry_key(donor_ids)) == pytest.approx(0.901)
+    again = second.plan(para_ids, text=Q_PARA)
+    assert again.kind == "miss" and "verifier score 0.900 < threshold 0.901" in again.info["reason"]
+    cosine = make(store, threshold=None, policy=policy, verifier=None, verify_ratio=0.0, stats_refresh_s=0)
+    assert cosine.stats.prefix != second.stats.prefix  # statistics of scores and of cosines never mix

@@ -236,3 +236,79 @@ def test_cli_fails_in_one_line_when_the_upstream_is_down(capsys):
     code = main(["route", "--upstream", "http://127.0.0.1:9", "--upstream-wait", "0", "--store", "memory://"])
     assert code == 2
     assert "does not answer /v1/models" in capsys.readouterr().err
+
+
+PASSWORD = "Upstr3am-PW"
+
+
+def test_the_upstream_password_never_leaves_the_router(store, capsys):
+    def down(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError(f"refused by {request.url}")
+
+    normalizer = build_normalizer(store, MODEL, embedder=FakeEmbedder())
+    url = f"http://admin:{PASSWORD}@vllm.test"
+    app = create_router_app(normalizer, url, transport=httpx.MockTransport(down))
+    with TestClient(app) as client:
+        for answer in (client.post("/v1/chat/completions", json=chat(QUESTION)), client.get("/v1/models"),
+                       client.get("/health")):  # fmt: skip
+            assert answer.status_code in (502, 503) and PASSWORD not in answer.text, answer.text
+            assert "***@vllm.test" in answer.text
+    code = main(["route", "--upstream", f"http://admin:{PASSWORD}@127.0.0.1:9", "--upstream-wait", "0",
+                 "--store", "memory://"])  # fmt: skip
+    out = capsys.readouterr()
+    assert code == 2 and PASSWORD not in out.out + out.err
+
+
+class BrokenStream(httpx.AsyncByteStream):
+    """A body that yields ``first`` then fails (a reset or a stall, as httpx reports them)."""
+
+    def __init__(self, first: bytes, error: Exception) -> None:
+        self.first, self.error = first, error
+
+    async def __aiter__(self):  # type: ignore[no-untyped-def]
+        yield self.first
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [httpx.RemoteProtocolError("peer closed connection"), httpx.ReadTimeout("stall")])
+def test_an_upstream_that_fails_mid_answer_is_a_502_or_an_sse_error_then_done(store, error):
+    def cut(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        first = b'data: {"choices": [{"delta": {"content": "Par"}}]}\n\n' if body.get("stream") else b'{"choi'
+        return httpx.Response(200, stream=BrokenStream(first, error), headers={"content-type": "application/json"})
+
+    normalizer = build_normalizer(store, MODEL, embedder=FakeEmbedder())
+    app = create_router_app(normalizer, "http://vllm.test", transport=httpx.MockTransport(cut))
+    with TestClient(app) as client:
+        answer = client.post("/v1/chat/completions", json=chat(QUESTION))
+        assert answer.status_code == 502 and answer.json()["error"]["code"] == "upstream_unavailable"
+        streamed = client.post("/v1/chat/completions", json=chat(QUESTION, stream=True))
+        events = [e for e in streamed.text.split("\n\n") if e.strip()]
+        assert events[0].startswith('data: {"choices"')
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "upstream_unavailable"
+        assert events[-1] == "data: [DONE]"
+
+
+def test_keys_are_utf8_and_an_empty_key_is_refused(store, capsys, monkeypatch):
+    upstream = FakeVLLM(store)
+    _, client = router(store, upstream, api_key="clé-ключ-鍵")
+    with client:
+        sent = {"Authorization": "Bearer clé-ключ-鍵".encode()}
+        assert client.post("/v1/chat/completions", json=chat(QUESTION), headers=sent).status_code == 200
+        latin1 = {"Authorization": "Bearer clé-ключ-鍵".encode().decode("latin-1").encode("utf-8")}
+        assert client.post("/v1/chat/completions", json=chat(QUESTION), headers=latin1).status_code == 401
+        assert client.post("/v1/chat/completions", json=chat(QUESTION),
+                           headers={"Authorization": "Bearer"}).status_code == 401  # fmt: skip
+    with pytest.raises(UserError, match="empty"):
+        router(store, upstream, api_key=" ")
+    from kvforge.engine import Engine
+    from kvforge.serve import create_app
+    from kvforge.testing import tiny_model, tiny_tokenizer
+
+    with pytest.raises(UserError, match="empty"):  # at once, not at the first request
+        create_app(Engine(tiny_model("llama"), tiny_tokenizer()), api_key="")
+    monkeypatch.setenv("KVFORGE_API_KEY", "")
+    for argv in (["route", "--upstream", "http://127.0.0.1:9"], ["serve", "--model", "smollm2-135m"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "API key is empty" in err and len(err.strip().splitlines()) == 1

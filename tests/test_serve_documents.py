@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -72,4 +73,36 @@ def test_compressed_document_stored_then_reused(tmp_path: Any) -> None:
         r = httpx.post(live.url + "/v1/kv/documents", json={"documents": ["x"], "quant": "int3", "press": "knorm"})
         assert r.status_code == 400 and "int3" in r.text
     finally:
+        live.close()
+
+
+def test_a_refused_documents_request_leaves_nothing_running() -> None:
+    """A documents request answered 429 (the queue filled while its documents were queued) cancels those already
+    queued or admitted: they leave the engine at its next step and none is computed or stored."""
+    import threading
+
+    engine = Engine(tiny_model("llama"), tiny_tokenizer())
+    gate = threading.Event()  # no step runs before the 429 is answered: nothing can finish before it
+    real_step = engine.step
+
+    def gated_step() -> Any:
+        gate.wait(30)
+        return real_step()
+
+    engine.step = gated_step  # type: ignore[method-assign]
+    app = create_app(engine, model_name=MODEL, store_url="memory://", reuse="prefix", max_queue=2, max_running=1)
+    live = LiveServer(app)
+    try:
+        docs = [f"{LONG_DOC} Document {i}." for i in range(6)]
+        r = httpx.post(live.url + "/v1/kv/documents", json={"documents": docs}, timeout=30)
+        assert r.status_code == 429, r.text
+        scheduler = app.state.server.scheduler
+        gate.set()
+        deadline = time.monotonic() + 20
+        while scheduler.num_running or scheduler.depth:
+            assert time.monotonic() < deadline, "the refused request's documents kept running"
+            time.sleep(0.05)
+        assert scheduler.num_done == 0 and app.state.server.engine.reuse.store.keys() == []
+    finally:
+        gate.set()
         live.close()

@@ -119,6 +119,14 @@ def test_logprobs_with_stream_is_a_400(live: LiveServer) -> None:
     assert "logprobs" in e.value.message
 
 
+def test_stream_options_without_stream_is_a_400(live: LiveServer) -> None:
+    for create, kwargs in ((live.client().chat.completions.create, {"messages": CHAT}),
+                           (live.client().completions.create, {"prompt": "a"})):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model=MODEL, max_tokens=2, stream_options={"include_usage": True}, **kwargs)
+        assert e.value.body["param"] == "stream_options"  # type: ignore[index]
+
+
 def test_serial_scheduler_applies_penalties_as_the_batched_one(live: LiveServer, engine: Engine) -> None:
     server = LiveServer(create_app(_twin(engine), model_name=MODEL, scheduler="serial"))
     try:

@@ -51,7 +51,9 @@ def ask(live: LiveServer, **kvforge: Any) -> Any:
     )
 
 
-@pytest.mark.parametrize(("method", "ratio"), [("naive", None), ("ape", None), ("cacheblend", 0.5), ("cacheclip", 0.5)])
+@pytest.mark.parametrize(
+    ("method", "ratio"), [("naive", None), ("ape", None), ("cacheblend", 0.5), ("cacheclip", 0.5), ("epic", 0.5)]
+)
 def test_chat_reuses_the_stored_chunks(live: LiveServer, stored: list[dict[str, Any]], method: str, ratio: Any) -> None:
     ids = [d["id"] for d in stored]
     out = ask(live, rag=method, chunk_ids=ids, **({"recompute_ratio": ratio} if ratio is not None else {}))

@@ -35,7 +35,7 @@ class Case:
     run: Callable[[Path], Any]
     ok: Callable[[str], bool] | None = None
     promise: str | None = None  # the row of docs/serve.md's promise table whose status every answer must have
-    needs: str | None = None  # "redis-server" or "namespaces": skipped (with the reason) where missing
+    needs: str | None = None  # "redis-server", "namespaces" or "fakeredis": skipped (with the reason) where missing
 
 
 CASES: list[Case] = []

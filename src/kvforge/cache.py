@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -61,6 +62,8 @@ class KVLayer:
         self.run_start: int | None = None
         self.num_new = 0  # entries appended by the current forward (they attend causally among themselves)
         self.num_reallocations = 0
+        # a forward writing into reserved slots sees only the first num_visible entries (None: all of them)
+        self.num_visible: int | None = None
 
     # ----------------------------------------------------------------------------------------------- storage
     @property
@@ -127,6 +130,28 @@ class KVLayer:
         self.length = end
         self.num_new = s
         return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def write(self, keys: Tensor, values: Tensor, positions: Tensor, slots: Tensor, num_visible: int | None
+              ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """Write new entries into reserved ``slots`` ``(S,)`` (indices of used slots) instead of appending; returns
+        views of the first ``num_visible`` entries (None: all) for attention, which this forward alone then sees.
+
+        RAG recomputation: the cache holds every prompt token in prompt order, the ones to run as placeholders at
+        :data:`HIDDEN` (masked), so no entry moves and a query chunk attends to a prefix of the layer.
+        """
+        if self.keys is None or self.values is None or self.positions is None:
+            raise ValueError("no reserved slots to write into")
+        self.keys.index_copy_(2, slots, keys)
+        self.values.index_copy_(2, slots, values)
+        self.positions[:, :, slots] = positions[:, None, :]
+        self.num_new, self.run_start = 0, None
+        self.num_visible = num_visible
+        n = self.length if num_visible is None else num_visible
+        return self.keys[:, :, :n], self.values[:, :, :n]
+
+    def written(self) -> None:
+        """Every reserved slot is written: a layer whose entries are one run of positions attends plain causally."""
+        self.run_start = _run_start(self.view()[2]) if self.valid is None and self.length else None
 
     def _next_run_start(self, first_position: int, contiguous: bool) -> int | None:
         """``run_start`` after appending a contiguous block (or not) that starts at ``first_position``."""
@@ -246,7 +271,7 @@ class KVLayer:
         """``(keys, values, positions, valid)`` of the used slots (views, no copy)."""
         if self.keys is None or self.values is None or self.positions is None:
             raise ValueError("empty cache layer")
-        n = self.length
+        n = self.length if self.num_visible is None else self.num_visible
         valid = None if self.valid is None else self.valid[:, :, :n]
         return self.keys[:, :, :n], self.values[:, :, :n], self.positions[:, :, :n], valid
 
@@ -316,6 +341,22 @@ class KVLayer:
         if self.length == self.num_new and self.window is None:
             return True
         return self.run_start is not None and (self.window is None or self.length <= self.window)
+
+
+HIDDEN = 2**62  # the position of a reserved slot not written yet: after every query, so never attended to
+
+
+@dataclass
+class Reserved:
+    """Slots of a cache reserved for the tokens a RAG plan runs (:func:`kvforge.prefill.prefill_at` fills them).
+
+    ``slots`` ``(S,)``: entry indices, in the order the tokens run; ``positions`` ``(S,)``: their positions.
+    ``in_order``: every layer's entries are in position order, so a query chunk needs only a prefix of them.
+    """
+
+    slots: Tensor
+    positions: Tensor
+    in_order: bool
 
 
 def _run_start(positions: Tensor) -> int | None:
@@ -388,6 +429,10 @@ class KVCache(Cache):
         self._first_position = 0
         self._contiguous = False  # the forward in flight has positions first, first + 1, ... in every row
         self.token_ids: list[int] = []  # tokens processed, in order (single-sequence caches)
+        # reserved slots (RAG): the plan's, ``write_slots`` of the forward in flight, and how many entries it sees
+        self.reserved: Reserved | None = None
+        self.write_slots: Tensor | None = None
+        self.num_visible: int | None = None
         self.info: dict[str, Any] = {}  # facts about how the cache was built (press, reuse), for reports
         self.attention_hook: AttentionHook | None = None  # replaces the softmax in kvforge_attention (RAG)
         # a decoding-time budget (kvforge.presses.decoding.BudgetPolicy): sees attention, cuts layers when forwards end
@@ -407,6 +452,10 @@ class KVCache(Cache):
         """Append the new keys/values of ``layer_idx`` and return all of that layer's entries."""
         if self.query_positions is None or self._hf_layer is not None:
             return self._update_hf(key_states, value_states, layer_idx)
+        if self.write_slots is not None:
+            return self.layers[layer_idx].write(
+                key_states, value_states, self.query_positions, self.write_slots, self.num_visible
+            )
         return self.layers[layer_idx].append(
             key_states, value_states, self.query_positions, self._first_position, self._contiguous
         )
@@ -518,14 +567,17 @@ class KVCache(Cache):
         self.query_positions = None
         for layer in self.layers:
             layer.num_new = 0
+            layer.num_visible = None
         if self.policy is not None:
             self.policy.after_forward(self)
 
     def abort(self) -> None:
-        """Undo a forward that failed half-way: drop what it appended."""
+        """Undo a forward that failed half-way: drop what it appended (entries written into reserved slots stay:
+        the RAG plan that reserved them fails as a whole)."""
         for layer in self.layers:
             layer.length -= layer.num_new
             layer.num_new = 0
+            layer.num_visible = None
         self.query_positions = None
         self._hf_layer = None
 

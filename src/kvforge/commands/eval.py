@@ -60,8 +60,12 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096], help="needle/RULER context sizes (tokens)")
     p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
     p.add_argument("--num-samples", type=int, default=1, help="needle/RULER samples per length x depth")
-    p.add_argument("--haystack", type=haystack_file, action="append", help="haystack text/JSONL file (repeatable; "
-                   "books.jsonl#ID reads the JSONL row whose id is ID)")
+    p.add_argument(
+        "--haystack",
+        type=haystack_file,
+        action="append",
+        help="haystack text/JSONL file (repeatable; books.jsonl#ID reads the JSONL row whose id is ID)",
+    )
     p.add_argument("--max-context", type=int, help="converted tasks: cut the middle of longer contexts (tokens)")
     p.add_argument("--device", help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--dtype", help="float32, bfloat16, float16")
@@ -97,7 +101,8 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--store", default=None, help="--store-once: where documents are stored (default memory://; with "
                    "file:///dir a later run, another process, loads what an earlier one stored)")
     p.add_argument("--semantic", type=_names, help="semantic-reuse rows instead of presses, one per policy: default "
-                   "(bounded error 0.01), paper (fixed 0.7, no guards), max-error=X, threshold=X; with --task "
+                   "(bounded error 0.01), verifier (the default with the learned verifier), paper (fixed 0.7, "
+                   "no guards), max-error=X, threshold=X; with --task "
                    "semantic / semantic-long (docs/reuse.md)")
     p.add_argument("--report-only", action="store_true", help="rebuild summary, plots and report from results.jsonl")
     p.set_defaults(func=run, check=_check)

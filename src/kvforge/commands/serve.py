@@ -7,7 +7,17 @@ import contextlib
 import os
 from typing import Any
 
-from kvforge.commands._common import add_model_args, check_port_free, check_store_url, load, positive_int, ratio
+from kvforge.commands._common import (
+    add_connection_args,
+    add_model_args,
+    check_api_key,
+    check_port_free,
+    check_store_url,
+    connection_options,
+    load,
+    positive_int,
+    ratio,
+)
 from kvforge.commands._reuse import add_semantic_args, check_semantic_args
 from kvforge.errors import UserError
 from kvforge.names import REUSE_NAMES
@@ -34,6 +44,7 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--max-queue", type=positive_int, default=16, help="waiting requests before 429s")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request (queueing included)")
     p.add_argument("--max-body-bytes", type=positive_int, default=8 * 2**20)
+    add_connection_args(p)
     p.add_argument(
         "--grace-period",
         type=float,
@@ -59,6 +70,8 @@ def register(sub: Any, bench_sub: Any) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    check_api_key(args.api_key)
+    connections = connection_options(args)  # uvicorn's: read timeouts, connection cap
     check_store_url(args.store)  # cheap checks first: a bad URL or a port in use fails before anything heavy loads
     check_port_free(args.host, args.port)
     check_semantic_args(args)  # before any heavy import
@@ -104,6 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=args.grace_period + 1,  # bounds the drain even for a stuck connection
+        **connections,
     )
     server = _draining_server_class()(config)
     server.grace_period = args.grace_period

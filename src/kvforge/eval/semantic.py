@@ -37,11 +37,14 @@ DEFAULT_SPECS = ("default", "paper", "max-error=0.05", "threshold=0.9")
 
 
 def check_spec(spec: str) -> dict[str, Any]:
-    """The ``SemanticReuse`` options of a policy spec (``default``, ``paper``, ``max-error=X``, ``threshold=X``)."""
+    """The ``SemanticReuse`` options of a policy spec (``default``, ``verifier``: the shipped learned verifier,
+    ``paper``, ``max-error=X``, ``threshold=X``)."""
     if spec == "default":
         return {}
     if spec == "paper":
         return {"threshold": PAPER_THRESHOLD, "guards": ()}
+    if spec == "verifier":
+        return {"verifier": "default"}
     name, sep, value = spec.partition("=")
     if sep and name in ("max-error", "threshold"):
         try:
@@ -54,7 +57,8 @@ def check_spec(spec: str) -> dict[str, Any]:
             return {"threshold": number}
         allowed = "(0, 1)" if name == "max-error" else "[-1, 1]"
         raise ValueError(f"semantic policy {spec!r}: {name} needs a number in {allowed}")
-    raise ValueError(f"unknown semantic policy {spec!r}; choose from default, paper, max-error=X, threshold=X")
+    choices = "default, verifier, paper, max-error=X, threshold=X"
+    raise ValueError(f"unknown semantic policy {spec!r}; choose from {choices}")
 
 
 def method_name(spec: str) -> str:

@@ -43,7 +43,7 @@ import numpy as np
 
 from kvforge.reuse.bound import clopper_pearson, to_bin
 from kvforge.reuse.guards import GUARDS, failed
-from kvforge.reuse.policy import Prior
+from kvforge.reuse.policy import POPULATION_FLOOR, Prior
 from kvforge.reuse.stats import guard_key
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,8 @@ class Pair:
     side: str = "calibration"
     similarity: float = float("nan")
     refused: frozenset[str] = frozenset()  # every guard of GUARDS that refuses the pair
+    group: str = ""  # what keeps related pairs on one side (the SQuAD paragraph, the PAWS sentence group)
+    score: float = float("nan")  # the learned verifier's P(same)
 
 
 def side_of(group: str) -> str:
@@ -81,10 +83,11 @@ def squad_pairs(path: Path) -> list[Pair]:
     out = []
     for r in _jsonl(path):
         side = side_of(r["context"])
-        out.append(Pair(r["question"], r["paraphrase"], True, "squad-paraphrase", r.get("kind", ""), side))
+        group = r["context"]
+        out.append(Pair(r["question"], r["paraphrase"], True, "squad-paraphrase", r.get("kind", ""), side, group=group))
         for other in r.get("negatives_same_context", []):
             if other.strip().lower() != r["question"].strip().lower():
-                out.append(Pair(r["question"], other, False, "squad-same-paragraph", "", side))
+                out.append(Pair(r["question"], other, False, "squad-same-paragraph", "", side, group=group))
     return out
 
 
@@ -101,9 +104,11 @@ def paws_pairs(path: Path) -> list[Pair]:
 
     for r in rows:
         parent[root(r["sentence1"])] = root(r["sentence2"])
-    return [
-        Pair(r["sentence1"], r["sentence2"], bool(r["label"]), "paws", "", side_of(root(r["sentence1"]))) for r in rows
-    ]
+    out = []
+    for r in rows:
+        group = root(r["sentence1"])
+        out.append(Pair(r["sentence1"], r["sentence2"], bool(r["label"]), "paws", "", side_of(group), group=group))
+    return out
 
 
 NEAR_MISS_FILES = {  # source: (file, side)
@@ -118,7 +123,8 @@ NEAR_MISS_FILES = {  # source: (file, side)
 def near_miss_pairs(source: str = "near-miss") -> list[Pair]:
     """The written near-miss pairs shipped with kvforge, of one ``source`` of :data:`NEAR_MISS_FILES`."""
     name, side = NEAR_MISS_FILES[source]
-    return [Pair(r["stored"], r["asked"], bool(r["same"]), source, r["class"], side) for r in _jsonl(BUNDLED / name)]
+    return [Pair(r["stored"], r["asked"], bool(r["same"]), source, r["class"], side, group=f"{source}:{r['class']}")
+            for r in _jsonl(BUNDLED / name)]
 
 
 def load_pairs(data_dir: Path | None, include_holdout: bool = True) -> list[Pair]:
@@ -158,20 +164,19 @@ def score_pairs(pairs: list[Pair], embedder: Any, cache_dir: Path | None = None,
     return pairs
 
 
-def calibrate(pairs: Iterable[Pair], embedder_name: str, source: str = "") -> Prior:
-    """The calibration counts of ``pairs`` (scored): a pair not ``same`` is a wrong candidate."""
+def calibrate(pairs: Iterable[Pair], scorer: str, source: str = "", score: bool = False) -> Prior:
+    """The calibration counts of ``pairs`` (scored): a pair not ``same`` is a wrong candidate; binned by cosine
+    similarity, or with ``score`` by the verifier's score (then only pairs whose similarity reaches the population
+    floor, the lookups the verifier is asked about)."""
     counts: Counter[tuple[int, str, int]] = Counter()
     for p in pairs:
-        counts[(int(not p.same), guard_key(p.refused), to_bin(p.similarity))] += 1
-    return Prior(embedder_name, dict(counts), source)
+        if score and p.similarity < POPULATION_FLOOR:
+            continue
+        counts[(int(not p.same), guard_key(p.refused), to_bin(p.score if score else p.similarity))] += 1
+    return Prior(scorer, dict(counts), source)
 
 
-def served(p: Pair, threshold: float, guards: Sequence[str]) -> bool:
-    """Whether a policy with ``threshold`` and ``guards`` reuses the stored prompt of ``p``."""
-    return not (p.refused & set(guards)) and p.similarity >= threshold
-
-
-def rate(pairs: Sequence[Pair], hit: Any) -> dict[str, Any]:
+def rate(pairs: Sequence[Any], hit: Any) -> dict[str, Any]:
     """``hit`` rate over ``pairs`` with its exact 95% confidence interval."""
     k = sum(1 for p in pairs if hit(p))
     lo, hi = clopper_pearson(k, len(pairs))

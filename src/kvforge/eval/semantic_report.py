@@ -35,36 +35,53 @@ PAIR_GROUPS = (  # (label, source, side, same): what each row of the pair table 
 
 
 def pair_rates(specs: list[str], data_dir: Path | None, embedder: Any, cache: Path | None) -> dict[str, Any]:
-    """Hit and false-hit rates of each policy spec on the labelled pairs (no model needed)."""
+    """Hit and false-hit rates of each policy spec on the labelled pairs (no model needed), each pair decided by
+    the decision function every entry point uses (:class:`kvforge.reuse.decide.Decider`) with no statistics yet,
+    as a fresh store would."""
     from kvforge.eval.semantic import check_spec
-    from kvforge.eval.semantic_pairs import load_pairs, rate, score_pairs, served
-    from kvforge.reuse.guards import DEFAULT_GUARDS
-    from kvforge.reuse.semantic import build_policy
+    from kvforge.eval.semantic_pairs import load_pairs, rate, score_pairs
+    from kvforge.reuse.decide import build_decider
 
     pairs = score_pairs(load_pairs(data_dir), embedder, cache)
     out: dict[str, Any] = {"policies": {}}
     for spec in specs:
-        options = check_spec(spec)
-        guards = tuple(options.get("guards", DEFAULT_GUARDS))
-        policy = build_policy(options.get("threshold"), options.get("max_error"), embedder)
-        t = policy.threshold_for("", guards, None)
+        decider = build_decider(embedder, **check_spec(spec))
+        hits = decide_pairs(decider, pairs)
         groups = {}
         for label, source, side, same in PAIR_GROUPS:
-            chosen = [p for p in pairs if p.source == source and p.side == side and p.same == same]
+            chosen = [i for i, p in enumerate(pairs) if p.source == source and p.side == side and p.same == same]
             if chosen:
-                groups[label] = rate(chosen, lambda p, t=t, g=guards: served(p, t, g))
+                groups[label] = rate(chosen, hits.__getitem__)
         kinds = defaultdict(list)
-        for p in pairs:
+        for i, p in enumerate(pairs):
             if p.source.startswith("near-miss-holdout") and not p.same:
-                kinds[f"{p.source}:{p.kind}"].append(p)
+                kinds[f"{p.source}:{p.kind}"].append(i)
         out["policies"][spec] = {
-            "threshold": t,
-            "guards": list(guards),
-            "policy": policy.describe(),
+            "threshold": decider.policy.threshold_for("", decider.guards, None),
+            "scorer": decider.scorer,
+            "guards": list(decider.guards),
+            "policy": decider.describe(),
             "groups": groups,
-            "holdout_kinds": {k: rate(v, lambda p, t=t, g=guards: served(p, t, g)) for k, v in sorted(kinds.items())},
+            "holdout_kinds": {k: rate(v, hits.__getitem__) for k, v in sorted(kinds.items())},
         }
     return out
+
+
+def decide_pairs(decider: Any, pairs: list[Any], chunk: int = 128) -> list[bool]:
+    """Whether ``decider`` serves each pair's stored prompt for its asked one (pairs carry their cosine similarity;
+    the verifier scores a chunk of pairs at a time, then each pair is decided)."""
+    from kvforge.reuse.policy import POPULATION_FLOOR
+
+    hits = []
+    for start in range(0, len(pairs), chunk):
+        part = pairs[start : start + chunk]
+        if decider.verifier is not None:  # batched: decide() then finds each score cached
+            decider.verifier.score_many([(p.asked, p.stored) for p in part if p.similarity >= POPULATION_FLOOR])
+        for p in part:
+            decision = decider.decide(p.asked, p.stored, p.similarity)
+            p.score = decision.score
+            hits.append(decision.is_hit)
+    return hits
 
 
 def _num(x: float | None, spec: str) -> str:
@@ -78,7 +95,8 @@ def _pct(x: float | None) -> str:
 def pairs_table(rates: dict[str, Any]) -> str:
     policies = rates["policies"]
     specs = list(policies)
-    lines = ["| pairs | " + " | ".join(f"{s} (t={policies[s]['threshold']:.3f})" for s in specs) + " |",
+    lines = ["| pairs | " + " | ".join(f"{s} ({policies[s].get('scorer', 'cosine')} >= {policies[s]['threshold']:.3f})"
+                                     for s in specs) + " |",
              "|---|" + "---|" * len(specs)]  # fmt: skip
     labels = [label for label, *_ in PAIR_GROUPS if any(label in policies[s]["groups"] for s in specs)]
     for label in labels:

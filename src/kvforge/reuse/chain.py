@@ -20,9 +20,11 @@ whatever a hint names is verified like any block when loaded.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
+from kvforge.names import STORE_KEY_PATTERN
 from kvforge.reuse.base import digest, encode_ids
 from kvforge.types import KVSegment
 
@@ -41,6 +43,9 @@ def chain_root(model_id: str, block_size: int) -> str:
 def next_digest(parent: str, token_ids: Sequence[int]) -> str:
     """The chain digest of a block holding ``token_ids`` after the block whose digest is ``parent``."""
     return digest(parent, encode_ids(token_ids))
+
+
+_KEY_RE = re.compile(STORE_KEY_PATTERN)  # a chain named in a stored list is input: it must make a valid key
 
 
 def block_key(chain: str) -> str:
@@ -118,7 +123,7 @@ def decode_list(parent: str, raw: bytes | None) -> list[tuple[str, list[int]]]:
         return [
             (str(d), [int(t) for t in tokens])
             for d, tokens in data["children"]
-            if isinstance(d, str) and isinstance(tokens, list)
+            if isinstance(d, str) and _KEY_RE.match(block_key(d)) and isinstance(tokens, list)
         ]
     except (ValueError, TypeError, KeyError, AttributeError):
         return []

@@ -13,16 +13,20 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvforge.errors import UserError
+from kvforge.names import STORE_KEY_PATTERN
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"KVFSEMIDX1\n"
+MAX_DIM = 1 << 16  # no embedder has more dimensions; a larger dim read from a store is garbage
+_KEY_RE = re.compile(STORE_KEY_PATTERN)
 RECORD_MAGIC = b"KVFSEMREC1\n"
 
 
@@ -92,15 +96,29 @@ class SemanticIndex:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> SemanticIndex:
+        """The index of :meth:`to_bytes`; ValueError for anything else. The FAISS body reaches FAISS's loader only
+        once it is exactly the size the header's entries need (a forged body cannot make it read or allocate more)."""
         if not data.startswith(MAGIC):
             raise ValueError("not a kvforge semantic index blob")
         n = int.from_bytes(data[len(MAGIC) : len(MAGIC) + 8], "little")
         start = len(MAGIC) + 8
-        header = json.loads(data[start : start + n])
-        out = cls(int(header["dim"]))
-        out.index = _faiss().deserialize_index(np.frombuffer(data[start + n :], dtype=np.uint8).copy())
-        out.entries = {int(i): IndexEntry(**e) for i, e in header["entries"].items()}
-        out.next_id = int(header["next_id"])
+        try:
+            header = json.loads(data[start : start + n])
+            dim, next_id = header["dim"], header["next_id"]
+            if type(dim) is not int or not 0 < dim <= MAX_DIM or type(next_id) is not int or next_id < 0:
+                raise ValueError(f"dim {str(dim)[:20]}, next_id {str(next_id)[:20]}")
+            entries = {int(i): _entry(e) for i, e in header["entries"].items()}
+            out = cls(dim)
+            body = data[start + n :]
+            empty = _faiss().serialize_index(out.index).tobytes()
+            if body[:4] != empty[:4] or len(body) != len(empty) + len(entries) * (4 * dim + 8):
+                raise ValueError(f"its FAISS body of {len(body)} bytes does not hold {len(entries)} vectors of {dim}")
+            out.index = _faiss().deserialize_index(np.frombuffer(body, dtype=np.uint8).copy())
+        except ValueError:
+            raise
+        except Exception as e:  # a malformed header or a body FAISS refuses: not an index
+            raise ValueError(f"damaged semantic index ({type(e).__name__}: {e})") from None
+        out.entries, out.next_id = entries, next_id
         if out.index.ntotal != len(out.entries):
             raise ValueError(f"index holds {out.index.ntotal} vectors for {len(out.entries)} entries")
         return out
@@ -119,9 +137,22 @@ def read_record(data: bytes, dim: int) -> tuple[np.ndarray, IndexEntry]:
     try:
         body = json.loads(data[len(RECORD_MAGIC) :])
         vector = np.frombuffer(base64.b64decode(body.pop("vector")), dtype=np.float32)
-        entry = IndexEntry(**body)
-    except (ValueError, TypeError, KeyError) as e:
+        entry = _entry(body)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise ValueError(f"damaged semantic index record ({e})") from None
     if vector.shape != (dim,) or not np.isfinite(vector).all():
         raise ValueError(f"semantic index record holds a vector of {vector.size} values, expected {dim}")
     return vector, entry
+
+
+def _entry(fields: Any) -> IndexEntry:
+    """An entry read from a store: a key that is a valid store key, text and namespace that are strings (else
+    ValueError, as a client's name would be refused)."""
+    if not isinstance(fields, dict) or set(fields) - {"key", "text", "namespace"}:
+        raise ValueError("an index entry is not {key, text, namespace}")
+    entry = IndexEntry(**fields)
+    if not isinstance(entry.key, str) or not _KEY_RE.match(entry.key):
+        raise ValueError(f"index entry key {str(entry.key)[:40]!r} is not a store key")
+    if not isinstance(entry.text, str) or not isinstance(entry.namespace, str):
+        raise ValueError("index entry text or namespace is not a string")
+    return entry

@@ -1,21 +1,22 @@
 """Hit-or-miss policies of semantic reuse: a fixed similarity threshold, or a bounded error rate (``--max-error``).
 
 :class:`BoundedErrorPolicy` (the default, ``max_error=0.01``) serves a stored candidate when the guards pass and its
-similarity reaches the entry's threshold::
+score (the learned verifier's ``P(same)``, or the cosine similarity where no verifier is used: "similarity" below
+stands for either) reaches the entry's threshold::
 
-    t_entry = max(t*, min_similarity, the highest similarity at which this entry was verified wrong + 0.001)
+    t_entry = max(t*, min_similarity, the highest score at which this entry was verified wrong + 0.001)
 
 ``t*`` is the lowest threshold whose false-hit rate (the share of wrong candidates served) is certified <= max_error
 with confidence ``confidence`` (:mod:`kvforge.reuse.bound`), from the wrong candidates seen: the shipped calibration
-(labelled pairs, ``kvforge/data/semantic/prior-*.json``, made by ``benchmarks/semantic_calibrate.py``) plus every
+(labelled pairs, ``kvforge/data/semantic/prior-*.json``, made by ``benchmarks/semantic_verifier.py`` for the
+verifier and ``benchmarks/semantic_calibrate.py`` for the cosine) plus every
 verified lookup of every process sharing the store (:mod:`kvforge.reuse.stats`); once the verified lookups alone hold
 enough wrong candidates, their own certificate applies too and the stricter threshold wins. The per-entry term is
 what the entry itself taught (vCache's per-entry threshold): a candidate verified wrong at similarity ``s`` is never
 served again at ``s`` or below. Both only raise the threshold, so the bound still holds for what is served.
 
-``min_similarity`` (0.9) is a floor below which nothing is served: few wrong calibration pairs pass every guard (the
-guards decide almost every near-miss), so the certificate alone would reach far below what was ever observed; the
-floor keeps lookups there out until verified lookups say more.
+``min_similarity`` is a floor below which nothing is served (0.9 for the cosine: few wrong calibration pairs pass
+every guard, so the certificate alone would reach far below what was ever observed; 0.5 for the verifier's score).
 With no calibration for the embedder and no verified lookups, nothing is certified and every lookup is a miss.
 """
 
@@ -99,12 +100,13 @@ def shipped_prior(embedder: str) -> Prior | None:
     return Prior.from_json(json.loads(path.read_text()))
 
 
-def wrong_bins(counts: dict[CountKey, int], guards: Sequence[str]) -> list[int]:
-    """The similarity bins of the wrong candidates in ``counts``, ``NEVER`` for those one of ``guards`` refused."""
+def wrong_bins(counts: dict[CountKey, int], guards: Sequence[str], floor: float = POPULATION_FLOOR) -> list[int]:
+    """The score bins of the wrong candidates in ``counts`` at or above ``floor``, ``NEVER`` for those one of
+    ``guards`` refused."""
     active = set(guards)
     out: list[int] = []
     for (wrong, failed, b), c in counts.items():
-        if not wrong or b < round(POPULATION_FLOOR * 1000):
+        if not wrong or b < round(floor * 1000):
             continue  # not in the population the bound is about
         refused = bool(active & set(failed.split("+")) - {""})
         out += [NEVER if refused else b] * c
@@ -118,14 +120,17 @@ class BoundedErrorPolicy:
     Args:
         max_error: delta, the tolerated share of wrong candidates served.
         confidence: 1 - alpha, the probability that the certificate holds.
-        min_similarity: nothing below this similarity is served.
-        prior: calibration counts (None: none; the default is the shipped one of the strategy's embedder).
+        min_similarity: nothing scored below this is served.
+        prior: calibration counts (None: none; the default is the shipped one of the strategy's scorer).
+        population_floor: counts below this score are outside the population the bound is about (the cosine's
+            floor; 0 for a verifier's score, whose population is chosen by cosine before it is scored).
     """
 
     max_error: float = DEFAULT_MAX_ERROR
     confidence: float = 0.95
     min_similarity: float = DEFAULT_MIN_SIMILARITY
     prior: Prior | None = None
+    population_floor: float = POPULATION_FLOOR
     _cache: dict[Any, float] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -150,8 +155,8 @@ class BoundedErrorPolicy:
         pooled = dict(self.prior.counts) if self.prior is not None else {}
         for k, c in online.items():
             pooled[k] = pooled.get(k, 0) + c
-        t = certify(wrong_bins(pooled, guards), self.max_error, self.alpha)
-        own = wrong_bins(online, guards)
+        t = certify(wrong_bins(pooled, guards, self.population_floor), self.max_error, self.alpha)
+        own = wrong_bins(online, guards, self.population_floor)
         if len(own) >= min_wrong_needed(self.max_error, self.alpha):
             t = max(t, certify(own, self.max_error, self.alpha))
         if len(self._cache) > 64:

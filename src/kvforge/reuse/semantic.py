@@ -2,11 +2,12 @@
 
 After C. Lee (Samsung Electronics), "A Study on the Caching Strategies for Semantically Similar Prompts in KV Cache
 Storage Offloading" (embedding -> FAISS top-1 -> cosine >= 0.7 -> the matched prompt's tokens and KV). kvforge
-decides hit or miss per stored entry with a bounded error rate instead of a fixed threshold (after vCache: the user
-sets ``max_error``; :mod:`kvforge.reuse.policy`), learns from verified lookups shared through the store
-(:mod:`kvforge.reuse.stats`), refuses word substitutions, reorderings, other numbers and negations whatever the
-similarity (:mod:`kvforge.reuse.guards`), and embeds only what the user wrote (the request's text: a chat's last user
-message, :func:`kvforge.request.encode_turn`).
+decides hit or miss with one decision function (:mod:`kvforge.reuse.decide`): the top-1 candidate's score (its
+cosine similarity, or with ``verifier="default"`` a learned verifier's, :mod:`kvforge.reuse.verifier`) must reach a
+threshold certified for a bounded false-hit rate (after vCache: the user sets ``max_error``;
+:mod:`kvforge.reuse.policy`), raised per entry by verified lookups shared through the store
+(:mod:`kvforge.reuse.stats`), and the word guards (:mod:`kvforge.reuse.guards`) must pass. Only what the user wrote
+is compared (the request's text: a chat's last user message, :func:`kvforge.request.encode_turn`).
 
 Modes:
     ``canonical`` (the paper): the prompt text is embedded, the top-1 stored prompt is the candidate, and on a hit
@@ -21,7 +22,8 @@ Modes:
 Verification: a share ``verify_ratio`` of the lookups whose best candidate has similarity >= 0.5 (hits and misses
 alike, so the sample is a uniform one) carry a :class:`~kvforge.reuse.base.Check` in their plan: after the answer,
 the engine continues the prompt asked (full prefill) and the candidate's prompt (on its stored KV) greedily through
-its loop, and whether both agree is added to the shared statistics: every process sharing the store learns from it.
+its loop, and whether both agree is added, with the candidate's score, to the shared statistics: every process
+sharing the store learns from it.
 
 The donor's KV is never stored under the new prompt's key (``record`` refuses a cache that does not hold exactly the
 prompt's tokens, or that was built on approximate reuse). The index lives in the store as one small record blob per
@@ -60,18 +62,11 @@ from kvforge.reuse.base import (
     miss_plan,
 )
 from kvforge.reuse.bound import to_bin
-from kvforge.reuse.guards import DEFAULT_GUARDS, check, check_names, failed, tokens
+from kvforge.reuse.decide import Decider, Decision, build_decider
+from kvforge.reuse.guards import tokens
 from kvforge.reuse.index import IndexEntry, SemanticIndex, read_record, record_bytes
-from kvforge.reuse.policy import (
-    DEFAULT_MAX_ERROR,
-    POPULATION_FLOOR,
-    BoundedErrorPolicy,
-    FixedThreshold,
-    Policy,
-    is_certified,
-    shipped_prior,
-)
-from kvforge.reuse.stats import SharedStats
+from kvforge.reuse.policy import POPULATION_FLOOR, BoundedErrorPolicy, Policy
+from kvforge.reuse.stats import SharedStats, StatsView
 from kvforge.types import KVSegment
 
 if TYPE_CHECKING:
@@ -82,31 +77,6 @@ logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "semantic-v1-"
 MODES = ("canonical", "context")
-
-
-def build_policy(threshold: float | None, max_error: float | None, embedder: Any) -> Policy:
-    """A fixed threshold, or (the default) a bounded error rate with the shipped calibration of ``embedder``."""
-    if threshold is not None and max_error is not None:
-        raise ValueError("give a similarity threshold or a max error rate, not both")
-    if threshold is not None:
-        return FixedThreshold(threshold)
-    name = getattr(embedder, "name", None)
-    prior = shipped_prior(name) if isinstance(name, str) else None
-    return BoundedErrorPolicy(max_error if max_error is not None else DEFAULT_MAX_ERROR, prior=prior)
-
-
-def decide(
-    query: str, donor: str, similarity: float, threshold: float, guards: Sequence[str]
-) -> tuple[str | None, frozenset[str]]:
-    """(why ``query`` may not reuse ``donor``, or None; the guards that refuse the pair)."""
-    refused = failed(query, donor, guards)
-    if not is_certified(threshold):
-        return "no similarity is certified yet (too few wrong candidates seen): miss until calibrated", refused
-    if similarity < threshold:
-        return f"similarity {similarity:.3f} < threshold {threshold:.3f}", refused
-    if refused:
-        return check(query, donor, [g for g in guards if g in refused]), refused
-    return None, refused
 
 
 def text_ratio(a: str, b: str) -> float:
@@ -127,7 +97,11 @@ class SemanticReuse:
         max_error: the tolerated false-hit rate (default 0.01 when ``threshold`` is not given); see
             :mod:`kvforge.reuse.policy`.
         policy: a ready policy object instead of ``threshold``/``max_error``.
-        guards: names from :data:`kvforge.reuse.guards.GUARDS`; any difference they find is a miss.
+        guards: names from :data:`kvforge.reuse.guards.GUARDS`; any difference they find is a miss (default: those
+            of :data:`~kvforge.reuse.decide.VERIFIER_GUARDS` with the verifier, every guard without).
+        verifier: None (the default): the cosine similarity is the score; ``"default"``: the learned verifier shipped
+            for the embedder scores canonical-mode candidates (:mod:`kvforge.reuse.verifier`, opt-in); or a
+            verifier object.
         min_text_ratio: context mode: minimum word-level edit ratio between the documents.
         device: where loaded entries go.
         reconcile_s: before a search, index stored segments that have no index record if the last such check is
@@ -146,6 +120,7 @@ class SemanticReuse:
     max_error: float | None = None
     policy: Policy | None = None
     guards: Sequence[str] | None = None
+    verifier: Any = None
     min_text_ratio: float = 0.9
     device: Any = None
     reconcile_s: float = 60.0
@@ -158,13 +133,14 @@ class SemanticReuse:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown semantic mode {self.mode!r}; choose from {list(MODES)}")
-        if self.policy is None:
-            self.policy = build_policy(self.threshold, self.max_error, self.embedder)
+        verifier = self.verifier if self.mode == "canonical" else None  # documents: the cosine and every guard
+        decider = build_decider(self.embedder, threshold=self.threshold, max_error=self.max_error, guards=self.guards,
+                                verifier=verifier, policy=self.policy)  # fmt: skip
+        self.policy, self.guards, self.verifier = decider.policy, decider.guards, decider.verifier
         if not 0.0 <= self.verify_ratio <= 1.0:
             raise ValueError(f"verify_ratio is a share in [0, 1], got {self.verify_ratio}")
         if not self.model_id:
             raise ValueError("model_id must name the model and tokenizer")
-        self.guards = check_names(DEFAULT_GUARDS if self.guards is None else self.guards)
         self.namespace = digest("kvforge-semantic-v1", self.model_id)
         self.index_key = f"{KEY_PREFIX}index-{digest(self.namespace, self.mode)}"  # the former single-blob index
         self.record_prefix = f"{KEY_PREFIX}rec-{digest(self.namespace, self.mode)[:24]}-"
@@ -172,7 +148,8 @@ class SemanticReuse:
         self._unindexable: set[str] = set()  # stored keys of this mode that are not ours (another model, no text)
         self._reconciled_at = float("-inf")
         embedder_name = str(getattr(self.embedder, "name", type(self.embedder).__name__))
-        stats_ns = digest(self.namespace, self.mode, embedder_name)[:24]
+        scorer = () if self.decider.verifier is None else (self.decider.scorer,)  # cosine statistics keep their name
+        stats_ns = digest(self.namespace, self.mode, embedder_name, *scorer)[:24]
         self.stats = SharedStats(self.store, f"{KEY_PREFIX}stats-{stats_ns}-", refresh_s=self.stats_refresh_s)
         self._lock = threading.Lock()  # the sampling generator (plans run on the model thread and in tests' threads)
         self._rng = random.Random(self.seed)
@@ -212,13 +189,14 @@ class SemanticReuse:
             plan = miss_plan(ids, reason=found)
             plan.check = check
             return plan
-        similarity, entry, segment = found
+        similarity, entry, segment, score = found
         assert segment is not None
         plan = self._plan(segment, ids, tail, t0, kind="semantic")
         plan.check = check
         if plan.cache is not None:
             plan.approximate, plan.similarity, plan.donor_prompt = True, similarity, entry.text
-            plan.cache.info["reuse"] |= {"approximate": True, "similarity": similarity}
+            plan.cache.info["reuse"] |= {"approximate": True, "similarity": similarity, "score": score}
+            plan.info["score"] = score
         return plan
 
     def _plan(self, segment: KVSegment, ids: list[int], tail: list[int], t0: float, kind: str) -> ReusePlan:
@@ -240,11 +218,23 @@ class SemanticReuse:
             info={"load_s": time.perf_counter() - t0, "mode": self.mode},
         )
 
+    @property
+    def decider(self) -> Decider:
+        """The decision function of this strategy (its current policy, guards and verifier)."""
+        assert self.policy is not None and self.guards is not None
+        return Decider(self.policy, tuple(self.guards), self.verifier)
+
+    def _stats(self) -> StatsView | None:
+        return self.stats.view() if isinstance(self.policy, BoundedErrorPolicy) else None
+
     def threshold_for(self, entry_key: str) -> float:
-        """The similarity a candidate ``entry_key`` needs now (the policy's, from the shared statistics)."""
-        assert self.policy is not None
-        stats = self.stats.view() if isinstance(self.policy, BoundedErrorPolicy) else None
-        return self.policy.threshold_for(entry_key, self.guards, stats)
+        """The score a candidate ``entry_key`` needs now (the policy's, from the shared statistics)."""
+        return self.decider.policy.threshold_for(entry_key, self.decider.guards, self._stats())
+
+    def decide(self, query: str, donor: str, similarity: float, entry_key: str = "") -> Decision:
+        """The decision on one candidate with this strategy's decider and the shared statistics as they are now
+        (what every lookup, the router's included, decides with)."""
+        return self.decider.decide(query, donor, similarity, entry_key, self._stats())
 
     def lookup(self, query: str, namespace: str = "") -> tuple[float, IndexEntry] | str:
         """The stored entry ``query`` would reuse under this strategy's policy (threshold, guards), without loading
@@ -262,7 +252,7 @@ class SemanticReuse:
 
     def _find(
         self, query: str, namespace: str, ids: list[int], tail: list[int], sample: bool = True, load: bool = True
-    ) -> tuple[tuple[float, IndexEntry, KVSegment | None] | str, Check | None]:
+    ) -> tuple[tuple[float, IndexEntry, KVSegment | None, float] | str, Check | None]:
         """(the top-1 stored entry in ``namespace`` if the policy serves it, with its KV when ``load``, or why not;
         the check of this lookup when it was sampled for verification)."""
         vector = self.embedder.embed([query])[0]
@@ -271,7 +261,8 @@ class SemanticReuse:
         try:
             for similarity, vid in self._candidates(vector, namespace):
                 entry = self.index.entries[vid]
-                reason, refused = decide(query, entry.text, similarity, self.threshold_for(entry.key), self.guards)
+                decision = self.decide(query, entry.text, similarity, entry.key)
+                reason = decision.reason
                 if reason is None and self.mode == "context" and text_ratio(query, entry.text) < self.min_text_ratio:
                     reason = f"documents differ by more than {1 - self.min_text_ratio:.0%} of their words"
                 segment = None
@@ -280,26 +271,24 @@ class SemanticReuse:
                         if not self.store.contains(entry.key):
                             stale.append(vid)
                             continue
-                        return (similarity, entry, None), None
+                        return (similarity, entry, None, decision.score), None
                     segment = self.store.get(entry.key)
                     if segment is None:
                         stale.append(vid)  # evicted: drop it from the index and look further
                         continue
                     if segment.model_id != self.model_id:
                         return "stored KV made by another model", None
-                check = self._sample(ids, entry.key, similarity, refused, tail) if sample else None
+                check = self._sample(ids, entry.key, similarity, decision, tail) if sample else None
                 if segment is None:
                     return str(reason), check  # top-1 only: a worse candidate is never tried after a refused one
-                return (similarity, entry, segment), check
+                return (similarity, entry, segment, decision.score), check
             return "no similar prompt stored", None
         finally:
             if stale:
                 self._drop(stale)
 
     # ------------------------------------------------------------------------------------------------ verify
-    def _sample(
-        self, ids: list[int], key: str, similarity: float, refused: frozenset[str], tail: list[int]
-    ) -> Check | None:
+    def _sample(self, ids: list[int], key: str, similarity: float, decision: Decision, tail: list[int]) -> Check | None:
         """With probability ``verify_ratio``, a :class:`Check` of this lookup (hit or miss: a uniform sample of the
         lookups whose candidate is in the bound's population) that the engine runs after the answer."""
         if similarity < POPULATION_FLOOR or not self.verify_ratio:
@@ -320,9 +309,11 @@ class SemanticReuse:
             cache = KVCache.from_segments([segment], end=end, layer_windows=windows, device=self.device)
             return cache, donor_ids + list(tail)
 
+        score, refused = decision.score, decision.refused
+
         def report(agree: bool) -> None:
-            self.stats.observe(key, similarity, not agree, refused, to_bin(similarity))
-            logger.info("semantic lookup verified: %s at similarity %.3f", "right" if agree else "wrong", similarity)
+            self.stats.observe(key, score, not agree, refused, to_bin(score))
+            logger.info("semantic lookup verified: %s at score %.3f", "right" if agree else "wrong", score)
 
         return Check(list(ids), load, report, num_tokens=self.check_tokens)
 

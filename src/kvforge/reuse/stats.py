@@ -152,11 +152,12 @@ class SharedStats:
                 continue
             try:
                 body = json.loads(data)
-                if body.get("format") != FORMAT:
-                    raise ValueError(f"format {body.get('format')!r}")
+                if not isinstance(body, dict) or body.get("format") != FORMAT:
+                    raise ValueError("not a statistics blob of this format")
+                _check_body(body)
                 body["_key"] = key
                 blobs.append(body)
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError, AttributeError, KeyError) as e:
                 logger.warning("semantic statistics blob %s skipped: %s", key, e)
         return blobs
 
@@ -206,3 +207,18 @@ class SharedStats:
                     self.store.delete_blob(key)
                 self._view = None
             return len(folded)
+
+
+def _check_body(body: dict[str, Any]) -> None:
+    """Raise unless a statistics blob read from a store has the shape :meth:`SemanticStats._merge` and ``compact``
+    read (writers' counts, entries' observations, a time): another writer's blob is input, not trusted."""
+    float(body.get("updated", 0.0))
+    writers, entries = body.get("writers", {}), body.get("entries", {})
+    if not isinstance(writers, dict) or not isinstance(entries, dict):
+        raise TypeError("writers and entries are not objects")
+    for v in writers.values():
+        int(v.get("n", 0))
+        _decode_counts(v.get("counts", []))
+    for rows in entries.values():
+        for sim, wrong, failed, obs_id in rows:
+            float(sim), bool(wrong), str(failed), str(obs_id)

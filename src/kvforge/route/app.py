@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from kvforge.errors import UserError
+from kvforge.redact import redact_text, redact_url
 from kvforge.route.documents import DocumentRoute, DocumentRouter, chat_answer, chat_stream, loaded
 from kvforge.route.normalize import Endpoint, PromptNormalizer, RouteDecision
 from kvforge.serve.errors import error_body
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 _HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
                 "proxy-authorization", "accept-encoding"}  # fmt: skip
 _ROUTED = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+# whatever fails between the router and its upstream (refused, reset, cut-short body, stalled read): a 502, never a 500
+_UPSTREAM_ERRORS = (httpx.HTTPError, httpx.StreamError, OSError)
 
 
 class RouteMetrics:
@@ -68,6 +71,17 @@ def create_router_app(
     chats on stored compressed documents and store them (``POST /v1/kv/documents``)."""
     metrics = RouteMetrics()
     state: dict[str, Any] = {}
+    shown = redact_url(upstream)  # the upstream as every answer and log line names it: never its credentials
+
+    def stream_failed(e: BaseException) -> bytes:
+        """The end of a stream whose upstream broke or stalled: an error event, then ``[DONE]``."""
+        logger.warning("route: upstream stream from %s failed (%s)", shown, type(e).__name__)
+        body = error_body(f"upstream {shown} failed mid-stream: {type(e).__name__}", "server_error", None,
+                          "upstream_unavailable")  # fmt: skip
+        return f"\n\ndata: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+    def upstream_failed(e: BaseException) -> JSONResponse:
+        return _error(502, f"upstream {shown} unreachable or failed: {type(e).__name__}", "upstream_unavailable")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -98,9 +112,9 @@ def create_router_app(
             ids = [int(t) for t in tok.json()["tokens"]]
             outcome = await asyncio.to_thread(normalizer.record, decision, ids, record_wait_s)
         except (httpx.HTTPError, KeyError, ValueError, TypeError) as e:
-            outcome = f"not recorded: upstream /tokenize failed ({e})"
+            outcome = f"not recorded: upstream /tokenize failed ({redact_text(str(e))})"
         except Exception as e:  # a store fault while recording: this prompt is simply not indexed
-            outcome = f"not recorded: {type(e).__name__}: {e}"
+            outcome = f"not recorded: {type(e).__name__}: {redact_text(str(e))}"
         if outcome == "recorded":
             metrics.recorded.inc()
         logger.info("route: prompt %s", outcome)
@@ -137,8 +151,8 @@ def create_router_app(
                                                 params=request.query_params)  # fmt: skip
         try:
             response = await client.send(upstream_request, stream=True)
-        except httpx.HTTPError as e:
-            return _error(502, f"upstream {upstream} unreachable: {type(e).__name__}", "upstream_unavailable")
+        except _UPSTREAM_ERRORS as e:
+            return upstream_failed(e)
 
         def maybe_record() -> None:
             if decision.kind == "miss" and response.status_code < 300:
@@ -153,6 +167,8 @@ def create_router_app(
                     async for chunk in response.aiter_bytes():  # decoded: headers say nothing of gzip
                         yield chunk
                     maybe_record()
+                except _UPSTREAM_ERRORS as e:  # broken or stalled mid-stream: the client is told, then [DONE]
+                    yield stream_failed(e)
                 finally:
                     await response.aclose()
 
@@ -160,6 +176,8 @@ def create_router_app(
             return StreamingResponse(relay(), status_code=response.status_code, media_type=media, headers=route_header)
         try:
             data = await response.aread()
+        except _UPSTREAM_ERRORS as e:  # e.g. a body cut short
+            return upstream_failed(e)
         finally:
             await response.aclose()
         maybe_record()
@@ -180,14 +198,16 @@ def create_router_app(
         try:
             response = await client.send(client.build_request("POST", "/v1/completions", json=sent, headers=headers),
                                          stream=True)  # fmt: skip
-        except httpx.HTTPError as e:
-            return _error(502, f"upstream {upstream} unreachable: {type(e).__name__}", "upstream_unavailable")
+        except _UPSTREAM_ERRORS as e:
+            return upstream_failed(e)
         if sent.get("stream") and response.status_code < 300:
 
             async def relay() -> AsyncIterator[bytes]:
                 try:
                     async for chunk in chat_stream(response.aiter_lines()):
                         yield chunk
+                except _UPSTREAM_ERRORS as e:
+                    yield stream_failed(e)
                 finally:
                     await response.aclose()
 
@@ -196,6 +216,8 @@ def create_router_app(
             answer = json.loads(await response.aread())
         except ValueError:
             answer = None
+        except _UPSTREAM_ERRORS as e:  # a body cut short
+            return upstream_failed(e)
         finally:
             await response.aclose()
         if response.status_code >= 300 or not isinstance(answer, dict):
@@ -206,8 +228,8 @@ def create_router_app(
                 full = await client.post("/v1/chat/completions", json={k: v for k, v in body.items() if k != "kvforge"},
                                          headers=headers)  # fmt: skip
                 answer = full.json()
-            except (httpx.HTTPError, ValueError) as e:
-                return _error(502, f"upstream {upstream} failed: {type(e).__name__}", "upstream_unavailable")
+            except (*_UPSTREAM_ERRORS, ValueError) as e:
+                return upstream_failed(e)
             if isinstance(answer, dict) and full.status_code < 300:
                 answer["kvforge"] = fallback.report()
             return JSONResponse(answer, status_code=full.status_code, headers={"x-kvforge-document": "fallback"})
@@ -241,9 +263,9 @@ def create_router_app(
         try:
             answer = await state["client"].get("/health", timeout=5.0)
             ok = answer.status_code == 200
-        except httpx.HTTPError:
+        except _UPSTREAM_ERRORS:
             ok = False
-        body = {"status": "ok" if ok else "upstream unavailable", "upstream": upstream}
+        body = {"status": "ok" if ok else "upstream unavailable", "upstream": shown}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -256,8 +278,8 @@ def create_router_app(
         try:
             answer = await client.request(request.method, "/" + path, content=await request.body(),
                                           headers=upstream_headers(request), params=request.query_params)  # fmt: skip
-        except httpx.HTTPError as e:
-            return _error(502, f"upstream {upstream} unreachable: {type(e).__name__}", "upstream_unavailable")
+        except _UPSTREAM_ERRORS as e:
+            return upstream_failed(e)
         return Response(answer.content, status_code=answer.status_code,
                         media_type=answer.headers.get("content-type"))  # fmt: skip
 

@@ -22,7 +22,7 @@ from kvforge.reuse.base import ReuseStrategy
 from kvforge.serve.errors import APIError, install_handlers
 from kvforge.serve.features import Features
 from kvforge.serve.metrics import Metrics
-from kvforge.serve.middleware import GuardMiddleware
+from kvforge.serve.middleware import GuardMiddleware, check_api_key
 from kvforge.serve.routes import ROUTERS
 from kvforge.serve.scheduler import Scheduler
 from kvforge.serve.state import Server
@@ -79,6 +79,7 @@ def create_app(
         raise UserError(f"unknown scheduler {scheduler!r}; choose from: {', '.join(SCHEDULERS)}")
     if prefill_budget < 1:
         raise UserError(f"prefill budget must be >= 1, got {prefill_budget}")
+    check_api_key(api_key)  # now, not at the first request (the middleware is built then)
     features = Features(engine, store_url=store_url, embedder=embedder, semantic=semantic)
     reuse_kind = reuse if isinstance(reuse, str) else ("custom" if reuse is not None else "none")
     try:  # fail at startup on an unknown default press or reuse strategy

@@ -7,6 +7,7 @@ import json
 import time
 from typing import Any
 
+from kvforge.errors import UserError
 from kvforge.serve.errors import error_body
 from kvforge.serve.metrics import Metrics
 
@@ -24,6 +25,14 @@ async def _send_error(
     await send({"type": "http.response.body", "body": body})
 
 
+def check_api_key(key: str | None) -> None:
+    """An API key that is set but empty (``KVFORGE_API_KEY=``) is refused: it would start an open server silently."""
+    if key is not None and not key.strip():
+        raise UserError(
+            "the API key is empty (--api-key or KVFORGE_API_KEY): give a key, or unset it for an open server"
+        )
+
+
 class GuardMiddleware:
     """Checks the API key and the body size before the app sees a request, and counts every answer. While the server
     drains after SIGTERM (``app.state.draining``, set by ``kvforge serve``), every new request is answered 503
@@ -35,9 +44,11 @@ class GuardMiddleware:
     """
 
     def __init__(self, app: Any, metrics: Metrics, api_key: str | None, max_body_bytes: int) -> None:
+        check_api_key(api_key)
         self.app = app
         self.metrics = metrics
         self.api_key = api_key
+        self._key = None if api_key is None else api_key.strip().encode()  # compared as UTF-8 bytes
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
@@ -94,9 +105,9 @@ class GuardMiddleware:
     def _authorized(self, scope: Scope, path: str) -> bool:
         if self.api_key is None or path in OPEN_PATHS:
             return True
-        auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = auth.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"")  # bytes as sent: a UTF-8 key matches
+        scheme, _, token = auth.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key or b"")
 
     async def _call_limited(self, scope: Scope, receive: Any, send: Any, has_length: bool) -> None:
         """Call the app; a body without Content-Length (chunked) is read here first, up to the limit."""

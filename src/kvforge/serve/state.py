@@ -93,6 +93,37 @@ class Server:
         except ShuttingDownError as e:
             raise shutting_down() from e
 
+    def submit_all(self, requests: list[Request]) -> list[Job]:
+        """Queue every request, or none: when one is refused (429, shutting down) those queued before it are
+        cancelled (they never start, or leave the engine at its next step)."""
+        jobs: list[Job] = []
+        try:
+            for r in requests:
+                jobs.append(self.submit(r))
+        except BaseException:
+            for job in jobs:
+                job.cancel("cancelled")
+            raise
+        return jobs
+
+    async def wait_all(self, request: HTTPRequest, jobs: list[Job]) -> list[Any] | None:
+        """The results of ``jobs`` (None when the client went away): the first that fails, times out or loses its
+        client cancels the others, so no work of a request that was answered keeps running."""
+        try:
+            results = []
+            for job in jobs:
+                result = await self.wait(request, job)
+                if result is None:
+                    break
+                results.append(result)
+            else:
+                return results
+            return None
+        finally:
+            for job in jobs:
+                if not job.future.done():
+                    job.cancel("cancelled")
+
     async def wait(self, request: HTTPRequest, job: Job, until_started: bool = False) -> Any:
         """The job's result (with ``until_started``: True once it runs); None when the client went away.
 

@@ -14,6 +14,7 @@ from typing import Any
 from kvforge.decode import PresenceFrequencyPenalty, SamplingParams
 from kvforge.engine import Engine
 from kvforge.errors import PRESS_WITH_REUSE, UserError
+from kvforge.names import RAG_RECOMPUTING
 from kvforge.presses.base import Press
 from kvforge.request import Chunks, Document, Prompt, Request
 from kvforge.reuse.base import ReuseStrategy
@@ -57,6 +58,8 @@ class Translator:
         """A completion (``raw``) or a chat completion as a tokenised request."""
         o, opts = self.options, req.kvforge or S.KVForgeOptions()
         self.check_model(req.model)
+        if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM answer it
+            raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         if opts.rag is not None or opts.chunks is not None or opts.chunk_ids is not None or opts.recompute_ratio:
             return self._rag(req, opts, prompt, raw)
         ratio = opts.compression_ratio if opts.compression_ratio is not None else o.compression_ratio
@@ -122,8 +125,8 @@ class Translator:
         if (opts.chunks is None) == (opts.chunk_ids is None):
             raise APIError(400, "kvforge.rag needs exactly one of kvforge.chunks (texts) or kvforge.chunk_ids",
                            param="kvforge.chunks")  # fmt: skip
-        if opts.recompute_ratio is not None and opts.rag not in ("cacheblend", "cacheclip"):
-            raise APIError(400, "kvforge.recompute_ratio applies to cacheblend and cacheclip",
+        if opts.recompute_ratio is not None and opts.rag not in RAG_RECOMPUTING:
+            raise APIError(400, f"kvforge.recompute_ratio applies to {', '.join(RAG_RECOMPUTING)}",
                            param="kvforge.recompute_ratio")  # fmt: skip
         question, system = split_system_question(prompt, "messages")
         strategy = self.features.chunk_reuse(opts.rag, opts.recompute_ratio)

@@ -451,9 +451,10 @@ class ByteStore(ABC):
 
 
 def summarize_entries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """Totals over segment summaries: tokens, stored vs uncompressed bytes, entries per model / press / quant."""
-    stored = sum(s.get("stored_bytes") or 0 for s in summaries)
-    full = sum(s.get("full_bytes") or 0 for s in summaries)
+    """Totals over segment summaries: tokens, stored vs uncompressed bytes, entries per model / press / quant (a
+    summary read from a store is input: a count that is not a whole number counts as 0)."""
+    stored = sum(_count(s.get("stored_bytes")) for s in summaries)
+    full = sum(_count(s.get("full_bytes")) for s in summaries)
     by_model: dict[str, int] = {}
     by_press: dict[str, int] = {}
     by_quant: dict[str, int] = {}
@@ -464,7 +465,7 @@ def summarize_entries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         by_press[press_name] = by_press.get(press_name, 0) + 1
         by_quant[str(s.get("quant") or "none")] = by_quant.get(str(s.get("quant") or "none"), 0) + 1
     return {
-        "tokens": sum(s.get("num_tokens") or 0 for s in summaries),
+        "tokens": sum(_count(s.get("num_tokens")) for s in summaries),
         "stored_bytes": stored,
         "full_bytes": full,
         "stored_ratio": stored / full if full else None,
@@ -472,6 +473,10 @@ def summarize_entries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         "by_press": by_press,
         "by_quant": by_quant,
     }
+
+
+def _count(value: Any) -> int:
+    return value if type(value) is int and value >= 0 else 0
 
 
 _SIZE_UNITS = {

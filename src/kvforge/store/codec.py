@@ -55,6 +55,10 @@ METADATA_KEY = "kvforge"  # the safetensors metadata entry holding the header
 MAGIC = b"KVFORGE\n"  # formats 1 and 2 start with it
 _PREFIX = struct.Struct("<8sQ")  # formats 1 and 2: magic, header length
 _MAX_HEADER = 100_000_000  # bytes; a larger length field is garbage (safetensors has the same limit)
+# What a header may make a reader allocate: decoded tensors of at most MAX_EXPANSION times the stored bytes (int2 and
+# kvtc codes, DEFLATEd positions and head-wise padding stay far below it), or MIN_DECODED_LIMIT for small entries.
+MAX_EXPANSION = 128
+MIN_DECODED_LIMIT = 64 << 20
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -484,6 +488,7 @@ def decode(
                 digest = checksum([payload] if index is None else [index_json(index), payload], algo)
             if digest != header["checksum"]:
                 raise CorruptSegmentError("segment checksum mismatch (the stored bytes were altered)")
+        _check_layers(header, decoded_limit(len(buf)))
         tensors = read_payload(payload) if index is None else read_payload(buf, (index, start))
         basis = None
         if header.get("basis"):
@@ -494,10 +499,45 @@ def decode(
                     "process, the kvforge cache dir nor the store"
                 )
         return _segment_from(header, tensors, basis)
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        if isinstance(e, CorruptSegmentError):
-            raise
-        raise CorruptSegmentError(f"segment payload does not match its header: {e}") from e
+    except (CorruptSegmentError, ModelMismatchError):
+        raise
+    except Exception as e:  # whatever odd value a header holds: a corrupt entry, never an error of the caller's
+        raise CorruptSegmentError(f"segment payload does not match its header: {type(e).__name__}: {e}") from e
+
+
+def decoded_limit(stored_bytes: int) -> int:
+    """The most bytes of tensors an entry of ``stored_bytes`` may decode to (:data:`MAX_EXPANSION`)."""
+    return max(MAX_EXPANSION * stored_bytes, MIN_DECODED_LIMIT)
+
+
+def _shape(value: Any, what: str) -> tuple[int, int, int]:
+    if not isinstance(value, list) or len(value) != 3 or not all(type(x) is int and x >= 0 for x in value):
+        raise CorruptSegmentError(f"{what} is not a shape of three sizes: {str(value)[:80]}")
+    return value[0], value[1], value[2]
+
+
+def _check_layers(header: dict[str, Any], limit: int) -> None:
+    """The header's layers are shapes of sane sizes whose tensors, decoded, fit in ``limit`` bytes: checked before
+    anything is allocated from them (a forged header declaring huge shapes is a corrupt entry, not an allocation)."""
+    layers, tokens = header["layers"], header["token_ids"]
+    if (
+        not isinstance(layers, list)
+        or not isinstance(tokens, list)
+        or header.get("num_layers", len(layers)) != len(layers)
+    ):
+        raise CorruptSegmentError("segment header's layers or token ids are not lists of the declared length")
+    total = 0
+    for i, info in enumerate(layers):
+        if not isinstance(info, dict):
+            raise CorruptSegmentError(f"layer {i}: header entry is not an object")
+        h, s, d = _shape(info["k_shape"], f"layer {i}'s key shape")
+        hv, sv, dv = _shape(info["v_shape"], f"layer {i}'s value shape")
+        if (h, s) != (hv, sv):
+            raise CorruptSegmentError(f"layer {i}: keys and values of different heads or lengths")
+        sizes = [_dtype_from_name(str(info[x])).itemsize for x in ("dtype", "v_dtype", "p_dtype")]
+        total += h * s * (d * sizes[0] + dv * sizes[1] + sizes[2] + 1)
+        if total > limit:
+            raise CorruptSegmentError(f"segment header declares tensors of over {limit} bytes (layer {i}): not decoded")
 
 
 def _segment_from(header: dict[str, Any], tensors: dict[str, Tensor], basis: KVBasis | None = None) -> KVSegment:
@@ -551,17 +591,18 @@ def _compact_layer(
     i: int, info: dict[str, Any], tensors: dict[str, Tensor], basis: KVBasis | None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Keys, values, positions and mask of a version-4 layer (padding slots zero, as every KVCache holds them)."""
-    import zlib
-
     h, s, d = info["k_shape"]
     dv = info["v_shape"][2]
     dtype, v_dtype, p_dtype = (_dtype_from_name(info[x]) for x in ("dtype", "v_dtype", "p_dtype"))
     mask = None
     if info["valid"]:
-        bits = np.frombuffer(zlib.decompress(tensors[f"m.{i}"].numpy().tobytes()), dtype=np.uint8)
-        mask = torch.from_numpy(np.unpackbits(bits)[: h * s].astype(bool).reshape(h, s))
+        packed = transform.inflate(tensors[f"m.{i}"].numpy().data, -(-h * s // 8), f"layer {i}'s mask")
+        bits = np.unpackbits(np.frombuffer(packed, dtype=np.uint8))
+        mask = torch.from_numpy(bits[: h * s].astype(bool).reshape(h, s))
     counts = [int(mask[x].sum()) for x in range(h)] if mask is not None else [s] * h
-    deltas = torch.from_numpy(np.frombuffer(zlib.decompress(tensors[f"p.{i}"].numpy().tobytes()), dtype="<i8").copy())
+    num_deltas = counts[0] if info["p_shared"] and counts else sum(counts)
+    raw = transform.inflate(tensors[f"p.{i}"].numpy().data, 8 * num_deltas, f"layer {i}'s positions")
+    deltas = torch.from_numpy(np.frombuffer(raw, dtype="<i8").copy())
     rows = list(torch.split(deltas, counts[:1] if info["p_shared"] else counts))
     flat = torch.cat([r.cumsum(0) for r in rows]) if rows else deltas
     if info["p_shared"]:

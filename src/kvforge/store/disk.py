@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import secrets
+import stat
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DISK_BYTES = 10 * 1024**3
 SEG_SUFFIX, BLOB_SUFFIX, TMP_SUFFIX = ".kvseg", ".blob", ".tmp"
+WRITES_MARK = ".writes"  # in segments/: its mtime changes with every committed entry (see DiskStore._make_room)
+MAX_BLOB_BYTES = 256 << 20  # a blob (reuse indexes, KV bases) larger than this and than max_bytes is not read
 STALE_TMP_S = 3600.0  # a tmp file older than this is a crashed write: removed on open
 READ_CHUNK = 512 << 10  # read and hashed at once, while in the CPU's cache (a helper thread hashing 8 MiB chunks
 # behind the read was slower once reads fill recycled memory, and needs a free core: see docs/store.md)
@@ -60,7 +63,8 @@ class SegmentBytes(np.ndarray):
 def _read_hashing(f: Any, buf: memoryview) -> tuple[int, codec.Parsed | None, tuple[int, str] | None]:
     """Fill ``buf`` from ``f`` in chunks, hashing what follows the segment's header as it arrives under the algorithm
     the header names; (bytes read, parsed header, (offset, digest)); both None when anything in the header is odd
-    (decode then parses and checks it again). Each chunk is hashed right after it is read, while it is in cache."""
+    (decode then parses and checks it again), and then the read stops there: a file whose header is garbage or
+    declares another size is not read whole. Each chunk is hashed right after it is read, while it is in cache."""
     n, start, h, parsed = 0, 0, None, None
     while n < len(buf):
         got = f.readinto(buf[n : n + READ_CHUNK])
@@ -69,16 +73,27 @@ def _read_hashing(f: Any, buf: memoryview) -> tuple[int, codec.Parsed | None, tu
         if h is not None:
             h.update(buf[n : n + got])
         n += got
-        if h is None and start >= 0:
+        if h is None:
             try:
                 if not start and n >= 16:
                     start = codec.header_size(buf[:16])
                 if start and n >= start:
                     parsed, h = codec.payload_hasher(buf[:start])
+                    if start + int(parsed.header["payload_bytes"]) != len(buf):
+                        raise ValueError("the header does not describe this file")
                     h.update(buf[start:n])
-            except Exception:
-                start, parsed = -1, None
+            except Exception:  # garbage or a header of another size: the rest is not read (decode reports it)
+                return n, None, None
     return n, parsed, None if h is None else (start, str(h.hexdigest()))
+
+
+def _entries(folder: Path) -> list[os.DirEntry[str]]:
+    """The entries of ``folder`` (none when it is missing, unreadable or not a folder)."""
+    try:
+        with os.scandir(folder) as it:
+            return list(it)
+    except OSError:
+        return []
 
 
 def shard(key: str) -> str:
@@ -91,6 +106,45 @@ def _discard(path: Path) -> None:
     nothing; the error being cleaned up after is the one reported)."""
     with contextlib.suppress(OSError):
         path.unlink()
+
+
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_regular(path: Path) -> Any:
+    """``path`` opened for reading only if it is a regular file inside a real folder (no symlink as the file or its
+    folder, no FIFO, device or socket: opened non-blocking and checked before a byte is read, so a FIFO cannot hang
+    the reader). Raises FileNotFoundError when absent, :class:`ForeignEntryError` for anything else."""
+    if path.parent.is_symlink():
+        raise ForeignEntryError(f"{path.parent.name}/ is a symbolic link")
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ForeignEntryError("a symbolic link") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise ForeignEntryError("not a regular file")
+    os.set_blocking(fd, True)
+    return open(fd, "rb", buffering=0)
+
+
+class ForeignEntryError(OSError):
+    """Something at an entry's path that kvforge did not write (a link, a FIFO, a device): never followed nor read,
+    never removed; a miss with one warning."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(errno.EINVAL, f"not a store entry ({what})")
+
+
+class EntryTooLargeError(OSError):
+    """A file larger than ``max_bytes`` at an entry's path (a blob: than :data:`MAX_BLOB_BYTES` too): not read (a miss
+    with one warning), left in place."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(errno.EFBIG, f"entry of {size} bytes is over its bound of {limit} bytes; not read")
 
 
 class DiskStore(ByteStore):
@@ -129,6 +183,7 @@ class DiskStore(ByteStore):
         self.rescan_s = rescan_s
         self._last_scan = 0.0
         self._last_ns = 0
+        self._seen_writes: int | None = None
         self._legacy: set[str] = set()  # keys still in the pre-hash layout (a read-only store cannot move them)
         self.read_only = read_only
         if read_only and not self.root.is_dir():
@@ -156,30 +211,38 @@ class DiskStore(ByteStore):
         return self.root / "segments" / key[:2] / f"{key}{SEG_SUFFIX}"
 
     def _scan(self, kind: Kind) -> list[tuple[int, str, int]]:
-        """(mtime, key, size) of the files of ``kind`` on disk, foreign files skipped, old-layout files migrated."""
+        """(mtime, key, size) of the files of ``kind`` on disk, foreign files skipped, old-layout files migrated.
+        Only regular files in real folders count: links (to files or shard folders), FIFOs and devices are neither
+        followed, listed, moved nor removed."""
         found: dict[str, tuple[int, str, int]] = {}
-        pattern = f"*/*{SEG_SUFFIX}" if kind == "seg" else f"*{BLOB_SUFFIX}"
-        for p in (self.root / ("segments" if kind == "seg" else "blobs")).glob(pattern):
-            key = p.name[: -len(p.suffix)]
-            if not _KEY_RE.match(key):
-                continue
-            home = kind == "blob" or p.parent.name == shard(key)
-            if not home:
-                if p.parent.name != key[:2]:
-                    continue  # not ours
-                moved = self._migrate(key, p)
-                if moved is None:
+        suffix = SEG_SUFFIX if kind == "seg" else BLOB_SUFFIX
+        top = self.root / ("segments" if kind == "seg" else "blobs")
+        folders = [e.path for e in _entries(top) if e.is_dir(follow_symlinks=False)] if kind == "seg" else [top]
+        for folder in folders:
+            for entry in _entries(Path(folder)):
+                if not entry.name.endswith(suffix) or not entry.is_file(follow_symlinks=False):
                     continue
-                p, home = moved, moved != p
-            elif kind == "seg":
-                self._legacy.discard(key)  # the hashed copy is the one to use
-            if key in found and not home:
-                continue
-            try:
-                st = p.stat()
-            except FileNotFoundError:  # removed meanwhile by another process
-                continue
-            found[key] = (st.st_mtime_ns, key, st.st_size)
+                p = Path(entry.path)
+                key = entry.name[: -len(suffix)]
+                if not _KEY_RE.match(key):
+                    continue
+                home = kind == "blob" or p.parent.name == shard(key)
+                if not home:
+                    if p.parent.name != key[:2]:
+                        continue  # not ours
+                    moved = self._migrate(key, p)
+                    if moved is None:
+                        continue
+                    p, home = moved, moved != p
+                elif kind == "seg":
+                    self._legacy.discard(key)  # the hashed copy is the one to use
+                if key in found and not home:
+                    continue
+                try:
+                    st = p.lstat()
+                except FileNotFoundError:  # removed meanwhile by another process
+                    continue
+                found[key] = (st.st_mtime_ns, key, st.st_size)
         return list(found.values())
 
     def _migrate(self, key: str, old: Path) -> Path | None:
@@ -190,6 +253,8 @@ class DiskStore(ByteStore):
                 return None  # the hashed copy wins
             self._legacy.add(key)
             return old
+        if new.parent.is_symlink():
+            return None  # its hashed folder links out of the store: not moved there
         try:
             if new.is_file():
                 old.unlink()  # written again since, under the new layout: that copy is the current one
@@ -210,6 +275,7 @@ class DiskStore(ByteStore):
     def _rescan(self) -> None:
         """Rebuild the LRU index from the files (oldest mtime first)."""
         with self.lock:
+            self._seen_writes = self._writes_mark()  # before listing: a write committed meanwhile shows next time
             self._index = OrderedDict((key, size) for _, key, size in sorted(self._scan("seg")))
             self._bytes = sum(self._index.values())
             self._tmp_bytes = self._scan_tmp_bytes()
@@ -217,10 +283,15 @@ class DiskStore(ByteStore):
 
     def _scan_tmp_bytes(self) -> int:
         total = 0
-        for p in (self.root / "tmp").glob(f"*{TMP_SUFFIX}"):
+        for p in self._tmp_files():
             with contextlib.suppress(FileNotFoundError):
-                total += p.stat().st_size
+                total += p.lstat().st_size
         return total
+
+    def _tmp_files(self) -> list[Path]:
+        """Partial writes in ``tmp/`` (regular files only: a link there is not followed, counted nor removed)."""
+        return [Path(e.path) for e in _entries(self.root / "tmp")
+                if e.name.endswith(TMP_SUFFIX) and e.is_file(follow_symlinks=False)]  # fmt: skip
 
     @property
     def display(self) -> str:
@@ -230,9 +301,9 @@ class DiskStore(ByteStore):
         if self.read_only:
             return
         now = time.time()
-        for p in (self.root / "tmp").glob(f"*{TMP_SUFFIX}"):
+        for p in self._tmp_files():
             with contextlib.suppress(OSError):
-                if now - p.stat().st_mtime > STALE_TMP_S:
+                if now - p.lstat().st_mtime > STALE_TMP_S:
                     p.unlink()
                     log.info("disk store: removed a leftover partial write %s", p.name)
 
@@ -240,8 +311,11 @@ class DiskStore(ByteStore):
     def read(self, key: str, kind: Kind = "seg") -> SegmentBytes | memoryview | None:
         path = self.path(key, kind)
         try:
-            with open(path, "rb", buffering=0) as f:
+            with open_regular(path) as f:
                 size = os.fstat(f.fileno()).st_size
+                limit = self.max_bytes if kind == "seg" else max(self.max_bytes, MAX_BLOB_BYTES)
+                if size > limit:  # no entry this store (or a writer with its bound) makes is this large
+                    raise EntryTooLargeError(size, limit)
                 if kind == "blob":
                     blob = np.empty(size, dtype=np.uint8)  # uninitialised (no zeroing pass) and writable
                     n = 0
@@ -286,14 +360,21 @@ class DiskStore(ByteStore):
             for folder in (tmp.parent, path.parent):  # made by the first write (opening a store creates nothing)
                 if not folder.is_dir():
                     folder.mkdir(parents=True, exist_ok=True)
+                if folder.is_symlink():  # a write through it would land outside the store
+                    raise ForeignEntryError(f"{folder.name}/ is a symbolic link")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             with open(fd, "wb") as f:
+                if kind == "seg":  # room first: the bytes about to be written count before they are on disk
+                    f.truncate(size)  # (sparse) the entry's size, seen by every writer that scans tmp/ from now on
+                    self._make_room(size)
                 for part in parts:
                     f.write(part)
                 f.flush()
                 if self.fsync:
                     os.fsync(f.fileno())
             self._stamp(tmp)
+            if kind == "seg":
+                self._mark_write()
             os.replace(tmp, path)  # atomic: readers see the old file or the new one
         except BaseException:
             _discard(tmp)  # whatever failed (EROFS, ENOSPC, EFBIG, EDQUOT, EACCES, an interrupt): no partial file
@@ -308,6 +389,23 @@ class DiskStore(ByteStore):
                 self._bytes += size
             self._evict(keep=key)
         return True
+
+    def _writes_mark(self) -> int | None:
+        """The mtime of ``segments/.writes`` (None: no write committed yet)."""
+        try:
+            return (self.root / "segments" / WRITES_MARK).lstat().st_mtime_ns
+        except OSError:
+            return None
+
+    def _mark_write(self) -> None:
+        """Tell the processes sharing the folder that an entry is being committed (before it is: see _make_room)."""
+        mark = self.root / "segments" / WRITES_MARK
+        with self.lock:
+            before = self._writes_mark()
+            mark.touch()
+            self._stamp(mark)
+            if before == self._seen_writes:  # nobody else committed since our last listing: ours needs none
+                self._seen_writes = self._writes_mark()
 
     def _stamp(self, path: Path) -> None:
         """Set the mtime to now with ns precision, strictly increasing in this process (the kernel's own file
@@ -331,6 +429,23 @@ class DiskStore(ByteStore):
             if size is not None:
                 self._bytes -= size
 
+    def _make_room(self, size: int) -> None:
+        """Before a write of ``size`` bytes (already reserved as a sparse file in ``tmp/``): evict least recently used
+        entries until the entries plus every partial write fit ``max_bytes``. Partial writes are listed afresh (a
+        small folder); entries when another process committed one since the last listing (the mtime of
+        ``segments/.writes``, which every writer sets just before each commit), so writers sharing the folder count
+        each other's entries and writes in flight, and a lone writer lists nothing."""
+        with self.lock:
+            self._tmp_bytes = self._scan_tmp_bytes()  # first: a write committed after this bumps the mark below
+            if self._writes_mark() != self._seen_writes or time.monotonic() - self._last_scan > self.rescan_s:
+                self._rescan()  # another process committed an entry since the last listing: count it
+            while self._bytes + self._tmp_bytes > self.max_bytes and self._index:
+                old = next(iter(self._index))
+                self._forget(old)
+                self.discard(old)
+                self.num_evicted += 1
+                log.debug("disk store: evicted %s to make room for a write of %d bytes", old, size)
+
     def _evict(self, keep: str) -> None:
         """Remove least recently used segment files until the folder holds at most ``max_bytes``."""
         with self.lock:
@@ -353,13 +468,20 @@ class DiskStore(ByteStore):
     def remove(self, key: str, kind: Kind = "seg") -> None:
         if self.read_only:
             raise OSError(errno.EROFS, "the store was opened read-only (?read_only=1)", str(self.root))
+        path = self.path(key, kind)
+        if path.parent.is_symlink():
+            raise ForeignEntryError(f"{path.parent.name}/ is a symbolic link")
         with contextlib.suppress(FileNotFoundError):
-            self.path(key, kind).unlink()
+            path.unlink()  # a link itself (never its target), written over a file of ours by someone else
         if kind == "seg":
             self._forget(key)
 
     def has(self, key: str, kind: Kind = "seg") -> bool:
-        return self.path(key, kind).is_file()
+        path = self.path(key, kind)
+        try:
+            return stat.S_ISREG(path.lstat().st_mode) and not path.parent.is_symlink()
+        except FileNotFoundError:
+            return False
 
     def list_keys(self, kind: Kind = "seg") -> list[str]:
         if kind == "blob":
@@ -370,16 +492,17 @@ class DiskStore(ByteStore):
 
     def read_header(self, key: str) -> dict[str, Any] | None:
         try:
-            with open(self.path(key), "rb") as f:  # no mtime update: describing is not using
+            with open_regular(self.path(key)) as f:  # no mtime update: describing is not using
                 prefix = f.read(16)
-                rest = f.read(max(codec.header_size(prefix) - len(prefix), 0))
+                size = os.fstat(f.fileno()).st_size
+                rest = f.read(min(max(codec.header_size(prefix) - len(prefix), 0), size))
         except FileNotFoundError:
             return None
         return codec.read_header(prefix + rest)
 
     def stored_size_raw(self, key: str) -> int | None:
         try:
-            return self.path(key).stat().st_size
+            return self.path(key).lstat().st_size
         except FileNotFoundError:
             return None
 
@@ -399,7 +522,7 @@ class DiskStore(ByteStore):
     def usage(self) -> dict[str, Any]:
         self._rescan()
         blobs = self._scan("blob")
-        tmp_files = sum(1 for _ in (self.root / "tmp").glob(f"*{TMP_SUFFIX}"))
+        tmp_files = len(self._tmp_files())
         with self.lock:
             url = f"file://{self.root.resolve()}?max_bytes={self.max_bytes}"
             return usage_report(url, len(self._index), self._bytes, self.max_bytes, (size for _, _, size in blobs),

@@ -30,12 +30,13 @@ from typing import Any
 from kvforge.errors import StoreUnavailableError, UserError, redis_unavailable
 from kvforge.redact import redact_text, redact_url
 from kvforge.store import codec
-from kvforge.store.base import ByteStore, Kind, describe_error, usage_report
+from kvforge.store.base import _KEY_RE, ByteStore, Kind, describe_error, usage_report
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 64 * 1024**2
 ORPHAN_TTL_S = 3600  # data chunks expire unless the metadata write that commits them follows
+READ_BATCH = 16  # chunks asked for per round trip: a read stops at the first missing one
 
 # KEYS: meta, sizes, lru, the new data chunks. ARGV: meta JSON, entry key, bytes, time, data-key prefix, is_seg.
 _COMMIT = """
@@ -64,8 +65,12 @@ redis.call('HDEL', KEYS[2], ARGV[1])
 if ARGV[3] == '1' then redis.call('ZREM', KEYS[3], ARGV[1]) end
 if old then
   local ok, m = pcall(cjson.decode, old)
-  if ok and type(m) == 'table' and type(m.chunks) == 'number' and m.nonce then
-    for i = 0, m.chunks - 1 do redis.call('DEL', ARGV[2] .. m.nonce .. ':' .. i) end
+  if ok and type(m) == 'table' and type(m.chunks) == 'number' and type(m.nonce) == 'string' then
+    local missing = 0  -- a forged count stops at 16 missing chunks in a row
+    for i = 0, m.chunks - 1 do
+      if redis.call('DEL', ARGV[2] .. m.nonce .. ':' .. i) == 0 then missing = missing + 1 else missing = 0 end
+      if missing >= 16 then break end
+    end
   end
 end
 return 1
@@ -194,6 +199,7 @@ class RedisStore(ByteStore):
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
         self._redis_error = redis.exceptions.RedisError
         self.io_errors = (*ByteStore.io_errors, redis.exceptions.RedisError)  # e.g. OOM under maxmemory, NOAUTH
+        self._bad_names: set[str] = set()  # names in Redis that are not entry keys, warned about once
         self.retry_s = 5.0  # after an outage, answer misses at once for this long before asking Redis again
         self.client = client_from_url(url, connect_timeout_s, timeout_s)
         self._commit_script = self.client.register_script(_COMMIT)
@@ -247,34 +253,75 @@ class RedisStore(ByteStore):
         return f"{self.prefix}:seg:lru"
 
     def _meta(self, key: str, kind: Kind) -> dict[str, Any] | None:
+        """The entry's metadata, or None when absent or not what a writer makes (then reported once and removed)."""
         raw = self._call(lambda: self.client.get(self._meta_key(key, kind)))
         if raw is None:
             return None
         try:
             meta = json.loads(raw)
-            return meta if isinstance(meta, dict) and {"nonce", "chunks", "bytes"} <= meta.keys() else None
-        except json.JSONDecodeError:
-            return None
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            meta = None
+        problem = _meta_problem(meta, self.max_bytes if kind == "seg" else None)
+        if problem is None:
+            return meta  # type: ignore[no-any-return]
+        self._bad(key, kind, f"metadata {problem}")
+        return None
+
+    def _bad(self, key: str, kind: Kind, why: str) -> None:
+        """A malformed entry: a miss, reported once per entry, removed when Redis lets us."""
+        with self.lock:
+            self.num_corrupt += 1
+        log.warning("redis store: entry %s is malformed (%s); treated as a miss and removed", key, why)
+        with contextlib.suppress(self._redis_error, StoreUnavailableError):
+            self.remove(key, kind)
+
+    def _valid_sizes(self, kind: Kind) -> list[int]:
+        """The sizes of the entries of the sizes hash that are entry keys."""
+        found = self._call(lambda: self.client.hgetall(self._sizes(kind)))
+        keep = set(self._names(list(found), "the sizes hash"))
+        return _sizes([v for k, v in found.items() if k.decode("utf-8", "replace") in keep])
+
+    def _names(self, raw: list[bytes], what: str) -> list[str]:
+        """Entry names read from Redis that are valid keys (others, written by something else, are skipped, with
+        one warning the first time each is met)."""
+        names = [r.decode("utf-8", "replace") if isinstance(r, bytes) else str(r) for r in raw]
+        good = [n for n in names if _KEY_RE.match(n)]
+        if len(good) != len(names):
+            bad = set(names) - set(good)
+            with self.lock:
+                new, self._bad_names = bad - self._bad_names, self._bad_names | bad
+            if new:
+                log.warning("redis store: %d name(s) in %s are not entry keys; ignored", len(new), what)
+        return good
 
     # ------------------------------------------------------------------------------------------ raw bytes
     def read(self, key: str, kind: Kind = "seg") -> bytearray | None:
         meta = self._meta(key, kind)
         if meta is None:
             return None
+        out, prefix = bytearray(), f"{self._data_prefix(key, kind)}{meta['nonce']}:"
         with self._guard():
-            pipe = self.client.pipeline(transaction=False)  # one round trip: the chunks and the LRU stamp
-            for name in self._chunk_keys(key, kind, meta):
-                pipe.get(name)
-            if kind == "seg":
-                pipe.zadd(self._lru(), {key: time.time()}, xx=True)
-            replies = pipe.execute()
-        chunks = replies[: meta["chunks"]]
-        if any(c is None for c in chunks):  # Redis dropped data, or a concurrent rewrite replaced this version
-            if self._meta(key, kind) == meta:
-                log.warning("redis store: entry %s lost part of its data; treated as a miss and removed", key)
-                self.remove(key, kind)
+            for at in range(0, max(meta["chunks"], 1), READ_BATCH):  # a few per round trip, up to a missing one
+                pipe = self.client.pipeline(transaction=False)
+                batch = range(at, min(at + READ_BATCH, meta["chunks"]))
+                for i in batch:
+                    pipe.get(f"{prefix}{i}")
+                if kind == "seg" and at == 0:
+                    pipe.zadd(self._lru(), {key: time.time()}, xx=True)
+                replies = pipe.execute()[: len(batch)]
+                if any(c is None for c in replies):  # Redis dropped data, or a rewrite replaced this version
+                    if self._meta(key, kind) == meta:
+                        log.warning("redis store: entry %s lost part of its data; treated as a miss and removed", key)
+                        self.remove(key, kind)
+                    return None
+                for c in replies:
+                    out += c
+                if len(out) > meta["bytes"]:  # more than declared: not read further
+                    break
+        if len(out) != meta["bytes"]:
+            self._bad(key, kind, f"its chunks hold {len(out)}+ bytes, its metadata says {meta['bytes']}")
             return None
-        return bytearray().join(chunks)
+        return out
 
     def write(self, key: str, data: bytes, kind: Kind = "seg") -> bool:
         view = memoryview(data).cast("B")
@@ -320,12 +367,14 @@ class RedisStore(ByteStore):
     def _evict(self, keep: str) -> None:
         if self.max_bytes is None:
             return
-        total = sum(int(v) for v in self._call(lambda: self.client.hvals(self._sizes("seg"))))
+        total = sum(_sizes(self._call(lambda: self.client.hvals(self._sizes("seg")))))
         if total <= self.max_bytes:
             return
-        sizes = {k.decode(): int(v) for k, v in self._call(lambda: self.client.hgetall(self._sizes("seg"))).items()}
-        for raw in self._call(lambda: self.client.zrange(self._lru(), 0, -1)):
-            old = raw.decode()
+        raw_sizes = self._call(lambda: self.client.hgetall(self._sizes("seg")))
+        sizes = {
+            k.decode("utf-8", "replace"): n for k, n in zip(raw_sizes, _sizes(list(raw_sizes.values())), strict=True)
+        }
+        for old in self._names(self._call(lambda: self.client.zrange(self._lru(), 0, -1)), "the LRU set"):
             if total <= self.max_bytes:
                 break
             if old == keep:
@@ -348,24 +397,52 @@ class RedisStore(ByteStore):
 
     def list_keys(self, kind: Kind = "seg") -> list[str]:
         if kind == "seg":
-            return [k.decode() for k in self._call(lambda: self.client.zrange(self._lru(), 0, -1))]
-        return sorted(k.decode() for k in self._call(lambda: self.client.hkeys(self._sizes(kind))))
+            return self._names(self._call(lambda: self.client.zrange(self._lru(), 0, -1)), "the LRU set")
+        return sorted(self._names(self._call(lambda: self.client.hkeys(self._sizes(kind))), "the sizes hash"))
 
     def touch(self, key: str) -> None:
         self._call(lambda: self.client.zadd(self._lru(), {key: time.time()}, xx=True))
 
     def describe(self, key: str) -> dict[str, Any] | None:
         meta = self._io("read", key, lambda: self._meta(key, "seg"), None)  # the summary is in the metadata: no data
-        return None if meta is None else meta.get("summary")
+        summary = None if meta is None else meta.get("summary")
+        return summary if isinstance(summary, dict) else None
 
     def stored_size_raw(self, key: str) -> int | None:
         meta = self._meta(key, "seg")
         return None if meta is None else int(meta["bytes"])
 
     def usage(self) -> dict[str, Any]:
-        sizes = [int(v) for v in self._call(lambda: self.client.hvals(self._sizes("seg")))]
-        blob_sizes = [int(v) for v in self._call(lambda: self.client.hvals(self._sizes("blob")))]
+        sizes, blob_sizes = (self._valid_sizes(kind) for kind in ("seg", "blob"))
         info = self._call(lambda: self.client.info("memory"))
         memory = {f"redis_{k}": info.get(k) for k in ("used_memory", "maxmemory", "maxmemory_policy")}
         return usage_report(self.display_url, len(sizes), sum(sizes), self.max_bytes, blob_sizes,
                             chunk_bytes=self.chunk_bytes, **memory)  # fmt: skip
+
+
+def _sizes(values: list[Any]) -> list[int]:
+    """Sizes read from a sizes hash, a value that is not a byte count (written by something else) counted as 0."""
+    out = []
+    for v in values:
+        try:
+            out.append(max(int(v), 0))
+        except (TypeError, ValueError):
+            out.append(0)
+    return out
+
+
+def _meta_problem(meta: Any, max_bytes: int | None) -> str | None:
+    """What is wrong with an entry's metadata (None: what a writer makes): a hex nonce, whole numbers of bytes and of
+    non-empty chunks (``chunks`` <= ``bytes``), within ``max_bytes`` when the store has one."""
+    if not isinstance(meta, dict):
+        return "is not a JSON object"
+    nonce, chunks, size = meta.get("nonce"), meta.get("chunks"), meta.get("bytes")
+    if not isinstance(nonce, str) or not nonce or not all(c in "0123456789abcdef" for c in nonce) or len(nonce) > 64:
+        return "has no valid nonce"
+    if type(chunks) is not int or type(size) is not int or chunks < 0 or size < 0:
+        return f"declares chunks={str(chunks)[:20]!r}, bytes={str(size)[:20]!r} (not whole numbers)"
+    if chunks > size or (size > 0 and chunks == 0):
+        return f"declares {chunks} chunks for {size} bytes"
+    if max_bytes is not None and size > max_bytes:
+        return f"declares {size} bytes, over max_bytes={max_bytes}"
+    return None

@@ -57,6 +57,7 @@ DEFAULT_BITS = 2.0
 DEFAULT_OUTLIERS = 2.0  # percent of the coded entries of each KV head (keys and values apiece) kept at 16 bits
 MAX_OUTLIERS = 50.0
 LEVEL = 6  # zlib level (Huffman only: the level changes little)
+_DIGEST = re.compile(r"[0-9a-f]{32}")  # KVBasis.digest
 _NUM = r"\d+(?:\.\d+)?"
 _NAME = re.compile(rf"^kvtc(?:-b(?P<b>{_NUM}))?(?:-k(?P<k>{_NUM}))?(?:-v(?P<v>{_NUM}))?(?:-o(?P<o>{_NUM}))?$")
 
@@ -268,7 +269,10 @@ class BasisBook:
             self._models[model_id] = (weakref.ref(model), tokenizer)
 
     def by_digest(self, digest: str, fetch: Callable[[str], bytes | None] | None = None) -> KVBasis | None:
-        """The basis with ``digest``: from memory, the cache dir, or ``fetch(blob key)`` (a store's blobs)."""
+        """The basis with ``digest``: from memory, the cache dir, or ``fetch(blob key)`` (a store's blobs). A digest
+        is hex digits (it names a file): anything else, e.g. a path read from a forged header, is refused."""
+        if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+            raise CorruptSegmentError(f"KV basis name {str(digest)[:40]!r} is not a digest")
         basis = self._by_digest.get(digest)
         if basis is not None:
             return basis
@@ -442,6 +446,19 @@ def deflate(data: bytes) -> bytes:
     return packer.compress(data) + packer.flush()
 
 
+def inflate(data: bytes | memoryview, size: int, what: str) -> bytes:
+    """DEFLATEd ``data`` inflated to exactly ``size`` bytes, never more: a stream that holds more (a bomb) or less is
+    a :class:`CorruptSegmentError`, found before more than ``size`` bytes are allocated."""
+    unpacker = zlib.decompressobj()
+    try:
+        out = unpacker.decompress(bytes(data), max(size, 1))  # (a max_length of 0 would mean "no limit")
+    except zlib.error as e:
+        raise CorruptSegmentError(f"{what} is not a DEFLATE stream ({e})") from None
+    if len(out) != size or unpacker.unconsumed_tail or (not unpacker.eof and unpacker.decompress(b"", 1)):
+        raise CorruptSegmentError(f"{what} does not inflate to the {size} bytes its header says")
+    return out
+
+
 def decode_matrix(data: bytes | memoryview, n: int, bits: Tensor, offset: Tensor, step: Tensor, mean: Tensor,
                   basis: Tensor) -> Tensor:  # fmt: skip
     """Inverse of :func:`encode_matrix`: ``(n, D)`` fp32."""
@@ -449,9 +466,9 @@ def decode_matrix(data: bytes | memoryview, n: int, bits: Tensor, offset: Tensor
     coef = torch.zeros(n, d, dtype=torch.float32)
     if n:
         used = torch.nonzero(bits, as_tuple=False).flatten().tolist()
-        raw = np.frombuffer(zlib.decompress(data), dtype=np.uint8) if len(data) else np.empty(0, np.uint8)
-        if raw.size != n * len(used):
-            raise CorruptSegmentError("transform-coded layer does not hold the codes its header says")
+        size = n * len(used)
+        raw = np.frombuffer(inflate(data, size, "a transform-coded layer"), dtype=np.uint8) if len(data) or size \
+            else np.empty(0, np.uint8)  # fmt: skip
         codes = torch.from_numpy(raw.reshape(len(used), n).astype(np.float32) - 128.0)  # (used, n)
         coef[:, used] = (codes * step[used].float()[:, None] + offset[used].float()[:, None]).T
     return torch.addmm(mean[None].expand(n, -1), coef, basis.T) if n else coef

@@ -32,6 +32,7 @@ TASKS: dict[str, Callable[[TaskConfig], list[Example]]] = {
     "needle-docs": needle_docs_task,
     "needle-multi": multi_needle_task,
     "needle-narrative": narrative_needle_task,
+    "needle-narrative-docs": partial(needle_docs_task, narrative=True),
     "needle-multi-narrative": narrative_multi_task,
     "ruler-mk": partial(needle_task, variant="mk"),
     "ruler-mv": partial(needle_task, variant="mv"),

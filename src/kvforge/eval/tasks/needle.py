@@ -415,25 +415,28 @@ def split_documents(text: str, num_docs: int) -> list[str]:
     return [d for d in docs if d]
 
 
-def needle_docs_task(cfg: TaskConfig, num_docs: int = NUM_DOCS) -> list[Example]:
+def needle_docs_task(cfg: TaskConfig, num_docs: int = NUM_DOCS, narrative: bool = False) -> list[Example]:
     """Multi-document needles for RAG reuse: each single-needle example's context cut into ``num_docs`` chunks.
 
     The needle sits ``depth`` of the way through the concatenated documents (so in document ``~depth x num_docs``);
     ``chunks`` holds the documents, each reused on its own by the RAG strategies (``kvforge eval --rag``).
+    ``narrative``: the needles of ``needle-narrative`` (several wordings, taken in turn) -> ``needle-narrative-docs``.
     """
     from kvforge.eval.data import CHUNK_SEPARATOR
 
     out = []
-    for ex in needle_task(cfg, "single"):
+    task = "needle-narrative-docs" if narrative else "needle-docs"
+    for ex in narrative_needle_task(cfg) if narrative else needle_task(cfg, "single"):
         chunks = split_documents(ex.context, num_docs)
         out.append(
             Example(
-                id=ex.id.replace("needle-", "needle-docs-", 1),
+                id=ex.id.replace("needle-", "needle-docs-", 1) if not narrative else ex.id.replace(
+                    "needle-narrative-", "needle-narrative-docs-", 1),
                 context=CHUNK_SEPARATOR.join(chunks),
                 question=ex.question,
                 answers=ex.answers,
                 metric=ex.metric,
-                task="needle-docs",
+                task=task,
                 max_new_tokens=ex.max_new_tokens,
                 answer_prefix=ex.answer_prefix,
                 chunks=chunks,

@@ -2,9 +2,9 @@
 recomputed.
 
 :class:`ChunkReuse` (``strategy.py``) plans a :class:`~kvforge.request.Chunks` prompt; its methods (``STRATEGIES``:
-naive, APE, CacheBlend, CacheClip) live in ``methods.py``; ``prompt.py`` cuts the prompt into pieces, ``chunks.py``
-computes and stores chunk KV, ``assemble.py`` places it, ``rope.py`` re-rotates keys, ``aux.py`` scores tokens with
-an auxiliary model (CacheClip), ``attend.py`` holds APE's attention.
+naive, APE, CacheBlend, CacheClip, EPIC) live in ``methods.py``; ``prompt.py`` cuts the prompt into pieces,
+``chunks.py`` computes and stores chunk KV, ``assemble.py`` places it, ``rope.py`` re-rotates keys, ``aux.py``
+scores tokens with an auxiliary model (CacheClip), ``attend.py`` holds APE's attention.
 
 >>> from kvforge.request import Chunks, Request   # doctest: +SKIP
 >>> rag = ChunkReuse(model, tokenizer, method="cacheclip", recompute_ratio=0.2)
@@ -21,6 +21,7 @@ from kvforge.reuse.rag.methods import (
     CacheBlendStrategy,
     CacheClipStrategy,
     ChunkMethod,
+    EPICStrategy,
     FixedSelection,
     FullStrategy,
     NaiveStrategy,
@@ -43,6 +44,7 @@ __all__ = [
     "ChunkMethod",
     "ChunkPlan",
     "ChunkReuse",
+    "EPICStrategy",
     "FixedSelection",
     "FullStrategy",
     "NaiveStrategy",

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from kvforge.cache import KVCache
+from kvforge.cache import HIDDEN, KVCache, Reserved
 from kvforge.reuse.rag.chunks import ChunkCache
 from kvforge.reuse.rag.prompt import RagPrompt
 from kvforge.reuse.rag.rope import RopeSpec
@@ -87,6 +87,7 @@ def assemble(
     values: list[list[Tensor]] = [[] if prefix is None else [prefix.values[i]] for i in range(len(keys))]
     cursor = p  # position of the next placed token
     max_len = max(len(c) for c in prompt.chunk_ids)
+    deltas: list[Tensor] = [torch.zeros(p, dtype=torch.long)]  # how far each cached entry moves (the prefix stays)
 
     def place(piece: list[int], is_ctx: bool, is_cached: bool) -> None:
         nonlocal cursor
@@ -101,17 +102,12 @@ def assemble(
             raise ValueError(f"chunk {i}: stored segment holds other tokens")
         if ape:
             cursor = p  # position reuse: every chunk at P..P+L_i-1
+        first = _stored_start(seg, i, len(chunk_ids))
+        if cursor != first and rope is None:
+            raise ValueError("moving chunks needs the model's RoPE spec")
+        deltas.append(torch.full((len(chunk_ids),), cursor - first, dtype=torch.long))
         for li in range(len(keys)):
-            stored = seg.positions[li][0]  # (L,) same for every head
-            first = int(stored[0])
-            run = torch.arange(first, first + len(chunk_ids), device=stored.device)
-            if stored.numel() != len(chunk_ids) or not torch.equal(stored, run):
-                raise ValueError(f"chunk {i}, layer {li}: stored positions are not {len(chunk_ids)} contiguous ones")
-            delta = cursor - first
-            if delta and rope is None:
-                raise ValueError("moving chunks needs the model's RoPE spec")
-            moved = seg.keys[li] if delta == 0 else rope.rotate(seg.keys[li], int(delta), li)  # type: ignore[union-attr]
-            keys[li].append(moved)
+            keys[li].append(seg.keys[li])
             values[li].append(seg.values[li])
         place(chunk_ids, True, True)
         if ape and i < len(chunks) - 1:
@@ -121,16 +117,30 @@ def assemble(
         place(prompt.sep_ids, False, False)
     place(prompt.question_ids, False, False)
     is_cached = torch.tensor(cached)
+    joined = [torch.cat(k, dim=1) for k in keys]  # (H_kv, S_c, D) per layer, stored positions
+    if rope is not None:  # one rotation per layer for every chunk (each entry by its chunk's delta)
+        joined = rope.rotate_layers(joined, torch.cat(deltas))
     return Assembly(
         ids=torch.tensor(ids),
         positions=torch.tensor(pos),
         is_context=torch.tensor(ctx),
         is_cached=is_cached,
         cached_idx=is_cached.nonzero().flatten(),
-        keys=[torch.cat(k, dim=1) for k in keys],
+        keys=joined,
         values=[torch.cat(v, dim=1) for v in values],
         prefix_len=p,
     )
+
+
+def _stored_start(seg: KVSegment, index: int, num_tokens: int) -> int:
+    """The first stored position of chunk ``index``, checking that every layer holds ``num_tokens`` contiguous ones."""
+    first = int(seg.positions[0][0, 0])
+    run = torch.arange(first, first + num_tokens)
+    for li, stored in enumerate(seg.positions):
+        row = stored[0]  # (L,) same for every head
+        if row.numel() != num_tokens or not torch.equal(row.cpu(), run):
+            raise ValueError(f"chunk {index}, layer {li}: stored positions are not {num_tokens} contiguous ones")
+    return first
 
 
 def build_cache(
@@ -138,28 +148,37 @@ def build_cache(
     asm: Assembly,
     recompute: Tensor,
     overrides: dict[int, tuple[Tensor, Tensor]] | None = None,
+    num_layers: int | None = None,
 ) -> KVCache:
-    """A cache holding the reused entries of every cached token not in ``recompute`` ``(N,)`` bool.
+    """A cache holding every prompt token in prompt order: the reused entries of the cached tokens not in
+    ``recompute`` ``(N,)`` bool, and reserved slots (:class:`~kvforge.cache.Reserved`, at position
+    :data:`~kvforge.cache.HIDDEN` until written) for the tokens the plan runs: recomputed, separators, question.
+    :func:`kvforge.prefill.prefill_at` of exactly those tokens fills them in place (no entry moves, no sort).
 
-    ``overrides[l] = (keys, values)`` ``(H_kv, S_c, D)`` replaces layer l's reused KV (CacheBlend's fresh layers).
+    ``overrides[l] = (keys, values)`` ``(H_kv, S_c, D)`` replaces layer l's reused KV (CacheBlend's fresh layers);
+    ``num_layers``: fill only the first layers (CacheBlend's early pass runs no others).
     """
-    keep = ~recompute[asm.cached_idx]  # (S_c,)
-    pos = asm.positions[asm.cached_idx][keep]  # (S_kept,)
-    keys, values = [], []
-    for li in range(len(asm.keys)):
-        k, v = overrides[li] if overrides and li in overrides else (asm.keys[li], asm.values[li])
-        keys.append(k[:, keep])
-        values.append(v[:, keep])
-    segment = KVSegment(
-        token_ids=asm.ids[asm.cached_idx][keep].tolist(),
-        keys=keys,
-        values=values,
-        positions=[pos[None].expand(k.shape[0], -1) for k in keys],
-        valid=[None] * len(keys),
-        next_position=int(pos.max()) + 1 if pos.numel() else 0,
-    )
+    run = recompute | ~asm.is_cached  # (N,)
+    kept = ~recompute[asm.cached_idx]  # (S_c,) cached entries reused
+    slots = asm.cached_idx[kept]  # where they go
+    every = bool(kept.all())
+    positions = asm.positions.masked_fill(run, HIDDEN)
     device = next(model.parameters()).device
-    cache = KVCache.from_segments([segment], model, device=device)
+    cache = KVCache.for_model(model)
+    n = asm.num_tokens
+    for li, layer in enumerate(cache.layers[:num_layers]):
+        k, v = overrides[li] if overrides and li in overrides else (asm.keys[li], asm.values[li])
+        keys, values = k.new_zeros((1, k.shape[0], n, k.shape[2])), v.new_zeros((1, v.shape[0], n, v.shape[2]))
+        keys[0].index_copy_(1, slots, k if every else k[:, kept])
+        values[0].index_copy_(1, slots, v if every else v[:, kept])
+        layer.replace(keys.to(device), values.to(device), positions[None].to(device))
+    cache.reserved = Reserved(
+        slots=run.nonzero().flatten(),
+        positions=asm.positions[run],
+        in_order=bool((asm.positions[1:] >= asm.positions[:-1]).all()),
+    )
+    kept_positions = asm.positions[~run]
+    cache.next_position = int(kept_positions.max()) + 1 if kept_positions.numel() else 0
     cache.token_ids = []  # tokens in prompt order are set once the plan's recomputation ran
     return cache
 

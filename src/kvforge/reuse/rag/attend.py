@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvforge.attention import attend, attention_scores
+from kvforge.attention import attend, attention_scores, sdpa
 from kvforge.cache import KVCache
 
 
@@ -35,6 +35,26 @@ class APEAttention:
         self, module: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, is_causal: bool,
         scaling: float | None, softcap: float | None,
     ) -> Tensor:  # fmt: skip
+        q_pos = self.cache.query_positions
+        assert q_pos is not None
+        after = q_pos[0] >= self.context_end  # (Q,) queries past the contexts
+        if not is_causal and softcap is None and not bool(after.all()):  # others attend plainly: the fast kernel
+            out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])  # (B, Q, H, D)
+            before = (~after).nonzero().flatten()
+            part = None if mask is None else mask[:, :, before]
+            out[:, before] = sdpa(query[:, :, before], key, value, part, False, scaling)
+            if bool(after.any()):
+                rest = after.nonzero().flatten()
+                part = None if mask is None else mask[:, :, rest]
+                out[:, rest] = self._merged(module, query[:, :, rest], key, value, part, scaling, q_pos[:, rest])
+            return out
+        return self._merged(module, query, key, value, mask, scaling, q_pos, is_causal, softcap)
+
+    def _merged(
+        self, module: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scaling: float | None,
+        q_pos: Tensor, is_causal: bool = False, softcap: float | None = None,
+    ) -> Tensor:  # fmt: skip
+        """Eager attention with APE's merge for the queries (at ``q_pos`` ``(B, Q)``) past the contexts."""
         scores = attention_scores(query, key, mask, is_causal, scaling, softcap)  # (B, H, Q, K)
         _, _, pos, _ = self.cache.layers[module.layer_idx].view()  # (B, H_kv, K)
         pos = pos.repeat_interleave(query.shape[1] // pos.shape[1], 1)[:, :, None, :]  # (B, H, 1, K)
@@ -44,8 +64,6 @@ class APEAttention:
         lse = torch.logsumexp(ctx_logits.masked_fill(~is_ctx, float("-inf")), dim=-1, keepdim=True)  # (B, H, Q, 1)
         lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
         adjusted = torch.where(is_ctx, ctx_logits + (s * t - 1.0) * lse, scores)
-        q_pos = self.cache.query_positions
-        assert q_pos is not None
         after = (q_pos >= self.context_end)[:, None, :, None]  # (B, 1, Q, 1) queries past the contexts
         probs = torch.softmax(torch.where(after, adjusted, scores), dim=-1)
         return attend(probs, value)
@@ -85,5 +103,6 @@ class AttentionCapture:
         """``(num_positions,)`` mean attention received per key position."""
         out = torch.zeros(num_positions)
         for pos, mass in self._parts:
-            out.index_add_(0, pos.cpu(), mass.float().cpu())
+            seen = pos < num_positions  # a reserved slot not written yet (masked) received nothing
+            out.index_add_(0, pos[seen].cpu(), mass[seen].float().cpu())
         return out / max(self._count, 1)

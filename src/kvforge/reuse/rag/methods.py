@@ -1,5 +1,5 @@
 """The options of RAG chunk reuse (:class:`kvforge.reuse.rag.ChunkReuse`): ``full`` (reference), ``naive``, ``ape``,
-``cacheblend``, ``cacheclip``.
+``cacheblend``, ``cacheclip``, ``epic`` (and ``epic-ape``: EPIC with APE's attention merge).
 
 Each option's ``select(reuse, prompt)`` assembles the stored chunks (re-rotated to their new positions) and picks the
 tokens to recompute; ``ChunkReuse.plan`` turns that :class:`Selection` into a plan that ``Engine`` executes.
@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from kvforge.cache import AttentionHook, KVCache
-from kvforge.prefill import forward, sort_by_position
+from kvforge.names import RAG_RECOMPUTING
+from kvforge.prefill import prefill_at
 from kvforge.reuse.rag.assemble import Assembly, ChunkSource, build_cache, truncated
 from kvforge.reuse.rag.attend import APEAttention
 from kvforge.reuse.rag.aux import AuxScorer, select_top
@@ -125,14 +127,10 @@ class CacheBlendStrategy:
         asm = reuse.load(prompt)
         check = min(self.check_layer, reuse.num_layers - 1)
         # early layers: every non-prefix token, over the prefix only
-        early = build_cache(reuse.model, asm, asm.is_context)
+        early = build_cache(reuse.model, asm, asm.is_context, num_layers=check + 1)
         rest = torch.arange(asm.prefix_len, asm.num_tokens)
-        device = next(reuse.model.parameters()).device
         with truncated(reuse.model, check + 1):
-            for start in range(0, rest.numel(), EARLY_CHUNK_SIZE):
-                part = rest[start : start + EARLY_CHUNK_SIZE]
-                forward(reuse.model, asm.ids[part][None], early, position_ids=asm.positions[part][None].to(device))
-        sort_by_position(early)
+            prefill_at(reuse.model, asm.ids[rest], asm.positions[rest], early, chunk_size=EARLY_CHUNK_SIZE)
         fresh = {}
         for li in range(check + 1):
             k, v, _, _ = early.layers[li].view()  # (1, H_kv, N, D): every token, in prompt order
@@ -187,6 +185,91 @@ class CacheClipStrategy:
         return Selection(asm, recompute)
 
 
+DEFAULT_HEAD_TOKENS = 16  # EPIC's LegoLink recomputes a handful of tokens at each chunk's start
+
+
+def head_counts(lengths: list[int], budget: int) -> list[int]:
+    """Tokens to recompute at the start of each chunk: ``budget`` spread evenly over the chunks (water-filling, a
+    chunk never gives more than its length; earlier chunks take the remainder), exactly ``min(budget, sum)``."""
+    counts = [0] * len(lengths)
+    left = min(budget, sum(lengths))
+    open_ = [i for i, n in enumerate(lengths) if n > 0]
+    while left > 0 and open_:
+        share = max(1, left // len(open_))
+        for i in list(open_):
+            take = min(share, lengths[i] - counts[i], left)
+            counts[i] += take
+            left -= take
+            if counts[i] == lengths[i]:
+                open_.remove(i)
+            if left == 0:
+                break
+    return counts
+
+
+@dataclass
+class EPICStrategy:
+    """EPIC (arXiv 2410.15332), its static LegoLink recompute: the first tokens of every chunk are run again.
+
+    A chunk computed on its own (after the shared prefix) treats its first tokens as attention sinks; recomputed
+    at their place in the prompt they attend to the chunks before them and lose that role, while the rest of the
+    chunk is reused. The selection is static (no model pass to choose), so the recompute costs only the tokens it
+    runs. Sinks: the shared prefix is placed once (every chunk was computed after it), and the first chunk, which
+    sits right after the prefix as when it was stored, is already exact: its tokens are recomputed only when the
+    budget exceeds the other chunks.
+
+    Budget: ``recompute_tokens`` per chunk (EPIC's k; default 16), or ``recompute_ratio`` of the context tokens in
+    all (exactly ``round(r N_ctx)``, spread evenly over the chunks' starts; for the frontier at a given share).
+    ``temperature``/``scale`` < 1 put APE's attention merge (:class:`APEAttention`) on the queries past the
+    contexts (the chunks keep their sequential positions).
+    """
+
+    recompute_tokens: int | None = None
+    recompute_ratio: float | None = None
+    temperature: float = 1.0
+    scale: float = 1.0
+    name: str = "epic"
+
+    def __post_init__(self) -> None:
+        if self.recompute_tokens is not None and self.recompute_ratio is not None:
+            raise ValueError("EPIC takes recompute_tokens (per chunk) or recompute_ratio (in all), not both")
+        if self.recompute_ratio is not None:
+            _check_ratio(self.recompute_ratio)
+        elif self.recompute_tokens is None:
+            self.recompute_tokens = DEFAULT_HEAD_TOKENS
+        if self.recompute_tokens is not None and self.recompute_tokens < 0:
+            raise ValueError(f"recompute_tokens must be >= 0, got {self.recompute_tokens}")
+        if self.temperature <= 0 or self.scale <= 0:
+            raise ValueError("APE temperature and scale must be > 0")
+
+    def counts(self, lengths: list[int]) -> list[int]:
+        """Tokens recomputed at the start of each chunk (``lengths``: the chunks' token counts, in prompt order)."""
+        if self.recompute_ratio is None:
+            k = int(self.recompute_tokens or 0)
+            return [0] + [min(k, n) for n in lengths[1:]]
+        budget = round(self.recompute_ratio * sum(lengths))
+        later = head_counts(lengths[1:], budget)  # the first chunk is exact: it comes last
+        return head_counts(lengths[:1], budget - sum(later)) + later
+
+    def select(self, reuse: ChunkSource, prompt: RagPrompt) -> Selection:
+        asm = reuse.load(prompt)
+        recompute = _nothing(asm)
+        start = asm.prefix_len
+        for chunk, k in zip(prompt.chunk_ids, self.counts([len(c) for c in prompt.chunk_ids]), strict=True):
+            recompute[start : start + k] = True
+            start += len(chunk) + len(prompt.sep_ids)
+        info: dict[str, Any] = {"head_tokens": self.recompute_tokens}
+        if self.temperature == 1.0 and self.scale == 1.0:
+            return Selection(asm, recompute, info=info)
+        p, t, s = asm.prefix_len, self.temperature, self.scale
+        end = p + prompt.num_context_tokens + len(prompt.sep_ids) * (len(prompt.chunk_ids) - 1)  # after the last chunk
+
+        def hook(cache: KVCache) -> AttentionHook:
+            return APEAttention(cache, p, end, t, s)
+
+        return Selection(asm, recompute, attention_hook=hook, info=info | {"temperature": t, "scale": s})
+
+
 @dataclass
 class FixedSelection:
     """Recompute exactly the context tokens marked in ``chosen`` ``(N_ctx,)`` bool (oracles and ablations in
@@ -204,15 +287,17 @@ class FixedSelection:
         return Selection(asm, recompute)
 
 
-STRATEGIES: dict[str, type] = {
+STRATEGIES: dict[str, Callable[..., Any]] = {
     "full": FullStrategy,
     "naive": NaiveStrategy,
     "ape": APEStrategy,
     "cacheblend": CacheBlendStrategy,
     "cacheclip": CacheClipStrategy,
+    "epic": EPICStrategy,
+    "epic-ape": partial(EPICStrategy, temperature=0.9, scale=0.9, name="epic-ape"),
 }
 
-RECOMPUTING = ("cacheblend", "cacheclip")
+RECOMPUTING = RAG_RECOMPUTING
 
 
 def make_strategy(name: str, recompute_ratio: float | None = None, **kwargs: Any) -> Any:

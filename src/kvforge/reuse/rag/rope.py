@@ -58,6 +58,25 @@ class RopeSpec:
             table = self._tables[key] = rotation_table(delta, keys.shape[-2], freq, keys.device)
         return apply_rotation(keys, *table)
 
+    def rotate_layers(self, keys: list[Tensor], delta: Tensor) -> list[Tensor]:
+        """Every layer's ``keys[l]`` ``(H, S, D)`` moved by ``delta`` ``(S,)`` (one per entry; 0 = stays).
+
+        The assembly of a RAG prompt: one rotation per layer for all of its chunks, the half-size cos/sin tables
+        computed once per distinct frequency set and shared by the layers that use it (no per-chunk small ops).
+        """
+        moving = delta != 0
+        if not bool(moving.any()):
+            return keys
+        tables: dict[int, tuple[Tensor, Tensor]] = {}
+        out = []
+        for li, k in enumerate(keys):
+            freq = self.inv_freq[li]
+            table = tables.get(freq.data_ptr())
+            if table is None:
+                table = tables[freq.data_ptr()] = half_rotation_table(delta, freq, k.device)
+            out.append(apply_half_rotation(k, *table))
+        return out
+
 
 def rotation_table(delta: Tensor | int, num_tokens: int, inv_freq: Tensor, device: Any) -> tuple[Tensor, Tensor]:
     """fp32 ``(cos, sin)`` ``(..., S, D)`` of a rotation by ``delta`` (angles in fp64: exact for large deltas)."""
@@ -67,6 +86,26 @@ def rotation_table(delta: Tensor | int, num_tokens: int, inv_freq: Tensor, devic
     freqs = d[..., None] * inv_freq.to(device=device, dtype=torch.float64)  # (..., S, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().float(), emb.sin().float()
+
+
+def half_rotation_table(delta: Tensor, inv_freq: Tensor, device: Any) -> tuple[Tensor, Tensor]:
+    """fp32 ``(cos, sin)`` ``(S, D/2)`` of a rotation by ``delta`` ``(S,)`` (angles in fp64)."""
+    freqs = delta.to(device=device, dtype=torch.float64)[:, None] * inv_freq.to(device=device, dtype=torch.float64)
+    return freqs.cos().float(), freqs.sin().float()
+
+
+def apply_half_rotation(keys: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``keys`` ``(..., S, D)`` rotated with half-size tables ``(S, D/2)``: ``(k1 c - k2 s, k2 c + k1 s)``, the
+    same as :func:`apply_rotation` (``rotate_half(k) = (-k2, k1)``) with no concatenation; fp32, cast back."""
+    k = keys.float()
+    half = k.shape[-1] // 2
+    k1, k2 = k[..., :half], k[..., half:]
+    out = torch.empty_like(k)
+    torch.mul(k1, cos, out=out[..., :half])
+    out[..., :half].addcmul_(k2, sin, value=-1.0)
+    torch.mul(k2, cos, out=out[..., half:])
+    out[..., half:].addcmul_(k1, sin)
+    return out.to(keys.dtype)
 
 
 def apply_rotation(keys: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -158,7 +158,7 @@ class ChunkReuse:
         num_recomputed = int((sel.recompute & asm.is_cached).sum())
         info = {
             "method": self.name,
-            "recompute_ratio": float(getattr(self.method, "recompute_ratio", 0.0)),
+            "recompute_ratio": float(getattr(self.method, "recompute_ratio", None) or 0.0),
             "chunks": len(context.chunk_ids),
             "chunk_hits": self.chunks.num_hits - hits,
             "chunk_misses": self.chunks.num_misses - misses,

@@ -58,11 +58,11 @@ async def _store_documents(server: Server, request: HTTPRequest, req: S.Document
     if strategy is None:  # storing needs the store: 503 when it is down
         strategy = await server.off_loop(lambda: features.reuse(kind, strict=True))
     requests = await server.off_loop(server.translator.documents, req, strategy, press)
-    jobs = [server.submit(r) for r in requests]
+    jobs = server.submit_all(requests)  # all or none: a 429 leaves nothing of this request queued or running
     for job in jobs:
         job.endpoint = "/v1/kv/documents"
-    gens = [await server.wait(request, job) for job in jobs]
-    if any(g is None for g in gens):
+    gens = await server.wait_all(request, jobs)
+    if gens is None:
         return None
     lost = sum(g.info.get("reuse", {}).get("lost_writes", 0) for g in gens if g is not None)
     if lost:  # 503 unless every entry was kept: never a 200 that names what was not stored
