@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from vllm_servers import Server, reset_prefix_cache, vllm_server
+from vllm_servers import Server, events, reset_prefix_cache, vllm_server
 
 from kvforge.eval.metrics import score_prediction
 from kvforge.eval.tasks import TASKS, TaskConfig
@@ -76,10 +76,7 @@ def complete(
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=1800) as answer:
         if answer.status_code != 200:
             raise RuntimeError(f"{url} answered {answer.status_code}: {answer.read().decode()[:300]}")
-        for line in answer.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
+        for event in events(answer):
             usage = event.get("usage") or usage
             for choice in event.get("choices", []):
                 if choice.get("text") and ttft is None:

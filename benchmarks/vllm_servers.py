@@ -165,10 +165,7 @@ def ask(url: str, model: str, messages: list[dict[str, str]], max_tokens: int = 
         if answer.status_code != 200:
             raise RuntimeError(f"{url} answered {answer.status_code}: {answer.read().decode()[:500]}")
         route = answer.headers.get("x-kvforge-route")
-        for line in answer.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
+        for event in events(answer):
             usage = event.get("usage") or usage
             for choice in event.get("choices", []):
                 piece = (choice.get("delta") or {}).get("content")
@@ -188,6 +185,13 @@ def ask(url: str, model: str, messages: list[dict[str, str]], max_tokens: int = 
         "cached_tokens": details.get("cached_tokens", 0),
         "route": route,
     }
+
+
+def events(answer: httpx.Response) -> Iterator[dict[str, Any]]:
+    """The JSON events of a streamed OpenAI answer (``[DONE]`` and other lines skipped)."""
+    for line in answer.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
 
 
 def reset_prefix_cache(url: str) -> None:
