@@ -22,6 +22,6 @@ PYTHON="$VENV/bin/python" bash scripts/install.sh --dev --vllm
 "$VENV/bin/python" -c "import vllm; print(f'[ci-vllm] vLLM {vllm.__version__}')" # the tests below must run, not skip
 echo "[ci-vllm] environment ready in $(( $(date +%s) - start )) s" >&2
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -rs \
-  tests/test_vllm_connector.py tests/test_vllm_documents.py tests/test_vllm_plan.py tests/test_vllm_layout.py \
+  tests/test_vllm_documents.py tests/test_vllm_connector.py tests/test_vllm_plan.py tests/test_vllm_layout.py \
   tests/test_vllm_document_math.py tests/test_route.py tests/test_route_documents.py tests/test_folder_fingerprint.py
 echo "[ci-vllm] done in $(( $(date +%s) - start )) s" >&2

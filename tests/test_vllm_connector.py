@@ -154,6 +154,32 @@ def test_int8_blocks_cost_a_quarter_and_answer_close(vllm_model_dir, tmp_path):
     assert_same_answer(warm, cold, tol=5e-2)
 
 
+def test_kvtc_blocks_use_the_stores_calibrated_basis_and_kvforges_engine_reads_them(vllm_model_dir, tmp_path):
+    """Transform-coded prefix blocks: coded with the basis kvforge calibrated for the model in this store (so either
+    side reads and writes the other's blocks alike), a fraction of fp16's bytes, answering close."""
+    from kvforge.cli import main
+    from kvforge.store.codec import read_header
+    from kvforge.store.transform import store_basis
+
+    url = f"file://{tmp_path}/kv"
+    assert main(["cache", "calibrate", "--store", url, "--model", str(vllm_model_dir), "--device", "cpu"]) == 0
+    (plain,) = run(vllm_model_dir, [PROMPT], url, quant="kvtc-b4")  # computed by vLLM, its blocks stored
+    files = block_files(tmp_path / "kv")
+    fp16 = 2 * 3 * 2 * 2 * 256 * 32 * 2  # blocks x layers x K/V x heads x tokens x dim x fp16 bytes
+    assert len(files) == 2 and sum(f.stat().st_size for f in files) < 0.4 * fp16
+    (warm,) = run(vllm_model_dir, [PROMPT], url, quant="kvtc-b4")
+    assert warm["cached"] == 512
+    assert_same_answer(warm, plain, tol=0.1)
+    model, tokenizer = load_model(str(vllm_model_dir), device="cpu")
+    engine = Engine(model, tokenizer)
+    store = open_store(url)
+    basis = store_basis(store, engine.model_id)
+    assert basis is not None and all(basis.digest in json.dumps(read_header(f.read_bytes())) for f in files)
+    plan = PrefixReuse(store, engine.model_id).plan(warm["prompt_ids"])
+    assert plan.reused_tokens == 512
+
+
+# engines that fail to start leave vLLM's process-wide KV transfer group behind: the tests below start no engine after
 def test_bad_options_stop_the_engine_with_a_clear_error(vllm_model_dir, tmp_path):
     with pytest.raises(Exception, match="unknown kvforge connector option"):
         run(vllm_model_dir, [PROMPT], f"file://{tmp_path}/kv", blocksize=128)
@@ -181,29 +207,3 @@ def test_the_cpu_backend_layout_round_trips_through_its_own_kernel():
     write(keys, values, cache, torch.arange(2 * block) + block)  # blocks 1 and 2
     got_k, got_v = layout.gather(cache, [1, 2])
     assert torch.equal(got_k, keys.transpose(0, 1)) and torch.equal(got_v, values.transpose(0, 1))
-
-
-def test_kvtc_blocks_use_the_stores_calibrated_basis_and_kvforges_engine_reads_them(vllm_model_dir, tmp_path):
-    """Transform-coded prefix blocks: coded with the basis kvforge calibrated for the model in this store (so either
-    side reads and writes the other's blocks alike), a fraction of fp16's bytes, answering close."""
-    from kvforge.cli import main
-    from kvforge.store.codec import read_header
-    from kvforge.store.transform import store_basis
-
-    url = f"file://{tmp_path}/kv"
-    assert main(["cache", "calibrate", "--store", url, "--model", str(vllm_model_dir), "--device", "cpu"]) == 0
-    (plain,) = run(vllm_model_dir, [PROMPT], None)
-    run(vllm_model_dir, [PROMPT], url, quant="kvtc-b4")
-    files = block_files(tmp_path / "kv")
-    fp16 = 2 * 3 * 2 * 2 * 256 * 32 * 2  # blocks x layers x K/V x heads x tokens x dim x fp16 bytes
-    assert len(files) == 2 and sum(f.stat().st_size for f in files) < 0.4 * fp16
-    (warm,) = run(vllm_model_dir, [PROMPT], url, quant="kvtc-b4")
-    assert warm["cached"] == 512
-    assert_same_answer(warm, plain, tol=0.1)
-    model, tokenizer = load_model(str(vllm_model_dir), device="cpu")
-    engine = Engine(model, tokenizer)
-    store = open_store(url)
-    basis = store_basis(store, engine.model_id)
-    assert basis is not None and all(basis.digest in json.dumps(read_header(f.read_bytes())) for f in files)
-    plan = PrefixReuse(store, engine.model_id).plan(warm["prompt_ids"])
-    assert plan.reused_tokens == 512
