@@ -8,7 +8,7 @@ documents run at once without preemption (vLLM's /metrics). Servers run one at a
 
     M=$(python -c "from kvforge.model import model_folder; print(model_folder('smollm2-135m'))")
     python benchmarks/vllm_documents.py --model "$M" --data-dir DATA_DIR --out runs/vllm_documents.jsonl
-    python benchmarks/vllm_documents.py --report runs/vllm_documents.jsonl --plot docs/vllm_results/documents.png
+    python benchmarks/vllm_documents.py --report runs/vllm_documents.jsonl
 """
 
 from __future__ import annotations
@@ -141,8 +141,6 @@ def fp16_bytes(num_tokens: int, config: Any) -> int:
 
 def start(name: str, args: argparse.Namespace, log_dir: Path, store: str | None, **extra: Any) -> Server:
     server = vllm_server(name, args.port, args.model, log_dir, store, **extra)
-    if args.kv_space is not None and name.endswith("kv-space"):
-        server.env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_space)
     if args.enforce_eager:
         server.command.append("--enforce-eager")
     return server.start().wait()
@@ -267,39 +265,17 @@ def run(args: argparse.Namespace) -> None:
         )
     finally:
         server.stop()
-    ref = {r["id"]: r for r in reference}
     # 2. vLLM + kvforge: compressed documents, and full fp32 blocks on the same server
     server = start("vllm-kvforge", args, work / "logs", docs_url)
     try:
         compressed = quality(server.url, "documents")
         cold_doc = new_question(server.url, "documents", reset=True)  # from the store, vLLM's memory emptied
         warm_doc = new_question(server.url, "documents", reset=False)  # the placeholder's blocks in vLLM's cache
-        full_ref = {r["id"]: r for r in reference}
-        score = sum(r["score"] for r in compressed)
-        emit(
-            {
-                **base,
-                "config": "vllm + kvforge compressed documents",
-                **summary(cold_doc),
-                "ttft_s_warm": summary(warm_doc)["ttft_s"],
-                "full_slots": full_slots,
-                "stored_bytes_per_doc": sum(s["bytes"] for s in stored) / len(stored),
-                "fp16_bytes_per_doc": sum(s["fp16"] for s in stored) / len(stored),
-                "score": score,
-                "full_score": sum(r["score"] for r in reference),
-                "normalised": round(100 * score / max(sum(r["score"] for r in reference), 1e-9), 1),
-                "loaded": sum(r["loaded"] for r in compressed),
-                "by_set": {
-                    name: [
-                        sum(r["score"] for r in compressed if r["set"] == name),
-                        sum(full_ref[r["id"]]["score"] for r in compressed if r["set"] == name),
-                    ]
-                    for name in sorted({r["set"] for r in compressed})
-                },
-                "rows": [{k: r[k] for k in ("set", "id", "text", "score", "loaded")} for r in compressed],
-            }
+        row = documents_row(reference, compressed, stored, full_slots)
+        emit({**base, **row, **summary(cold_doc), "ttft_s_warm": summary(warm_doc)["ttft_s"]})
+        blocks = _prefix_blocks(
+            server.url, "vllm + kvforge full blocks", docs_url, args, config, base, reference, stored
         )
-        blocks = _prefix_blocks(server.url, "vllm + kvforge full blocks", docs_url, args, config, base, ref, stored)
         if blocks:
             emit(blocks)
     finally:
@@ -309,7 +285,7 @@ def run(args: argparse.Namespace) -> None:
     try:
         emit(
             _prefix_blocks(
-                server.url, f"vllm + kvforge {args.block_quant} blocks", kvtc_url, args, config, base, ref, stored
+                server.url, f"vllm + kvforge {args.block_quant} blocks", kvtc_url, args, config, base, reference, stored
             )
         )
     finally:
@@ -317,7 +293,7 @@ def run(args: argparse.Namespace) -> None:
     if args.lmcache_python:
         emit({**base, **lmcache_probe(args, work)})
     if args.concurrency_docs:
-        emit({**base, **concurrency(args, work, config)})
+        emit({**base, **space_run(args, work, docs_url, stored)})
     out.close()
 
 
@@ -362,8 +338,9 @@ def lmcache_probe(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def documents_row(reference: list[dict], compressed: list[dict], stored: list[dict], full_slots: int) -> dict:
-    """Normalised score of the compressed documents against vLLM's own full prefill of the same token ids."""
-    full = {r["id"] + r["set"]: r for r in reference}
+    """Normalised score of the compressed documents against vLLM's own full prefill of the same token ids (rows
+    paired by position: an id repeats across seeds)."""
+    pairs = list(zip(compressed, reference, strict=True))
     score, full_score = sum(r["score"] for r in compressed), sum(r["score"] for r in reference)
     return {
         "config": "vllm + kvforge compressed documents (quality)",
@@ -378,7 +355,7 @@ def documents_row(reference: list[dict], compressed: list[dict], stored: list[di
         "by_set": {
             name: [
                 sum(r["score"] for r in compressed if r["set"] == name),
-                sum(full[r["id"] + r["set"]]["score"] for r in compressed if r["set"] == name),
+                sum(f["score"] for r, f in pairs if r["set"] == name),
             ]
             for name in sorted({r["set"] for r in compressed})
         },
@@ -389,9 +366,9 @@ def documents_row(reference: list[dict], compressed: list[dict], stored: list[di
                 "text": r["text"],
                 "score": r["score"],
                 "loaded": r["loaded"],
-                "full_text": full[r["id"] + r["set"]]["text"],
+                "full_text": f["text"],
             }
-            for r in compressed
+            for r, f in pairs
         ],
     }
 
@@ -447,52 +424,6 @@ def space_run(args: argparse.Namespace, work: Path, url: str, stored: list[dict]
             "full": whole}  # fmt: skip
 
 
-def concurrency(args: argparse.Namespace, work: Path, config: Any) -> dict[str, Any]:
-    """In a KV space of ``--kv-space`` GiB (which holds two full documents of ``--concurrency-length`` tokens and not
-    three): questions on ``--concurrency-docs`` distinct stored compressed documents at once, then as many full
-    prompts; how many ran together and the preemptions vLLM needed."""
-    url = f"file://{work}/space"
-    client = VllmDocuments.for_model(args.model, url, args.concurrency_press, args.compression_ratio, args.quant)
-    cfg = TaskConfig(
-        Path(args.data_dir),
-        tokenizer=client.tokenizer,
-        seed=args.concurrency_seed,
-        lengths=(args.concurrency_length,),
-        depths=tuple(i / 7 for i in range(args.concurrency_docs)),
-        num_samples=1,
-    )
-    docs = TASKS["needle"](cfg)[: args.concurrency_docs]
-    prompts, full = [], []
-    for i, ex in enumerate(docs):
-        t0 = time.perf_counter()
-        client.add([ex.context], system=ex.system)
-        match = client.match(ex.context, ex.question, ex.system, ex.answer_prefix)
-        prompts.append((match.prompt_ids, match.doc.params()))
-        ctx_ids, q_ids = encode_qa(client.tokenizer, ex.context, ex.question, ex.system, ex.answer_prefix)
-        full.append((ctx_ids + q_ids, None))
-        print(f"[bench] long document {i + 1}/{len(docs)} stored ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-    client.store.close()
-    client.engine = None
-    server = start("vllm-kvforge-kv-space", args, work / "logs", url)
-    try:
-        compressed = at_once(server.url, args.model, prompts, args.decode_tokens)
-        whole = at_once(server.url, args.model, full[: args.concurrency_full], args.decode_tokens)
-    finally:
-        server.stop()
-    per_token = fp16_bytes(1, config) * 2  # fp32 cache
-    return {
-        "config": "concurrency in a fixed KV space",
-        "kv_space_gib": args.kv_space,
-        "kv_space_tokens": args.kv_space * 2**30 // per_token,
-        "document_tokens": args.concurrency_length,
-        "concurrency_press": args.concurrency_press,
-        "compressed": compressed,
-        "full": whole,
-        "slots_compressed": len(prompts[0][0]) + args.decode_tokens,
-        "slots_full": len(full[0][0]) + args.decode_tokens,
-    }
-
-
 def _prefix_blocks(
     url: str,
     name: str,
@@ -500,12 +431,12 @@ def _prefix_blocks(
     args: argparse.Namespace,
     config: Any,
     base: dict,
-    ref: dict,
+    reference: list[dict],
     stored: list[dict],
 ) -> dict:
     """Each full prompt once (its blocks stored), vLLM's memory emptied, then again: loaded from the store."""
     rows = []
-    for s in stored:
+    for s, ref in zip(stored, reference, strict=True):
         first = complete(url, args.model_name, s["full"], s["ex"].max_new_tokens)
         reset_prefix_cache(url)
         time.sleep(0.5)  # the connector writes blocks from a background thread
@@ -513,7 +444,8 @@ def _prefix_blocks(
         rows.append(
             {
                 "id": s["ex"].id,
-                "same": again["text"] == ref[s["ex"].id]["text"],
+                "same": again["text"] == ref["text"],
+                "full_score": ref["score"],
                 "first": first,
                 "again": again,
                 "score": score_prediction(again["text"], s["ex"].answers, s["ex"].metric),
@@ -534,7 +466,7 @@ def _prefix_blocks(
         "kv_slots": rows[0]["again"]["prompt_tokens"],
         "same_greedy": sum(r["same"] for r in rows),
         "score": sum(r["score"] for r in rows),
-        "full_score": sum(ref[r["id"]]["score"] for r in rows),
+        "full_score": sum(r["full_score"] for r in rows),
     }
 
 
@@ -557,16 +489,7 @@ def main() -> None:
     p.add_argument("--block-quant", default="kvtc-b2.2", help="how the kvtc configuration stores prefix blocks")
     p.add_argument("--ttft-docs", type=int, default=3)
     p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--kv-space", type=int, default=1, help="GiB of KV cache of the concurrency server")
     p.add_argument("--concurrency-docs", type=int, default=8, help="0: skip the concurrency run")
-    p.add_argument("--concurrency-full", type=int, default=4, help="full prompts sent at once in the same space")
-    p.add_argument("--concurrency-length", type=int, default=7800)
-    p.add_argument("--concurrency-seed", type=int, default=9)
-    p.add_argument(
-        "--concurrency-press",
-        default="streaming_llm",
-        help="press of the long documents (the slots they take do not depend on it)",
-    )
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument(
         "--only",
@@ -585,17 +508,16 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8311)
     p.add_argument("--out", default="benchmarks/results/vllm_documents.jsonl")
     p.add_argument("--report", default=None, help="print the table of a results file instead of running")
-    p.add_argument("--plot", default=None)
     args = p.parse_args()
     if args.report:
-        report(args.report, args.plot)
+        report(args.report)
         return
     args.set = args.set or ["ruler=needle:4,5", "narrative=needle-narrative:2,3:haystack_gutenberg/books.jsonl"]
     args.model_name = args.model
     run(args)
 
 
-def report(path: str, plot: str | None) -> None:
+def report(path: str) -> None:
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     print("| configuration | stored bytes / document | TTFT s, new question | decode s/token | KV slots | score |")
     print("| --- | --- | --- | --- | --- | --- |")
