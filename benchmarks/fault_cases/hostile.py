@@ -507,3 +507,67 @@ def router_broken_upstream(tmp: Path) -> str:
     error = "error event" if '"upstream_unavailable"' in events[-2] else "no error event"
     return f"{cut_short}; {error}, {events[-1].removeprefix('data: ')}"
 
+
+
+# ------------------------------------------------------------------------------------------------ a hostile Redis
+def _seed_hostile_redis(url: str, password: str) -> dict[str, int]:
+    """Replace every entry of the Redis store at ``url`` by a hostile one, kinds in turn (forged payloads with valid
+    checksums, forged metadata), and add names that are not keys; the count of each kind."""
+    import redis
+
+    from kvforge.store.redis import RedisStore
+
+    store = RedisStore(url.replace("redis://", f"redis://:{password}@"))
+    raw = redis.Redis.from_url(url, password=password)
+    payloads = {"huge-shapes": _huge_shapes, "deflate-bomb": _bomb, "basis-path": _basis_path}
+    metas = {"3M-chunks": {"chunks": 3_000_000, "bytes": 3_000_000}, "text-chunks": {"chunks": "1"},
+             "nonce-path": {"nonce": "../../x"}, "garbage-meta": None}  # fmt: skip
+    kinds = [*payloads, *metas]
+    counts = dict.fromkeys(kinds, 0)
+    for i, key in enumerate(sorted(store.list_keys())):
+        kind = kinds[i % len(kinds)]
+        if kind in payloads:
+            store.write(key, payloads[kind](bytes(store.read(key) or b"")))
+        else:
+            meta_key = f"{store.prefix}:seg:{key}:meta"
+            meta = json.loads(raw.get(meta_key))
+            raw.set(meta_key, "{not json" if metas[kind] is None else json.dumps(meta | metas[kind]))
+        counts[kind] += 1
+    raw.hset(f"{store.prefix}:seg:sizes", mapping={"bad name!": "lots", "../../etc": 5})
+    raw.zadd(f"{store.prefix}:seg:lru", {"bad name!": 2.0})
+    raw.hset(f"{store.prefix}:blob:sizes", "semantic-v1-rec-../../bad", 5)
+    store.close()
+    return counts
+
+
+@case(
+    "a password-protected redis-server whose every entry is hostile (10^9-token shapes, 256 MiB inflation bomb, basis "
+    "`../..` path, 3,000,000 chunks, `chunks: \"1\"`, a nonce path, garbage metadata) plus names that are not keys; "
+    "6 prompts twice on `kvforge serve`",
+    "starts; 200 each, the repeat a hit; /health worst <= 0.5 s; peak RSS <= 1.5x a clean run's; 0 tracebacks; "
+    "the password in no output",
+    lambda o: o.startswith("ok"),
+    promise="hostile-store,no-500",
+    needs="redis-server",
+)
+def hostile_redis_server(tmp: Path) -> tuple[str, dict[str, list[int]]]:
+    from store_helpers import redis_server
+
+    pw = "s3cret-redis-pw"
+    with redis_server(tmp / "redis", password=pw) as bare:
+        url = bare.replace("redis://", f"redis://:{pw}@")
+        _, _, clean_peak, clean_log = _serve_prompts(url)
+        counts = _seed_hostile_redis(bare, pw)
+        statuses, worst, peak, log = _serve_prompts(url)
+    firsts, repeats = statuses[0::2], statuses[1::2]
+    tracebacks, leaked = log.count("Traceback"), pw in log or pw in clean_log
+    ok = (all(s == 200 for s in firsts) and all(r > 0 for r in repeats) and worst <= 0.5
+          and peak <= 1.5 * clean_peak and tracebacks == 0 and not leaked and sum(counts.values()) > 0)  # fmt: skip
+    text = (
+        f"{'ok' if ok else 'FAILED'}: {sum(counts.values())} hostile entries {counts}; "
+        f"statuses {sorted(set(firsts))}, repeats hit {sum(r > 0 for r in repeats)}/{len(repeats)}; "
+        f"/health worst {worst:.2f} s; peak RSS {peak:.0f} MiB vs clean {clean_peak:.0f} MiB "
+        f"({peak / clean_peak:.2f}x); {tracebacks} tracebacks; password {'LEAKED' if leaked else 'in no output'}; "
+        f"{log.count('WARNING')} warning lines"
+    )
+    return text, {"hostile-store": firsts}
