@@ -51,7 +51,7 @@ def build_documents(
     from transformers import AutoTokenizer
 
     from kvforge.route.documents import DocumentRouter
-    from kvforge.vllm.client import VllmDocuments
+    from kvforge.vllm.client import DEFAULT_SLOT_MULTIPLE, VllmDocuments
     from kvforge.vllm.identity import find_served
 
     served = find_served(store, model)
@@ -61,7 +61,8 @@ def build_documents(
         tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
     except OSError as e:
         raise UserError(f"cannot read the tokenizer of {model!r} here ({e})") from None
-    base = VllmDocuments(store, tokenizer, served.model_id, None)
+    blocks = served.kv_block_size or DEFAULT_SLOT_MULTIPLE  # documents fill whole blocks of vLLM's cache
+    base = VllmDocuments(store, tokenizer, served.model_id, None, slot_multiple=blocks)
     folder = model if Path(model).is_dir() else None
     return DocumentRouter(base, press, compression_ratio, quant, max_model_len, folder)
 
