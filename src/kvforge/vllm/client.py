@@ -166,9 +166,10 @@ class VllmDocuments:
     def _context(self, text: str, num_tokens: int) -> Any:
         from kvforge.reuse.base import PromptContext
 
-        return PromptContext(text, num_tokens, press=self._press_for(num_tokens), quant=self.quant)
+        return PromptContext(text, num_tokens, press=self.press_for(num_tokens), quant=self.quant)
 
-    def _press_for(self, num_tokens: int) -> Press | None:
+    def press_for(self, num_tokens: int) -> Press | None:
+        """The press a document of ``num_tokens`` tokens is stored with (its count in whole blocks of slots)."""
         return None if self.press is None else whole_blocks_press(self.press, num_tokens, self.slot_multiple)
 
     def key(
@@ -196,7 +197,7 @@ class VllmDocuments:
             doc = docs.find(self.store, key)
             if doc is None:
                 if not self.store.contains(key):
-                    request = Request(Document(text, None, system), max_new_tokens=0, press=self._press_for(num_tokens),
+                    request = Request(Document(text, None, system), max_new_tokens=0, press=self.press_for(num_tokens),
                                       query_aware=False, reuse=self.reuse, quant=self.quant)  # fmt: skip
                     self.engine.run(request)
                 doc = docs.publish(self.store, key, self.vocab_size)
