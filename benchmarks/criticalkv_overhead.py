@@ -7,7 +7,7 @@ alone, CriticalKV computing every token's ``||V W_O||_1`` (:func:`critical_selec
 :func:`projected_value_norms`, the earlier code) and CriticalKV with the pruned norms (the press as shipped).
 Times are CPU seconds of this process (robust to other jobs on a shared machine); ``overhead`` = compression CPU time /
 prefill CPU time. Also checks that both CriticalKV variants keep the same entries, and reports the fraction of
-(token, KV head) norms the pruned one computed. JSON line to benchmarks/results/criticalkv_overhead.jsonl.
+(token, KV head) norms the pruned one computed. JSON line to results/performance/criticalkv_overhead.jsonl.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import RESULTS, append_rows
 from decode import context_ids
 
 from kvforge.cache import KVCache
@@ -106,10 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
     }
     print(json.dumps(row), flush=True)
-    out = Path(__file__).parent / "results" / "criticalkv_overhead.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_rows(RESULTS / "performance" / "criticalkv_overhead.jsonl", row)
     return 0
 
 

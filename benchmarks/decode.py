@@ -2,7 +2,7 @@
 
     python benchmarks/decode.py --model smollm2-135m --max-new-tokens 200 [--repeats 3]
 
-Prints one JSON line and appends it to benchmarks/results/decode.jsonl. Targets: speedup_vs_uncached >= 5,
+Prints one JSON line and appends it to results/performance/decode.jsonl. Targets: speedup_vs_uncached >= 5,
 ratio_vs_hf_generate >= 1.0 (same model, greedy, same prompt; rates exclude the prefill).
 
 What compression buys at decode time: with ``--contexts``, decode tokens/s at each context length with the
@@ -16,7 +16,7 @@ segment quantised and loaded back) and decodes ``--steps`` tokens; repeats alter
 drift hits all alike; tok/s is the median, per wall second and per CPU second of this process (which other jobs on a
 shared machine do not inflate). KVzip's replay (a second pass over the context) is done once per length and is not
 timed: only its decode is. One JSON line per (length, configuration) to
-benchmarks/results/decode_compressed.jsonl, with ``vs_full`` = its tok/s / the full cache's tok/s.
+results/performance/decode_compressed.jsonl, with ``vs_full`` = its tok/s / the full cache's tok/s.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import RESULTS
 from transformers.utils import logging as hf_logging
 
 from kvforge.bench import bench_decode
@@ -129,7 +130,7 @@ def main() -> None:
     parser.add_argument("--uncached-tokens", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt", default="Write a long story about a lighthouse keeper and the sea.")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode.jsonl"))
+    parser.add_argument("--out", default=str(RESULTS / "performance" / "decode.jsonl"))
     parser.add_argument(
         "--contexts", type=int, nargs="*", default=None, help="compressed-vs-full table at these lengths"
     )

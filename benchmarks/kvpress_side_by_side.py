@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import RESULTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 VENV = Path.home() / "kvpress-venv"
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kvpress-methods", nargs="+", default=[k.split(":")[1] for k in KVPRESS])
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--venv", type=Path, default=VENV)
-    ap.add_argument("--out", type=Path, default=Path("kvpress_side_by_side.jsonl"))
+    ap.add_argument("--out", type=Path, default=RESULTS / "presses" / "kvpress_side_by_side.jsonl")
     ap.add_argument("--table-only", action="store_true", help="print the table of the rows already in --out")
     ap.add_argument("--kvpress-side", nargs=2, metavar=("CASES_JSON", "OUT_JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

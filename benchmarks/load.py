@@ -18,7 +18,7 @@ largest gap between the tokens of a request that is streaming while a 4096-token
     python benchmarks/load.py --url http://127.0.0.1:8000 --served-model-name smollm2-135m
     python benchmarks/load.py --model smollm2-135m --big-request-mib 7 --duration 120   # /health during a 7 MiB body
 
-Writes the JSON lines to stdout and appends them to ``benchmarks/results/load.jsonl``.
+Writes the JSON lines to stdout and appends them to ``results/serve/load.jsonl``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from common import RESULTS, append_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ["lighthouse", "orchard", "glacier", "harbour", "observatory", "library", "vineyard", "canyon", "foundry"]
@@ -651,12 +652,8 @@ def main() -> int:
 
 
 def emit(result: dict[str, Any]) -> None:
-    line = json.dumps(result)
-    print(line, flush=True)
-    out = ROOT / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "load.jsonl", "a") as f:
-        f.write(line + "\n")
+    print(json.dumps(result), flush=True)
+    append_rows(RESULTS / "serve" / "load.jsonl", result)
 
 
 if __name__ == "__main__":

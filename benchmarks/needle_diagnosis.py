@@ -11,7 +11,7 @@ fraction of its (layer, KV head, token) entries kept is reported, as the harness
   oracle fails too, the model cannot use the kept needle without the text around it (kept and not used).
 
     PYTHONPATH=src python benchmarks/needle_diagnosis.py runs/narr-pp/examples.jsonl --ratio 0.75 \\
-        --variants kvzip kvzip-plus kvzip:pool=7 kvzip:pool=15 kvzap --out docs/presses_results/needle_diagnosis.jsonl
+        --variants kvzip kvzip-plus kvzip:pool=7 kvzip:pool=15 kvzap --out results/presses/needle_diagnosis.jsonl
 
 One JSON line per (example, variant); a summary (answers, kept fractions per part) on stderr.
 """

@@ -8,7 +8,7 @@ kvforge's speed as a fraction of transformers' (>= 0.95 is the issue-16 bar for 
 ``*_cpu_time`` ratios use this process's CPU seconds, which other jobs on a shared machine do not inflate (with one
 thread they measure the work done; wall-clock ratios swing with the load). The transformers
 forward keeps its KV (``use_cache=True``, a DynamicCache) and computes only the last logits, as kvforge does.
-One JSON line per length, printed and appended to benchmarks/results/prefill_speed.jsonl.
+One JSON line per length, printed and appended to results/performance/prefill_speed.jsonl.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import RESULTS
 
 from kvforge.cache import KVCache
 from kvforge.model import load_model
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "prefill_speed.jsonl"))
+    ap.add_argument("--out", default=str(RESULTS / "performance" / "prefill_speed.jsonl"))
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from common import RESULTS
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 PIDS: dict[str, int] = {}  # server url -> its process id (CPU seconds from /proc)
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "How many legs does a spider have?",
              "What is 12 times 12?", "Who wrote Hamlet?", "What is the boiling point of water?",
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compression-ratio", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=0, help="engine-document: torch threads (0: torch's default)")
     parser.add_argument("--kvforge-args", nargs=argparse.REMAINDER, default=[], help="extra `kvforge serve` flags")
-    parser.add_argument("--out", type=Path, default=RESULTS / "serve_bars.jsonl")
+    parser.add_argument("--out", type=Path, default=RESULTS / "performance" / "serve_bars.jsonl")
     args = parser.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.log = args.out.parent / f"serve_bars_{args.bar}.log"
