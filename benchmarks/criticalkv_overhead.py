@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from kvforge.model import load_model
 from kvforge.presses import CompressionSource, build_press
 from kvforge.presses import criticalkv as ck
 from kvforge.presses.base import Selection
+from kvforge.provenance import git_sha
 
 
 def every_norm(self: ck.CriticalKVPress, ctx: Any) -> Selection:
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         "same_selection": all(
             torch.equal(a, b) for a, b in zip(kept["criticalkv_every_norm"], kept["criticalkv_pruned"], strict=True)
         ),
-        "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "git": git_sha(),
     }
     print(json.dumps(row), flush=True)
     append_rows(RESULTS / "performance" / "criticalkv_overhead.jsonl", row)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +40,7 @@ from kvforge.paths import haystack_files
 from kvforge.prefill import forward
 from kvforge.presses import CompressionSource, build_press
 from kvforge.presses.base import Needs
+from kvforge.provenance import git_sha
 from kvforge.store.codec import encode, quant_roundtrip
 
 COMPRESSED = ("snapkv", "adakv", "kvzip")
@@ -64,7 +64,7 @@ def decode_tok_s(model: Any, cache: KVCache, logits: torch.Tensor, steps: int) -
 
 
 def compressed_table(model: Any, tokenizer: Any, args: argparse.Namespace) -> None:
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    sha = git_sha()
     out = Path(args.out).with_name("decode_compressed.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     for n in args.contexts:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ from kvforge.cache import KVCache
 from kvforge.decode import decode
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, prefill
 from kvforge.presses import build_press, compress_prefill
+from kvforge.provenance import git_sha
 from kvforge.store import DiskStore, MemoryStore
 
 LLAMA_1B = dict(  # Llama-3.2-1B's shape: 1.24B parameters
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_table: no CUDA device here; this benchmark needs one (nothing was measured)", file=sys.stderr)
         return 2
     model = random_llama("cuda")
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    sha = git_sha()
     meta = {
         "git": sha,
         "gpu": torch.cuda.get_device_name(),

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from common import RESULTS
 from kvforge.cache import KVCache
 from kvforge.model import load_model
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, prefill
+from kvforge.provenance import git_sha
 
 
 @torch.inference_mode()
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, _ = load_model(args.model, device=args.device)
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    sha = git_sha()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for n in args.tokens:
         row = {

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from kvforge.cache import KVCache
 from kvforge.paths import default_data_dir
 from kvforge.prefill import forward, prefill
 from kvforge.presses import build_press, compress_prefill
+from kvforge.provenance import git_sha
 
 
 def text_ids(tokenizer: Any, n: int) -> torch.Tensor:
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    sha = git_sha()
     if args.warmup:
         ids = text_ids(tokenizer, args.warmup)
         for name in args.presses:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from common import RESULTS
 
+from kvforge.provenance import git_sha
 from kvforge.store import DiskStore, MemoryStore
 from kvforge.store.base import parse_size
 from kvforge.store.codec import encode
@@ -151,13 +152,6 @@ def local_redis(workdir: Path, port: int | None = None) -> Iterator[str | None]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-
-
-def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "?"
 
 
 def open_backend(backend: str, args: argparse.Namespace, workdir: Path, redis_url: str | None, nbytes: int):  # type: ignore[no-untyped-def]

@@ -26,13 +26,14 @@ from vllm_servers import (
     ask,
     document_prompt,
     exclusive,
-    git_sha,
     reset_prefix_cache,
     router,
     served_model,
     vllm_server,
     write_line,
 )
+
+from kvforge.provenance import git_sha
 
 # The paper's case: a whole prompt reworded (its tokens differ from the start), and a near-miss that changes one fact.
 PASSAGE = " ".join(TEXT.split()[:380])

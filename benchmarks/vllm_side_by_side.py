@@ -30,7 +30,6 @@ from vllm_servers import (
     ask,
     document_prompt,
     exclusive,
-    git_sha,
     kvforge_server,
     redis_process,
     reset_prefix_cache,
@@ -38,6 +37,8 @@ from vllm_servers import (
     vllm_server,
     write_line,
 )
+
+from kvforge.provenance import git_sha
 
 QUESTION = "What does the narrator say about this passage's main character? Answer in one sentence."
 

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' helpers: tiny segments, redis-server, OS faults
 from os_faults import python_env  # noqa: E402
+from store_helpers import free_port  # noqa: E402
 
 DOCS = ROOT / "docs" / "serve.md"
 
@@ -110,12 +110,6 @@ def tiny_model_dir() -> Path:
         tiny_tokenizer().save_pretrained(path)
         _MODEL_DIR.append(path)
     return _MODEL_DIR[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
