@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import RESULTS
+from common import RESULTS, append_rows
 from transformers.utils import logging as hf_logging
 
 from kvforge.bench import bench_decode
@@ -118,8 +118,7 @@ def compressed_table(model: Any, tokenizer: Any, args: argparse.Namespace) -> No
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             }
             print(json.dumps(row), flush=True)
-            with open(out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_rows(out, row)
 
 
 def main() -> None:
@@ -151,8 +150,7 @@ def main() -> None:
     row = {"bench": "decode", "model": args.model, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **row}
     print(json.dumps(row))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_rows(args.out, row)
 
 
 if __name__ == "__main__":

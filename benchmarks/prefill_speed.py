@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import RESULTS
+from common import RESULTS, append_rows
 
 from kvforge.cache import KVCache
 from kvforge.model import load_model
@@ -115,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             **measure(model, n, args.repeats, args.chunk_size, args.seed),
         }
         print(json.dumps(row), flush=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_rows(args.out, row)
     return 0
 
 

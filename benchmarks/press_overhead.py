@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import append_rows
 from press_needle import load_smollm2
 
 from kvforge.cache import KVCache
@@ -164,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             print(json.dumps(row), flush=True)
             if args.out:
-                with Path(args.out).open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+                append_rows(args.out, row)
     return 0
 
 

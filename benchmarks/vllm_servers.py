@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import ROOT, Server
+from common import ROOT, Server, append_rows
 
 TEXT = (ROOT / "src/kvforge/data/haystack_gutenberg/moby_dick_excerpt.txt").read_text()
 
@@ -199,7 +199,5 @@ def write_line(path: Path, record: dict) -> None:
     record = record | {"load_avg_1m": round(os.getloadavg()[0], 2)}  # the machine may be shared: say how busy
     if LOCK_STATE["exclusive_lock"] is not None:
         record["exclusive_lock"] = LOCK_STATE["exclusive_lock"]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    append_rows(path, record)
     print(json.dumps(record), flush=True)
