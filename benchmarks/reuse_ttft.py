@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from kvforge.bench import _git_sha
     from kvforge.engine import Engine
     from kvforge.model import load_model
+    from kvforge.provenance import git_sha
 
     model, tokenizer = load_model(args.model)
     engine = Engine(model, tokenizer, chunk_size=args.chunk_size)
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     with args.out.open("a") as out:
         for row in measure(engine, args.store or ["memory://"], lengths, args.repeats, args.block_size):
             row |= {"model": args.model, "device": str(model.device), "dtype": str(model.dtype),
-                    "threads": torch.get_num_threads(), "git_sha": _git_sha()}  # fmt: skip
+                    "threads": torch.get_num_threads(), "git_sha": git_sha()}  # fmt: skip
             print(json.dumps(row), flush=True)
             out.write(json.dumps(row) + "\n")
     return 0
