@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from common import RESULTS
 from vllm_servers import Server, events, reset_prefix_cache, vllm_server
 
 from kvforge.eval.metrics import score_prediction
@@ -506,7 +507,7 @@ def main() -> None:
     )
     p.add_argument("--lmcache-python", default=None, help="python of an environment with vLLM + lmcache (probe)")
     p.add_argument("--port", type=int, default=8311)
-    p.add_argument("--out", default="benchmarks/results/vllm_documents.jsonl")
+    p.add_argument("--out", default=str(RESULTS / "vllm" / "documents.jsonl"))
     p.add_argument("--report", default=None, help="print the table of a results file instead of running")
     args = p.parse_args()
     if args.report:
