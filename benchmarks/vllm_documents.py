@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 import tempfile
 import threading
@@ -281,7 +282,9 @@ def run(args: argparse.Namespace) -> None:
             emit(blocks)
     finally:
         server.stop()
-    # 3. vLLM + kvforge kvtc prefix blocks
+    # 3. vLLM + kvforge kvtc prefix blocks, coded with the model's calibrated basis (as kvforge's engine codes)
+    subprocess.run([sys.executable, "-m", "kvforge", "cache", "calibrate", "--store", kvtc_url, "--model", args.model,
+                    "--device", "cpu"], check=True)  # fmt: skip
     server = start("vllm-kvforge-kvtc", args, work / "logs", kvtc_url, quant=args.block_quant)
     try:
         emit(
@@ -509,17 +512,20 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8311)
     p.add_argument("--out", default=str(RESULTS / "vllm" / "documents.jsonl"))
     p.add_argument("--report", default=None, help="print the table of a results file instead of running")
+    p.add_argument("--plot", default=None, help="with --report: draw its configurations into this PNG")
     args = p.parse_args()
     if args.report:
-        report(args.report)
+        report(args.report, args.plot)
         return
     args.set = args.set or ["ruler=needle:4,5", "narrative=needle-narrative:2,3:haystack_gutenberg/books.jsonl"]
     args.model_name = args.model
     run(args)
 
 
-def report(path: str) -> None:
+def report(path: str, plot: str | None = None) -> None:
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if plot:
+        draw(rows, plot)
     print("| configuration | stored bytes / document | TTFT s, new question | decode s/token | KV slots | score |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
@@ -529,6 +535,33 @@ def report(path: str) -> None:
             f"| {r['config']} | {r.get('stored_bytes_per_doc', 0) / 1e6:.2f} MB | {r.get('ttft_s')} | "
             f"{r.get('decode_s_per_token')} | {r.get('kv_slots')} | {score} |"
         )
+
+
+def draw(rows: list[dict], path: str) -> None:
+    """Per configuration: stored bytes per document, TTFT of a new question and KV slots per sequence."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("ttft_s") is not None and "stored_bytes_per_doc" in r]
+    names = [r["config"].removeprefix("vllm + kvforge ").replace(" (prefix cache)", "") for r in rows]
+    panels = [("stored MB per document", [r["stored_bytes_per_doc"] / 1e6 for r in rows]),
+              ("TTFT of a new question (s)", [r["ttft_s"] for r in rows]),
+              ("KV slots per sequence", [r.get("kv_slots") or 0 for r in rows])]  # fmt: skip
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+    for ax, (title, values) in zip(axes, panels, strict=True):
+        ax.barh(names, values, color="#4a78b0")
+        ax.set_title(title, fontsize=10)
+        ax.invert_yaxis()
+        for y, v in enumerate(values):
+            ax.text(v, y, f" {v:.3g}", va="center", fontsize=8)
+    for ax in axes[1:]:
+        ax.set_yticklabels([])
+    fig.suptitle("vLLM (CPU build) with and without kvforge, same weights and questions", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"[bench] plot: {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
