@@ -149,3 +149,14 @@ def test_documents_keep_whole_blocks_of_slots_and_are_matched(setup, multiple):
     assert own == 102 and doc.num_slots == {None: 102, 16: 96, 32: 96, 128: 102}[multiple]
     assert blocks.match(DOC, QUESTION).doc == doc
     assert blocks.match(DOC, QUESTION).prompt_ids[: doc.num_slots] == doc.placeholder_ids()
+
+
+def test_the_announcement_carries_vllms_block_size_and_older_ones_still_read():
+    from kvforge.vllm.identity import ServedModel, announce, blob_key, find_served
+
+    store = open_store("memory://")
+    announce(store, ServedModel("/models/a", "id-a", 256, 128))
+    assert find_served(store, "/models/a") == ServedModel("/models/a", "id-a", 256, 128)
+    older = {"model": "/models/b", "model_id": "id-b", "block_size": 256}
+    store.put_blob(blob_key("/models/b"), json.dumps(older).encode())
+    assert find_served(store, "/models/b").kv_block_size is None  # written by an older connector

@@ -65,6 +65,9 @@ def test_vllm_answers_from_a_quarter_of_the_slots_with_kvforges_logits(vllm_mode
     client.store.close()
     answers = run(vllm_model_dir, [m.prompt_ids for m in matches], url, params=[m.doc.params() for m in matches],
                   logprobs=5)  # fmt: skip
+    from kvforge.vllm.identity import find_served
+
+    assert find_served(open_store(url), str(vllm_model_dir)).kv_block_size == 128  # vLLM's CPU block size, announced
     for answer, want, match in zip(answers, expected, matches, strict=True):
         assert answer["cached"] == doc.num_slots  # the document's slots came from the store, nothing recomputed
         assert len(answer["prompt_ids"]) == doc.num_slots + len(match.prompt_ids) - doc.num_slots
