@@ -220,6 +220,8 @@ def run(args: argparse.Namespace) -> None:
             if kind == "documents":
                 r = complete(url, model, s["match"].prompt_ids, args.decode_tokens, s["doc"].params(), True)
             else:
+                if not reset:  # in vLLM's prefix cache right now (the quality pass's later prompts evicted it)
+                    complete(url, model, s["full"], 1)
                 r = complete(url, model, s["full"], args.decode_tokens, ignore_eos=True)
             rows.append(r)
         return rows
