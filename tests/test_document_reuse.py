@@ -132,7 +132,7 @@ def test_press_with_reuse_is_one_clear_error(model, tokenizer):
     from kvforge.reuse import FakeEmbedder
 
     engine.reuse = SemanticReuse(open_store("memory://"), engine.model_id, FakeEmbedder())
-    with pytest.raises(UserError, match="does not store compressed documents"):
+    with pytest.raises(UserError, match="query-agnostic on a document"):
         engine.answer(DOC, QUESTIONS[0], press=press, query_aware=False, max_new_tokens=1)
     assert "query_aware=False" in PRESS_WITH_REUSE
 

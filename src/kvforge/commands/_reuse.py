@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from kvforge.commands._common import check_store_url
-from kvforge.errors import PRESS_WITH_REUSE, UserError
+from kvforge.errors import STORES_DOCUMENTS, UserError, check_combination
 
 if TYPE_CHECKING:
     from kvforge.engine import Engine
@@ -19,12 +19,11 @@ def check_reuse_args(args: argparse.Namespace) -> Any:
 
     if args.reuse == "rag":
         raise UserError("--reuse rag answers a question over document chunks: use `kvforge rag`")
-    if getattr(args, "press", None):  # the compressed document is stored and reused: query-agnostic, document reuse
-        document = getattr(args, "prompt_file", None) and getattr(args, "prompt", None)
-        if args.reuse not in ("prefix", "document") or not getattr(args, "query_agnostic", False) or not document:
-            raise UserError(PRESS_WITH_REUSE)
-    if getattr(args, "window", None):
-        raise UserError("--reuse cannot be combined with --window")
+    check_combination(press=bool(getattr(args, "press", None)), stores_documents=args.reuse in STORES_DOCUMENTS,
+                      query_aware=not getattr(args, "query_agnostic", False),
+                      has_document=bool(getattr(args, "prompt_file", None) and getattr(args, "prompt", None)),
+                      window=bool(getattr(args, "window", None)),
+                      decoding_budget=getattr(args, "decode_budget", None) is not None)  # fmt: skip
     check_semantic_args(args)
     check_store_url(args.store)
     return open_store(args.store or default_store_url())

@@ -152,7 +152,7 @@ class ReuseStrategy(Protocol):
 
     The engine executes any plan the same way: load ``plan.cache`` -> prefill ``plan.prefill_ids`` (the first
     ``plan.press_size`` under the press) -> decode -> ``record``. A strategy that stores compressed documents
-    (``context.press`` set) says so with a class attribute ``stores_compressed = True``; the engine refuses a press
+    (``context.press`` set) says so by its type (:class:`StoresCompressedDocuments`); the engine refuses a press
     with any other strategy. ``record`` gets the cache holding exactly what the plan asked to compute and store: for a
     compressed document, the document's compressed KV alone (before the question was added).
     """
@@ -164,6 +164,12 @@ class ReuseStrategy(Protocol):
     def record(
         self, token_ids: Sequence[int], cache: KVCache, *, text: str | None = None, context: PromptContext | None = None
     ) -> None: ...
+
+
+class StoresCompressedDocuments:
+    """Base of the reuse strategies that store a prompt's document part whole, compressed by the request's
+    query-agnostic press (``context.press``): the only strategies a press combines with
+    (:func:`kvforge.errors.check_combination`)."""
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvforge.cache import KVCache
-from kvforge.reuse.base import PromptContext, ReusePlan, digest, encode_ids, miss_plan
+from kvforge.reuse.base import PromptContext, ReusePlan, StoresCompressedDocuments, digest, encode_ids, miss_plan
 from kvforge.store.quant import canonical_quant
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ def quant_name(quant: str | None) -> str:
 
 
 @dataclass
-class DocumentReuse:
+class DocumentReuse(StoresCompressedDocuments):
     """Finds and records documents in ``store``, compressed by the request's press when it has one (query-agnostic).
 
     A prompt without a document part (no :class:`~kvforge.reuse.base.PromptContext`) is a miss and records nothing.
@@ -57,8 +57,6 @@ class DocumentReuse:
     store: KVStore
     model_id: str
     device: Any = None
-
-    stores_compressed = True  # the engine hands this strategy the query-agnostic press of a document request
 
     def quant_of(self, context: PromptContext) -> str:
         """The quantisation this document is stored under: the context's, else the store's own."""
