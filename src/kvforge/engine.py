@@ -421,7 +421,7 @@ class Engine:
             gen.info["logprobs"] = state.logprobs
         if seq.strategy is not None:
             gen.reused_tokens = seq.plan.reused_tokens
-            gen.info["reuse"] = seq.plan.summary() | {"plan_s": round(seq.plan_s, 6)} | self._record(seq)
+            gen.reuse = seq.plan.facts(plan_s=round(seq.plan_s, 6), **self._record(seq))
         seq.generation = gen
         if (run := self._checks.pop(id(seq), None)) is not None:
             run.done(seq)
@@ -448,7 +448,7 @@ class Engine:
         except Exception as e:  # a check is best effort: it must never cost an answer
             logger.warning("semantic check not run: %s: %s", type(e).__name__, e)
 
-    def _record(self, seq: Sequence) -> dict[str, Any]:
+    def _record(self, seq: Sequence) -> dict[str, float | int]:
         """Store the prompt's new KV (a document: its KV alone, without the question); best effort."""
         start = time.perf_counter()
         if seq.document is not None:

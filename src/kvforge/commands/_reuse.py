@@ -90,17 +90,18 @@ def attach_reuse(engine: Engine, args: argparse.Namespace, store: Any = None) ->
 
 def describe_reuse(gen: Any) -> str:
     """The ``| reuse ...`` part of generate's stderr line: hit/miss, reused tokens, similarity."""
-    info = gen.info.get("reuse", {})
-    kind = info.get("kind", "miss")
+    from kvforge.types import ReuseFacts
+
+    facts = gen.reuse or ReuseFacts()
+    kind, doc = facts.kind, facts.document
     text = f" | reuse {'miss' if kind == 'miss' else kind + ' hit'}: {gen.reused_tokens}/{gen.prompt_tokens} tok"
-    if info.get("compressed"):
+    if doc is not None and doc.compressed:
         text += (
-            f" (reused the compressed document: {info.get('press')} ratio {info.get('compression_ratio')}, quant "
-            f"{info.get('quant')}, {info.get('kept_entries')} entries, {info.get('bytes_loaded')} bytes loaded in "
-            f"{info.get('load_s', 0.0):.3f}s)"
+            f" (reused the compressed document: {doc.press} ratio {doc.compression_ratio}, quant {doc.quant}, "
+            f"{doc.kept_entries} entries, {doc.bytes_loaded} bytes loaded in {doc.load_s:.3f}s)"
         )
-    elif kind == "miss" and info.get("document_key"):
+    elif kind == "miss" and facts.document_key:
         text += " (compressed document stored for later questions)"
-    if info.get("approximate"):
-        text += f" (approximate, similarity {info.get('similarity', 0):.3f})"
+    if facts.approximate:
+        text += f" (approximate, similarity {facts.similarity or 0:.3f})"
     return text
