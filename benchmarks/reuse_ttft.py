@@ -72,7 +72,7 @@ def measure(engine: Any, store_urls: Sequence[str], lengths: Sequence[int], repe
                 "warm_ttft_s": round(warm_s, 4),
                 "ttft_reduction": round(1 - warm_s / gen.ttft_s, 4),
                 "load_s": round(statistics.median(s.plan_s for s, _ in runs), 4),
-                "record_s": gen.info["reuse"]["record_s"],
+                "record_s": gen.reuse.record_s,
                 "stored_mib": round(sum(store.stored_size(k) or 0 for k in warm.block_keys(ids)) / 2**20, 2),
                 "max_abs_logit_diff": max(float((s.logits - cold.logits).abs().max()) for s, _ in runs),
                 "repeats": repeats,
