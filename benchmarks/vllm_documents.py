@@ -241,6 +241,16 @@ def run(args: argparse.Namespace) -> None:
         emit({**base, **space_run(args, work, docs_url, stored)})
         out.close()
         return
+    if args.only == "blocks":  # the kvtc prefix blocks alone, against the same server's own full prefills
+        _calibrate(kvtc_url, args.model)
+        server = start("vllm-kvforge-kvtc", args, work / "logs", kvtc_url, quant=args.block_quant)
+        try:
+            name = f"vllm + kvforge {args.block_quant} blocks"
+            emit(_prefix_blocks(server.url, name, kvtc_url, args, config, base, None, stored))
+        finally:
+            server.stop()
+        out.close()
+        return
     if args.only == "documents":  # one server: full prefills and compressed documents, timed alternately
         server = start("vllm-kvforge", args, work / "logs", docs_url)
         try:
@@ -285,8 +295,7 @@ def run(args: argparse.Namespace) -> None:
     finally:
         server.stop()
     # 3. vLLM + kvforge kvtc prefix blocks, coded with the model's calibrated basis (as kvforge's engine codes)
-    subprocess.run([sys.executable, "-m", "kvforge", "cache", "calibrate", "--store", kvtc_url, "--model", args.model,
-                    "--device", "cpu"], check=True)  # fmt: skip
+    _calibrate(kvtc_url, args.model)
     server = start("vllm-kvforge-kvtc", args, work / "logs", kvtc_url, quant=args.block_quant)
     try:
         emit(
@@ -410,9 +419,9 @@ def space_run(args: argparse.Namespace, work: Path, url: str, stored: list[dict]
     full = max(len(s["full"]) for s in stored) + args.decode_tokens
     small = max(len(s["match"].prompt_ids) for s in stored) + args.decode_tokens
     f, c = -(-full // block), -(-small // block)
-    blocks = max(2 * f, args.concurrency_docs * c)
-    if blocks >= 3 * f:
-        raise SystemExit(f"{args.concurrency_docs} compressed requests need {blocks} blocks: the space would hold 3")
+    blocks = args.kv_blocks or max(2 * f, args.concurrency_docs * c)
+    if blocks >= 3 * f or blocks < 2 * f:
+        raise SystemExit(f"a KV space of {blocks} blocks does not hold exactly two full requests of {f} blocks")
     server = vllm_server("vllm-kvforge-space", args.port, args.model, work / "logs", url)
     server.command += ["--num-gpu-blocks-override", str(blocks), "--max-model-len", str(blocks * block // 2)] + (
         ["--enforce-eager"] if args.enforce_eager else []
@@ -430,6 +439,25 @@ def space_run(args: argparse.Namespace, work: Path, url: str, stored: list[dict]
             "full": whole}  # fmt: skip
 
 
+def _calibrate(store_url: str, model: str) -> None:
+    """The model's kvtc basis named in the store (`kvforge cache calibrate`): what kvforge's engine codes with."""
+    subprocess.run([sys.executable, "-m", "kvforge", "cache", "calibrate", "--store", store_url, "--model", model,
+                    "--device", "cpu"], check=True)  # fmt: skip
+
+
+def _blocks_written(folder: Path, timeout_s: float = 120) -> int:
+    """Wait until the connector's background writer has stored every block (the count of block files stops
+    growing); the count."""
+    count, deadline = -1, time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = len(list(folder.glob("segments/*/prefix-v2-*.kvseg")))
+        if now == count:
+            return now
+        count = now
+    return count
+
+
 def _prefix_blocks(
     url: str,
     name: str,
@@ -437,16 +465,19 @@ def _prefix_blocks(
     args: argparse.Namespace,
     config: Any,
     base: dict,
-    reference: list[dict],
+    reference: list[dict] | None,
     stored: list[dict],
 ) -> dict:
-    """Each full prompt once (its blocks stored), vLLM's memory emptied, then again: loaded from the store."""
+    """Each full prompt once (its blocks stored), vLLM's memory emptied, then again: loaded from the store; compared
+    with ``reference`` (vLLM alone), or with the first answer of the same server."""
     rows = []
-    for s, ref in zip(stored, reference, strict=True):
+    for s, ref in zip(stored, reference or [None] * len(stored), strict=True):
         first = complete(url, args.model_name, s["full"], s["ex"].max_new_tokens)
         reset_prefix_cache(url)
-        time.sleep(0.5)  # the connector writes blocks from a background thread
+        _blocks_written(Path(store_url.removeprefix("file://")))  # written from a background thread (kvtc: coded)
         again = complete(url, args.model_name, s["full"], s["ex"].max_new_tokens)
+        if ref is None:  # no separate reference server: the same server's own full prefill
+            ref = {"text": first["text"], "score": score_prediction(first["text"], s["ex"].answers, s["ex"].metric)}
         rows.append(
             {
                 "id": s["ex"].id,
@@ -496,10 +527,13 @@ def main() -> None:
     p.add_argument("--ttft-docs", type=int, default=3)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--concurrency-docs", type=int, default=8, help="0: skip the concurrency run")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="the concurrency run's KV space in blocks (default: the larger of two full requests and the "
+                   "compressed ones; refused if it holds three full requests)")  # fmt: skip
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument(
         "--only",
-        choices=["documents", "concurrency"],
+        choices=["documents", "concurrency", "blocks"],
         default=None,
         help="documents: one server, compressed documents' quality and TTFT against the prefix-cache hit",
     )
