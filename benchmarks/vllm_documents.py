@@ -34,6 +34,7 @@ from kvforge.paths import bundled_data_dir
 from kvforge.request import encode_qa
 from kvforge.vllm.client import VllmDocuments
 
+STORE_BLOCK = 256  # tokens per block the connector stores (its default block_size)
 TEXT_SAMPLE = next(iter(sorted((bundled_data_dir() / "haystack_gutenberg").glob("*.txt")))).read_text()[:4000]
 
 
@@ -445,17 +446,15 @@ def _calibrate(store_url: str, model: str) -> None:
                     "--device", "cpu"], check=True)  # fmt: skip
 
 
-def _blocks_written(folder: Path, timeout_s: float = 120) -> int:
-    """Wait until the connector's background writer has stored every block (the count of block files stops
-    growing); the count."""
-    count, deadline = -1, time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def _blocks_written(folder: Path, expected: int, timeout_s: float = 600) -> int:
+    """Wait until the connector's background writer has stored ``expected`` block files (kvtc codes each block
+    before writing it: seconds per block on a busy CPU); the count."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        count = len(list(folder.glob("segments/*/prefix-v2-*.kvseg")))
+        if count >= expected or time.monotonic() > deadline:
+            return count
         time.sleep(0.5)
-        now = len(list(folder.glob("segments/*/prefix-v2-*.kvseg")))
-        if now == count:
-            return now
-        count = now
-    return count
 
 
 def _prefix_blocks(
@@ -470,11 +469,12 @@ def _prefix_blocks(
 ) -> dict:
     """Each full prompt once (its blocks stored), vLLM's memory emptied, then again: loaded from the store; compared
     with ``reference`` (vLLM alone), or with the first answer of the same server."""
-    rows = []
+    rows, expected = [], 0
     for s, ref in zip(stored, reference or [None] * len(stored), strict=True):
         first = complete(url, args.model_name, s["full"], s["ex"].max_new_tokens)
         reset_prefix_cache(url)
-        _blocks_written(Path(store_url.removeprefix("file://")))  # written from a background thread (kvtc: coded)
+        expected += len(s["full"]) // STORE_BLOCK  # written from a background thread (kvtc: coded first)
+        _blocks_written(Path(store_url.removeprefix("file://")), expected)
         again = complete(url, args.model_name, s["full"], s["ex"].max_new_tokens)
         if ref is None:  # no separate reference server: the same server's own full prefill
             ref = {"text": first["text"], "score": score_prediction(first["text"], s["ex"].answers, s["ex"].metric)}
@@ -490,7 +490,7 @@ def _prefix_blocks(
         )
     folder = Path(store_url.removeprefix("file://"))
     block_bytes = sum(f.stat().st_size for f in folder.glob("segments/*/prefix-v2-*.kvseg"))
-    tokens = sum(len(s["full"]) // 256 * 256 for s in stored)
+    tokens = sum(len(s["full"]) // STORE_BLOCK * STORE_BLOCK for s in stored)
     ttft = sorted(r["again"]["ttft_s"] for r in rows)
     return {
         **base,
