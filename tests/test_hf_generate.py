@@ -19,7 +19,7 @@ from kvforge.testing import ARCHS, tiny_model
 
 S, NEW, CHUNK = 40, 4, 16  # prompt tokens, new tokens, prefill chunk
 
-pytestmark = pytest.mark.usefixtures("one_thread", "calibration_dir")
+pytestmark = pytest.mark.usefixtures("one_thread", "calibration_dir", "kvzap_scorers")
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,6 @@ KNOWN_DEFERRED = [
         "kvforge.presses.kvzip",
         "kvforge.presses.kvzip_heads",
     },
-    # KVzapPress trains its scorer on first use (kvzap_train), which builds KVzapModel (kvzap)
-    {"kvforge.presses.kvzap", "kvforge.presses.kvzap_train"},
 ]
 
 
