@@ -11,9 +11,9 @@ from kvforge.errors import UserError
 from kvforge.kvzap_train import Recorder, _Gram, ensure_trained, replay_targets, train_kvzap
 from kvforge.presses import KVzapModel, build_press, compress_prefill, num_kept
 from kvforge.presses.apply import CompressionSource
-from kvforge.presses.base import Needs
 from kvforge.presses.kvzap import model_path, position_features
 from kvforge.presses.kvzip_heads import fingerprint_of
+from kvforge.presses.layer import Needs
 from kvforge.testing import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -38,7 +38,6 @@ from kvforge.engine import Engine
 from kvforge.errors import UserError
 from kvforge.paths import bundled_data_dir
 from kvforge.presses.apply import CompressionSource
-from kvforge.presses.base import Needs
 from kvforge.presses.kvzap import (
     KINDS,
     MLP_HIDDEN,
@@ -50,6 +49,7 @@ from kvforge.presses.kvzap import (
 )
 from kvforge.presses.kvzip import KVzipPress
 from kvforge.presses.kvzip_heads import fingerprint_of
+from kvforge.presses.layer import Needs
 
 logger = logging.getLogger(__name__)
 # Documents of 4096 tokens: KVzip replays in chunks of 2048 context tokens, so each training document shows the scores

@@ -51,7 +51,7 @@ class DocumentBank:
     def source(self, engine: Engine, ctx_ids: list[int]) -> Any:
         """The document prefilled once (full cache + what every press of the run scores from)."""
         from kvforge.presses import CompressionSource
-        from kvforge.presses.base import Needs
+        from kvforge.presses.layer import Needs
 
         if self._doc != tuple(ctx_ids) or self._source is None:
             needs = Needs()

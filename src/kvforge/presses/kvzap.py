@@ -36,8 +36,9 @@ from torch import Tensor
 
 from kvforge.errors import UserError
 from kvforge.paths import cache_dir
-from kvforge.presses.base import LayerContext, Needs, ScorerPress
+from kvforge.presses.base import ScorerPress
 from kvforge.presses.kvzip import BudgetedSelection, max_pool
+from kvforge.presses.layer import LayerContext, Needs
 
 logger = logging.getLogger(__name__)
 FORMAT = "kvforge-kvzap/2"  # 2: layers may carry the recency weights ``wp``
