@@ -244,7 +244,6 @@ class CompressionSource:
         group = {i: num_query_heads(modules[i]) // cache.layers[i].keys.shape[1] for i in self.layers}
         return head_scores_from_replay(replay, cache.num_layers, group, skip)
 
-
     def _replay(self, cache: KVCache, settings: ReplaySettings) -> dict[int, Tensor]:
         return replay_scores(self.model, cache, self.ids, settings, self.tokenizer, self.chunk_size, self.start,
                              compressible_layers(cache))  # fmt: skip
