@@ -7,7 +7,7 @@ alone, CriticalKV computing every token's ``||V W_O||_1`` (:func:`critical_selec
 :func:`projected_value_norms`, the earlier code) and CriticalKV with the pruned norms (the press as shipped).
 Times are CPU seconds of this process (robust to other jobs on a shared machine); ``overhead`` = compression CPU time /
 prefill CPU time. Also checks that both CriticalKV variants keep the same entries, and reports the fraction of
-(token, KV head) norms the pruned one computed. JSON line to benchmarks/results/criticalkv_overhead.jsonl.
+(token, KV head) norms the pruned one computed. JSON line to results/performance/criticalkv_overhead.jsonl.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import RESULTS, append_rows
 from decode import context_ids
 
 from kvforge.cache import KVCache
@@ -32,6 +32,7 @@ from kvforge.model import load_model
 from kvforge.presses import CompressionSource, build_press
 from kvforge.presses import criticalkv as ck
 from kvforge.presses.base import Selection
+from kvforge.provenance import git_sha
 
 
 def every_norm(self: ck.CriticalKVPress, ctx: Any) -> Selection:
@@ -103,13 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         "same_selection": all(
             torch.equal(a, b) for a, b in zip(kept["criticalkv_every_norm"], kept["criticalkv_pruned"], strict=True)
         ),
-        "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "git": git_sha(),
     }
     print(json.dumps(row), flush=True)
-    out = Path(__file__).parent / "results" / "criticalkv_overhead.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_rows(RESULTS / "performance" / "criticalkv_overhead.jsonl", row)
     return 0
 
 

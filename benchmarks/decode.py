@@ -2,7 +2,7 @@
 
     python benchmarks/decode.py --model smollm2-135m --max-new-tokens 200 [--repeats 3]
 
-Prints one JSON line and appends it to benchmarks/results/decode.jsonl. Targets: speedup_vs_uncached >= 5,
+Prints one JSON line and appends it to results/performance/decode.jsonl. Targets: speedup_vs_uncached >= 5,
 ratio_vs_hf_generate >= 1.0 (same model, greedy, same prompt; rates exclude the prefill).
 
 What compression buys at decode time: with ``--contexts``, decode tokens/s at each context length with the
@@ -16,7 +16,7 @@ segment quantised and loaded back) and decodes ``--steps`` tokens; repeats alter
 drift hits all alike; tok/s is the median, per wall second and per CPU second of this process (which other jobs on a
 shared machine do not inflate). KVzip's replay (a second pass over the context) is done once per length and is not
 timed: only its decode is. One JSON line per (length, configuration) to
-benchmarks/results/decode_compressed.jsonl, with ``vs_full`` = its tok/s / the full cache's tok/s.
+results/performance/decode_compressed.jsonl, with ``vs_full`` = its tok/s / the full cache's tok/s.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from common import RESULTS, append_rows
 from transformers.utils import logging as hf_logging
 
 from kvforge.bench import bench_decode
@@ -40,6 +40,7 @@ from kvforge.paths import haystack_files
 from kvforge.prefill import forward
 from kvforge.presses import CompressionSource, build_press
 from kvforge.presses.base import Needs
+from kvforge.provenance import git_sha
 from kvforge.store.codec import encode, quant_roundtrip
 
 COMPRESSED = ("snapkv", "adakv", "kvzip")
@@ -63,7 +64,7 @@ def decode_tok_s(model: Any, cache: KVCache, logits: torch.Tensor, steps: int) -
 
 
 def compressed_table(model: Any, tokenizer: Any, args: argparse.Namespace) -> None:
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    sha = git_sha()
     out = Path(args.out).with_name("decode_compressed.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     for n in args.contexts:
@@ -117,8 +118,7 @@ def compressed_table(model: Any, tokenizer: Any, args: argparse.Namespace) -> No
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             }
             print(json.dumps(row), flush=True)
-            with open(out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_rows(out, row)
 
 
 def main() -> None:
@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--uncached-tokens", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt", default="Write a long story about a lighthouse keeper and the sea.")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode.jsonl"))
+    parser.add_argument("--out", default=str(RESULTS / "performance" / "decode.jsonl"))
     parser.add_argument(
         "--contexts", type=int, nargs="*", default=None, help="compressed-vs-full table at these lengths"
     )
@@ -150,8 +150,7 @@ def main() -> None:
     row = {"bench": "decode", "model": args.model, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **row}
     print(json.dumps(row))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_rows(args.out, row)
 
 
 if __name__ == "__main__":

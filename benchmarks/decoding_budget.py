@@ -1,7 +1,7 @@
 """Bounded memory while generating: answers of 1,024 tokens with a fixed KV budget vs the full cache.
 
     PYTHONPATH=src python benchmarks/decoding_budget.py --examples 3 --prompt-tokens 2048 --new-tokens 1024 \
-        --budget 1024 --data-dir DATA_DIR --out docs/presses_results/decoding_budget.jsonl
+        --budget 1024 --data-dir DATA_DIR --out results/presses/decoding_budget.jsonl
 
 Task: LongBench gov_report (reports of the U.S. Government Accountability Office with reference summaries of 500 to
 1,300 tokens; shared data), prompts cut to ``--prompt-tokens`` (LongBench's middle cut), LongBench's prompt, greedy,

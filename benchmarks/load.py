@@ -18,7 +18,7 @@ largest gap between the tokens of a request that is streaming while a 4096-token
     python benchmarks/load.py --url http://127.0.0.1:8000 --served-model-name smollm2-135m
     python benchmarks/load.py --model smollm2-135m --big-request-mib 7 --duration 120   # /health during a 7 MiB body
 
-Writes the JSON lines to stdout and appends them to ``benchmarks/results/load.jsonl``.
+Writes the JSON lines to stdout and appends them to ``results/serve/load.jsonl``.
 """
 
 from __future__ import annotations
@@ -30,17 +30,15 @@ import json
 import os
 import random
 import resource
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
+from common import RESULTS, ROOT, Server, append_rows, free_port
+from common import cpu_seconds as proc_cpu
 
-ROOT = Path(__file__).resolve().parents[1]
 TOPICS = ["lighthouse", "orchard", "glacier", "harbour", "observatory", "library", "vineyard", "canyon", "foundry"]
 QUESTIONS = [
     ("What is the code of room {r}?", "Tell me the code that room {r} has."),
@@ -290,7 +288,9 @@ def summarize(
     }
 
 
-def start_server(args: argparse.Namespace, scheduler: str = "batched") -> tuple[subprocess.Popen, str]:
+def start_server(args: argparse.Namespace, scheduler: str = "batched") -> Server:
+    """``kvforge serve`` on ``args.model`` (``tiny``: the tiny random model, saved to a folder), ready to answer; its
+    output goes to ``runs/load-serve.log``."""
     model = args.model
     if model == "tiny":  # save the tiny random model so the server loads it like any folder
         sys.path.insert(0, str(ROOT / "src"))
@@ -299,53 +299,12 @@ def start_server(args: argparse.Namespace, scheduler: str = "batched") -> tuple[
         model = tempfile.mkdtemp(prefix="kvforge-tiny-")
         tiny_model("llama").save_pretrained(model)
         tiny_tokenizer().save_pretrained(model)
-    port = args.port
-    if not port:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvforge.cli",
-        "serve",
-        "--model",
-        model,
-        "--served-model-name",
-        args.served_model_name,
-        "--port",
-        str(port),
-        "--reuse",
-        args.reuse,
-        "--max-queue",
-        str(args.max_queue),
-        "--device",
-        "cpu",
-        "--timeout",
-        str(args.request_timeout),
-        "--scheduler",
-        scheduler,
-        "--max-running",
-        str(args.max_running),
-        "--prefill-budget",
-        str(args.prefill_budget),
-    ]
-    if args.store:
-        cmd += ["--store", args.store]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=sys.stderr)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit("server did not start in 300 s")
+    port = args.port or free_port()
+    cmd = [sys.executable, "-m", "kvforge.cli", "serve", "--model", model, "--port", str(port), "--served-model-name",
+           args.served_model_name, "--reuse", args.reuse, "--max-queue", str(args.max_queue), "--device", "cpu",
+           "--timeout", str(args.request_timeout), "--scheduler", scheduler, "--max-running", str(args.max_running),
+           "--prefill-budget", str(args.prefill_budget), *(["--store", args.store] if args.store else [])]  # fmt: skip
+    return Server("load-serve", cmd, port, ROOT / "runs").start().wait(300)
 
 
 async def probe_health(url: str, stop: asyncio.Event, latencies: list[float]) -> None:
@@ -427,14 +386,7 @@ async def run(args: argparse.Namespace, url: str, server_pid: int | None = None)
 def cpu_seconds(server_pid: int | None) -> dict[str, float]:
     """CPU seconds used so far by this (client) process and by the server process (when started here)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    out = {"client": usage.ru_utime + usage.ru_stime}
-    if server_pid is not None:
-        try:
-            fields = Path(f"/proc/{server_pid}/stat").read_text().rsplit(")", 1)[1].split()
-            out["server"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            pass
-    return out
+    return {"client": usage.ru_utime + usage.ru_stime} | ({"server": proc_cpu(server_pid)} if server_pid else {})
 
 
 def profile_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -609,10 +561,9 @@ def main() -> int:
     args = p.parse_args()
     results = []
     for scheduler in args.schedulers.split(",") if args.url is None else ["(external)"]:
-        proc = None
-        url = args.url
-        if url is None:
-            proc, url = start_server(args, scheduler)
+        srv = start_server(args, scheduler) if args.url is None else None
+        url = srv.url if srv is not None else args.url
+        proc = srv.process if srv is not None else None
         try:
             if args.big_request_mib:
                 result = asyncio.run(health_during_big_request(args, url.rstrip("/")))
@@ -622,9 +573,8 @@ def main() -> int:
                 # (serial: the long prompt would wait for the watcher's end, there is nothing to interleave)
                 result |= asyncio.run(gap_during_long_prefill(args, url.rstrip("/")))
         finally:
-            if proc is not None:
-                proc.terminate()
-                proc.wait(30)
+            if srv is not None:
+                srv.stop(30)
         result["scheduler"] = scheduler
         results.append(result)
         emit(result)
@@ -651,12 +601,8 @@ def main() -> int:
 
 
 def emit(result: dict[str, Any]) -> None:
-    line = json.dumps(result)
-    print(line, flush=True)
-    out = ROOT / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "load.jsonl", "a") as f:
-        f.write(line + "\n")
+    print(json.dumps(result), flush=True)
+    append_rows(RESULTS / "serve" / "load.jsonl", result)
 
 
 if __name__ == "__main__":

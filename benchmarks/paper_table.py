@@ -7,7 +7,7 @@ full-cache score on the same examples) and the mean fidelity columns, and writes
 plot per quantity (``paper_comparison.png``: normalised score per family; ``paper_comparison_kl.png``: KL per family
 and over the families; never both quantities on one figure):
 
-    python benchmarks/paper_table.py runs/repro --out docs/eval_repro
+    python benchmarks/paper_table.py runs/repro --out results/eval_repro
 """
 
 from __future__ import annotations

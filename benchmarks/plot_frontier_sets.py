@@ -1,6 +1,6 @@
 """Normalised score against stored bytes for store-once rows of several needle sets, one panel per set.
 
-    S=docs/store_once
+    S=results/store_once
     python benchmarks/plot_frontier_sets.py --out $S/frontier_sets.png --max-fraction 6 \
         "RULER, seeds 0-3=$S/frontier_ruler_results.jsonl,$S/frontier_options_ruler_results.jsonl" \
         "RULER, seeds 4-5 (held out)=$S/frontier_heldout_ruler_results.jsonl" ...

@@ -6,7 +6,7 @@ mean on the same examples; KL = mean KL(full || method) of the answer tokens; sp
 (full prefill TTFT / method TTFT), both measured in the same run, one after the other. Prints one JSON line per
 (set, method, share) and a markdown table; ``--plot`` writes a three-panel figure.
 
-    python benchmarks/plot_rag_frontier.py runs/rag_frontier_*/results.jsonl --plot docs/rag_frontier/frontier.png
+    python benchmarks/plot_rag_frontier.py runs/rag_frontier_*/results.jsonl --plot results/rag_frontier/frontier.png
 """
 
 from __future__ import annotations

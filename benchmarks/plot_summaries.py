@@ -1,6 +1,6 @@
 """Normalised score and KL against the share of the context kept, for presses from several ``summary.csv`` files.
 
-    R=docs/presses_results
+    R=results/presses
     python benchmarks/plot_summaries.py $R/qa4k_summary.csv $R/qa4k_kvzap_summary.csv \
         --methods kvzip-plus kvzip kvzip-head kvzap --out $R/qa4k_kvzap_vs_replay.png
 

@@ -8,7 +8,7 @@ kvforge's speed as a fraction of transformers' (>= 0.95 is the issue-16 bar for 
 ``*_cpu_time`` ratios use this process's CPU seconds, which other jobs on a shared machine do not inflate (with one
 thread they measure the work done; wall-clock ratios swing with the load). The transformers
 forward keeps its KV (``use_cache=True``, a DynamicCache) and computes only the last logits, as kvforge does.
-One JSON line per length, printed and appended to benchmarks/results/prefill_speed.jsonl.
+One JSON line per length, printed and appended to results/performance/prefill_speed.jsonl.
 """
 
 from __future__ import annotations
@@ -16,16 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from common import RESULTS, append_rows
 
 from kvforge.cache import KVCache
 from kvforge.model import load_model
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, prefill
+from kvforge.provenance import git_sha
 
 
 @torch.inference_mode()
@@ -95,12 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "prefill_speed.jsonl"))
+    ap.add_argument("--out", default=str(RESULTS / "performance" / "prefill_speed.jsonl"))
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, _ = load_model(args.model, device=args.device)
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    sha = git_sha()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for n in args.tokens:
         row = {
@@ -114,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             **measure(model, n, args.repeats, args.chunk_size, args.seed),
         }
         print(json.dumps(row), flush=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_rows(args.out, row)
     return 0
 
 

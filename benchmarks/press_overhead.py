@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,12 +28,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import append_rows
 from press_needle import load_smollm2
 
 from kvforge.cache import KVCache
 from kvforge.paths import default_data_dir
 from kvforge.prefill import forward, prefill
 from kvforge.presses import build_press, compress_prefill
+from kvforge.provenance import git_sha
 
 
 def text_ids(tokenizer: Any, n: int) -> torch.Tensor:
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    sha = git_sha()
     if args.warmup:
         ids = text_ids(tokenizer, args.warmup)
         for name in args.presses:
@@ -164,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             print(json.dumps(row), flush=True)
             if args.out:
-                with Path(args.out).open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+                append_rows(args.out, row)
     return 0
 
 

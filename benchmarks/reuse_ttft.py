@@ -1,6 +1,6 @@
 """TTFT cold (full prefill) vs warm (prefix reuse from a store) per store tier and prompt length.
 
-One JSON line per (length, store) on stdout and appended to ``benchmarks/results/reuse_ttft.jsonl``. Every run is an
+One JSON line per (length, store) on stdout and appended to ``results/performance/reuse_ttft.jsonl``. Every run is an
 engine request (``Engine.run``): cold = a miss lookup + the full prefill (then recorded), warm = the store reopened
 (file/redis: a fresh index, as another process would see it), the longest prefix loaded and the rest prefilled,
 median of ``--repeats``; ``max_abs_logit_diff`` compares the warm first-token logits with the cold ones.
@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parent / "results"
+from common import RESULTS
 
 
 def haystack_ids(tokenizer: Any, num_tokens: int) -> list[int]:
@@ -72,7 +72,7 @@ def measure(engine: Any, store_urls: Sequence[str], lengths: Sequence[int], repe
                 "warm_ttft_s": round(warm_s, 4),
                 "ttft_reduction": round(1 - warm_s / gen.ttft_s, 4),
                 "load_s": round(statistics.median(s.plan_s for s, _ in runs), 4),
-                "record_s": gen.info["reuse"]["record_s"],
+                "record_s": gen.reuse.record_s,
                 "stored_mib": round(sum(store.stored_size(k) or 0 for k in warm.block_keys(ids)) / 2**20, 2),
                 "max_abs_logit_diff": max(float((s.logits - cold.logits).abs().max()) for s, _ in runs),
                 "repeats": repeats,
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--chunk-size", type=int, default=512)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 = stable on a busy machine)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "reuse_ttft.jsonl")
+    parser.add_argument("--out", type=Path, default=RESULTS / "performance" / "reuse_ttft.jsonl")
     args = parser.parse_args(argv)
 
     import torch
@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from kvforge.bench import _git_sha
     from kvforge.engine import Engine
     from kvforge.model import load_model
+    from kvforge.provenance import git_sha
 
     model, tokenizer = load_model(args.model)
     engine = Engine(model, tokenizer, chunk_size=args.chunk_size)
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     with args.out.open("a") as out:
         for row in measure(engine, args.store or ["memory://"], lengths, args.repeats, args.block_size):
             row |= {"model": args.model, "device": str(model.device), "dtype": str(model.dtype),
-                    "threads": torch.get_num_threads(), "git_sha": _git_sha()}  # fmt: skip
+                    "threads": torch.get_num_threads(), "git_sha": git_sha()}  # fmt: skip
             print(json.dumps(row), flush=True)
             out.write(json.dumps(row) + "\n")
     return 0

@@ -5,7 +5,7 @@ shipped calibration and no statistics yet): the verifier with the default guards
 with every guard; and the cosine similarity with every guard (the policy before the verifier) and with none. The
 labelled pairs are decided: written near-miss pairs and the calibration side (what the verifier was trained and
 calibrated on), and the evaluation side of the shared data and the hold-out near-miss kinds (never used to choose).
-One markdown table on stdout, one JSON line per row in ``benchmarks/results/semantic_guards.jsonl``.
+One markdown table on stdout, one JSON line per row in ``results/semantic/semantic_guards.jsonl``.
 
 Then the curve of the verifier's decider over ``--curve`` max-error values (the certified threshold each gives):
 evaluation-side hit rates against PAWS false-hit rates, with 95% Clopper-Pearson intervals (a table, and a figure
@@ -13,7 +13,7 @@ with ``--plot``), and what the verifier adds to a lookup (mean and 95th percenti
 one at a time, as a lookup does, on one torch thread).
 
     PYTHONPATH=src python benchmarks/semantic_guards.py --data-dir DATA --max-error 0.01 \
-        --curve 0.002,0.005,0.01,0.02,0.05,0.1 --plot docs/semantic/verifier_curve.png --latency 100
+        --curve 0.002,0.005,0.01,0.02,0.05,0.1 --plot results/semantic/verifier_curve.png --latency 100
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from common import RESULTS
+
 from kvforge.eval.semantic_pairs import load_pairs, rate, score_pairs
 from kvforge.eval.semantic_report import decide_pairs
 from kvforge.paths import cache_dir, default_data_dir
@@ -32,7 +34,6 @@ from kvforge.reuse.embedder import MiniLMEmbedder
 from kvforge.reuse.guards import DEFAULT_GUARDS
 from kvforge.reuse.verifier import CrossVerifier
 
-RESULTS = Path(__file__).parent / "results"
 COLUMNS = (  # (header, source, side, same)
     ("written near-miss false hit", "near-miss", "calibration", False),
     ("PAWS non-para. false hit (cal.)", "paws", "calibration", False),
@@ -78,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     verifier.cache_size = len(pairs)  # every pair scored once for all rows
     print("| decider | threshold | " + " | ".join(c[0] for c in COLUMNS) + " |")
     print("|---|---|" + "---|" * len(COLUMNS))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with (RESULTS / "semantic_guards.jsonl").open("a") as out:
+    (RESULTS / "semantic").mkdir(parents=True, exist_ok=True)
+    with (RESULTS / "semantic" / "semantic_guards.jsonl").open("a") as out:
         for name, options in rows(verifier).items():
             decider = build_decider(embedder, max_error=args.max_error, **options)
             t = decider.policy.threshold_for("", decider.guards, None)

@@ -35,9 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from common import RESULTS, ROOT, Server, cpu_seconds
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 PIDS: dict[str, int] = {}  # server url -> its process id (CPU seconds from /proc)
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "How many legs does a spider have?",
              "What is 12 times 12?", "Who wrote Hamlet?", "What is the boiling point of water?",
@@ -47,33 +46,12 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "H
 @contextmanager
 def server(command: list[str], port: int, log: Path, ready: str = "/v1/models", timeout_s: float = 900.0
            ) -> Iterator[str]:  # fmt: skip
-    """Start ``command`` (a server on ``port``), wait until ``ready`` answers, stop it (SIGTERM, then SIGKILL)."""
-    env = os.environ | {"PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    with log.open("ab") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url, start = f"http://127.0.0.1:{port}", time.monotonic()
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{command[:4]} exited with {proc.returncode}: see {log}")
-            try:
-                if httpx.get(url + ready, timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - start > timeout_s:
-                raise TimeoutError(f"no answer from {url} in {timeout_s:.0f} s")
-            time.sleep(1.0)
-        print(f"[bench] {command[2]} ready in {time.monotonic() - start:.0f} s", file=sys.stderr)
-        PIDS[url] = proc.pid
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    """Start ``command`` (a server on ``port``, its output appended to ``log``), wait until ``ready`` answers, stop it
+    (SIGTERM, then SIGKILL)."""
+    with Server(log.name.removesuffix(".log"), command, port, log.parent).start() as srv:
+        srv.wait(timeout_s, ready)
+        PIDS[srv.url] = srv.process.pid  # type: ignore[union-attr]
+        yield srv.url
 
 
 @contextmanager
@@ -116,15 +94,6 @@ def stream(url: str, path: str, body: dict[str, Any]) -> tuple[float, float, str
             text.append(piece)
     end = time.perf_counter() - start
     return (first if first is not None else end), end, "".join(text)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid``, all its threads (Linux ``/proc``; NaN elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def model_thread(url: str) -> dict[str, float]:
@@ -410,15 +379,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compression-ratio", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=0, help="engine-document: torch threads (0: torch's default)")
     parser.add_argument("--kvforge-args", nargs=argparse.REMAINDER, default=[], help="extra `kvforge serve` flags")
-    parser.add_argument("--out", type=Path, default=RESULTS / "serve_bars.jsonl")
+    parser.add_argument("--out", type=Path, default=RESULTS / "performance" / "serve_bars.jsonl")
     args = parser.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.log = args.out.parent / f"serve_bars_{args.bar}.log"
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    from kvforge.provenance import git_sha
+
+    args.log = ROOT / "runs" / f"serve_bars_{args.bar}.log"  # the servers' output (not a result)
     rows = []
     with args.out.open("a") as out:
         for row in BARS[args.bar](args):
-            row |= {"model": args.model, "git_sha": sha.strip(), "loadavg": os.getloadavg()}
+            row |= {"model": args.model, "git_sha": git_sha(), "loadavg": os.getloadavg()}
             rows.append(row)
             print(json.dumps(row), flush=True)
             out.write(json.dumps(row) + "\n")

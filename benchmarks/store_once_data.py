@@ -1,7 +1,7 @@
 """Examples for the "store once, ask many" evaluation: a few documents with several questions each, as one JSONL.
 
-    PYTHONPATH=src python benchmarks/store_once_data.py --out benchmarks/results/store_once.jsonl
-    kvforge eval --data benchmarks/results/store_once.jsonl --store-once ...   (see README, "Store once, ask many")
+    PYTHONPATH=src python benchmarks/store_once_data.py --out runs/store_once.jsonl
+    kvforge eval --data runs/store_once.jsonl --store-once ...   (see README, "Store once, ask many")
 
 Per source (a multi-needle document generated from the shipped haystack, SQuAD 2.0 dev paragraphs, L-Eval documents
 cut to ``--max-context`` tokens), the first ``--docs`` documents with at least ``--questions`` questions, and their

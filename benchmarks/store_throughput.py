@@ -11,7 +11,7 @@ limit). "cold" reads first drop the file from the page cache (``posix_fadvise(DO
 
     PYTHONPATH=src python benchmarks/store_throughput.py --lengths 1024,4096,8192 --backends memory,disk,redis
 
-One JSON line per (backend, length) on stdout and appended to benchmarks/results/store_throughput.jsonl, then a
+One JSON line per (backend, length) on stdout and appended to results/performance/store_throughput.jsonl, then a
 table of the ratios.
 """
 
@@ -34,13 +34,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from common import RESULTS
 
+from kvforge.provenance import git_sha
 from kvforge.store import DiskStore, MemoryStore
 from kvforge.store.base import parse_size
 from kvforge.store.codec import encode
 from kvforge.types import KVSegment
 
-RESULTS = Path(__file__).parent / "results" / "store_throughput.jsonl"
+OUT = RESULTS / "performance" / "store_throughput.jsonl"
 
 
 def make_segment(num_tokens: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVSegment:
@@ -152,13 +154,6 @@ def local_redis(workdir: Path, port: int | None = None) -> Iterator[str | None]:
         proc.wait(timeout=30)
 
 
-def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "?"
-
-
 def open_backend(backend: str, args: argparse.Namespace, workdir: Path, redis_url: str | None, nbytes: int):  # type: ignore[no-untyped-def]
     """The store to time, or None when it cannot run here."""
     if backend == "memory":
@@ -266,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redis-port", type=int, default=None, help="port of the local redis-server (default: free)")
     parser.add_argument("--chunk-bytes", default=None, help="the Redis store's chunk_bytes (default: the store's)")
     parser.add_argument("--dir", default=None, help="folder for the disk store and the plain file (default: a tmp dir)")
-    parser.add_argument("--no-save", action="store_true", help="do not append to benchmarks/results/")
+    parser.add_argument("--no-save", action="store_true", help="do not append to results/performance/")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="kvbench-", dir=args.dir))
     try:
@@ -281,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                     line = json.dumps(row)
                     print(line, flush=True)
                     if not args.no_save:
-                        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-                        with open(RESULTS, "a") as f:
+                        OUT.parent.mkdir(parents=True, exist_ok=True)
+                        with open(OUT, "a") as f:
                             f.write(line + "\n")
             print_table(rows)
     finally:

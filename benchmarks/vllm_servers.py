@@ -10,18 +10,16 @@ import contextlib
 import fcntl
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+from common import ROOT, Server, append_rows
 
-ROOT = Path(__file__).resolve().parents[1]
 TEXT = (ROOT / "src/kvforge/data/haystack_gutenberg/moby_dick_excerpt.txt").read_text()
 
 
@@ -34,61 +32,6 @@ def connector_config(store: str, **extra: Any) -> str:
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"store": store, **extra},
     })  # fmt: skip
-
-
-@dataclass
-class Server:
-    """A server subprocess: its command, port, log file; ``start`` returns at once, ``wait`` until it answers."""
-
-    name: str
-    command: list[str]
-    port: int
-    log_dir: Path
-    env: dict[str, str] = field(default_factory=dict)
-    process: subprocess.Popen | None = None
-    started_at: float = 0.0
-    ready_s: float | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> Server:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{self.name}.log", "ab")  # noqa: SIM115 (closed with the process)
-        env = os.environ | {"PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"} | self.env
-        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)  # fmt: skip
-        self.started_at = time.monotonic()
-        return self
-
-    def wait(self, timeout_s: float = 900.0, path: str = "/health") -> Server:
-        deadline = self.started_at + timeout_s
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with {self.process.returncode}; see {self.log_dir}/{self.name}.log"
-                )
-            try:
-                if httpx.get(self.url + path, timeout=2.0).status_code == 200:
-                    self.ready_s = time.monotonic() - self.started_at
-                    print(f"[bench] {self.name} ready in {self.ready_s:.0f} s on {self.url}", file=sys.stderr)
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(2.0)
-        raise TimeoutError(f"{self.name} did not answer {path} within {timeout_s:.0f} s")
-
-    def stop(self, grace_s: float = 60.0) -> None:
-        """SIGTERM (vLLM then shuts its connector down, flushing pending block writes), SIGKILL after ``grace_s``."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
 
 
 VLLM_ARGS: list[str] = []  # extra vLLM options for every server (e.g. --enforce-eager for a quick smoke run)
@@ -252,19 +195,9 @@ def exclusive(lock_path: str | None, wait_s: float = 180.0) -> Iterator[bool]:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
-                              check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def write_line(path: Path, record: dict) -> None:
     record = record | {"load_avg_1m": round(os.getloadavg()[0], 2)}  # the machine may be shared: say how busy
     if LOCK_STATE["exclusive_lock"] is not None:
         record["exclusive_lock"] = LOCK_STATE["exclusive_lock"]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    append_rows(path, record)
     print(json.dumps(record), flush=True)

@@ -2,7 +2,7 @@
 serve``, side by side on one machine in one run: cold and warm TTFT of 1k/2k/4k-token prompts, then requests per
 second for 8 concurrent clients. One JSON line per request, then one per (configuration, measure) summary.
 
-    python benchmarks/vllm_side_by_side.py --model MODEL_FOLDER --out benchmarks/results/vllm_side_by_side.jsonl
+    python benchmarks/vllm_side_by_side.py --model MODEL_FOLDER --out results/vllm/side_by_side.jsonl
 
 Configurations (all fp32, the same weights: ``--model`` is the folder ``kvforge`` dequantised smollm2-135m into):
 ``vllm`` (its in-memory prefix cache), ``vllm+disk`` / ``vllm+redis`` (kvforge connector on a file / Redis store;
@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 
 import vllm_servers
+from common import RESULTS
 from vllm_servers import (
     ask,
     document_prompt,
     exclusive,
-    git_sha,
     kvforge_server,
     redis_process,
     reset_prefix_cache,
@@ -37,6 +37,8 @@ from vllm_servers import (
     vllm_server,
     write_line,
 )
+
+from kvforge.provenance import git_sha
 
 QUESTION = "What does the narrator say about this passage's main character? Answer in one sentence."
 
@@ -53,7 +55,7 @@ def main() -> int:
     parser.add_argument("--redis", default=None, help="Redis URL for vllm+redis (default: a redis-server started here)")
     parser.add_argument("--port", type=int, default=8401, help="first of six ports")
     parser.add_argument("--work", type=Path, default=None, help="folder for stores and logs (default: a temp dir)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm_side_by_side.jsonl"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "vllm" / "side_by_side.jsonl")
     parser.add_argument("--lock", default=None, help="flock this file exclusively while timing (shared machines)")
     parser.add_argument("--lock-wait", type=float, default=180.0, help="seconds to wait for --lock before going on")
     parser.add_argument(

@@ -20,10 +20,11 @@ def main(model_name: str = "smollm2-135m", store_url: str = "memory://") -> None
     # the second question gets the documents in another order: every chunk is still found stored
     for question, order in (("How many lamps on cape 2?", docs), ("How many lamps on cape 4?", docs[::-1])):
         gen = engine.run(Request(Chunks(order, question), max_new_tokens=12))
-        reuse = gen.info["reuse"]
+        assert gen.reuse is not None and gen.reuse.chunks is not None
+        chunks = gen.reuse.chunks
         print(
             f"{question} -> {gen.text!r} | reused {gen.reused_tokens} of {gen.prompt_tokens} tokens, "
-            f"recomputed {reuse['recomputed_tokens']}, chunk misses {reuse['chunk_misses']}, TTFT {gen.ttft_s:.3f}s"
+            f"recomputed {chunks.recomputed_tokens}, chunk misses {chunks.chunk_misses}, TTFT {gen.ttft_s:.3f}s"
         )
 
 

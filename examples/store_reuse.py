@@ -19,8 +19,7 @@ def main(model_name: str = "smollm2-135m", store_url: str = "memory://") -> None
     document = " ".join(f"Paragraph {i}: the lighthouse at cape {i} has {i + 3} lamps." for i in range(20))
     for question in ("How many lamps at cape 5?", "How many lamps at cape 9?"):
         gen = engine.run(Request(Document(document, question), max_new_tokens=12))
-        reuse = gen.info.get("reuse", {})
-        print(f"{question} -> {gen.text!r} | reused {reuse.get('reused_tokens', 0)} of {gen.prompt_tokens} tokens, "
+        print(f"{question} -> {gen.text!r} | reused {gen.reused_tokens} of {gen.prompt_tokens} tokens, "
               f"TTFT {gen.ttft_s:.3f}s")
 
 

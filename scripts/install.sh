@@ -23,7 +23,7 @@ for arg in "$@"; do
   esac
 done
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
-vllm_imports() { "$PY" -c "import vllm" >/dev/null 2>&1; }
+vllm_imports() { "$PY" -c "import vllm.entrypoints.openai.api_server" >/dev/null 2>&1; }  # what the server imports
 if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "[install] torch not found: installing torch==2.13.0" >&2
   pip_install "torch==2.13.0"
@@ -47,8 +47,8 @@ if [ "$with_vllm" = 1 ]; then
     fi
   done
   if ! vllm_imports; then
-    "$PY" -c "import vllm" || true
-    echo "[install] vLLM is installed but does not import (see above)" >&2
+    "$PY" -c "import vllm.entrypoints.openai.api_server" || true
+    echo "[install] vLLM is installed but its server does not import (see above)" >&2
     exit 1
   fi
 fi

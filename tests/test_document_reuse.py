@@ -55,19 +55,25 @@ def test_stored_document_gives_in_process_logits(model, tokenizer, tmp_path, nam
     press = build_press(name, compression_ratio=0.5, **options)
     store = open_store(f"file://{tmp_path}")
     first = _engine(model, tokenizer, store).answer(DOC, QUESTIONS[0], press=press, query_aware=False, max_new_tokens=4)
-    assert first.info["reuse"]["kind"] == "miss" and len(store.keys()) == 1  # one segment: the compressed document
+    assert first.reuse.kind == "miss" and len(store.keys()) == 1  # one segment: the compressed document
     fresh = _engine(model, tokenizer, open_store(f"file://{tmp_path}"))  # a new engine, strategy and store handle
     for question in QUESTIONS:
         stored, plan = _logits_from_store(fresh, press, question)
         expected = _logits_in_process(_engine(model, tokenizer), press, question)
         assert torch.equal(stored, expected)
-        assert plan.info["compressed"] and plan.info["bytes_loaded"] > 0
-        assert plan.info["kept_entries"] < plan.cache.num_layers * 2 * plan.reused_tokens  # really compressed
+        assert plan.document.compressed and plan.document.bytes_loaded > 0
+        assert plan.document.kept_entries < plan.cache.num_layers * 2 * plan.reused_tokens  # really compressed
     # the whole answer: same tokens as the in-process query-agnostic run, the document reused
     again = fresh.answer(DOC, QUESTIONS[1], press=press, query_aware=False, max_new_tokens=4)
     alone = _engine(model, tokenizer).answer(DOC, QUESTIONS[1], press=press, query_aware=False, max_new_tokens=4)
     assert again.token_ids == alone.token_ids
-    assert again.reused_tokens == len(fresh.encode_qa(DOC, QUESTIONS[1])[0]) and again.info["reuse"]["compressed"]
+    assert again.reused_tokens == len(fresh.encode_qa(DOC, QUESTIONS[1])[0]) and again.reuse.document.compressed
+    # the facts as one JSON row: the document's own beside what every plan and the engine report
+    assert set(again.reuse.as_dict()) == {
+        "kind", "reused_tokens", "approximate", "document_key", "compressed", "press", "compression_ratio", "quant",
+        "kept_entries", "bytes_loaded", "load_s", "plan_s", "record_s", "stored_writes", "lost_writes",
+    }  # fmt: skip
+    assert set(first.reuse.as_dict()) >= {"reason", "document_key"} and "compressed" not in first.reuse.as_dict()
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -118,7 +124,7 @@ def test_quantised_document_equals_its_roundtrip(model, tokenizer):
     plan = engine.reuse.plan(ctx_ids + q_ids, context=context)  # the strategy's plan alone: the cache as loaded
     loaded = plan.cache.to_segment(engine.model_id, ctx_ids)
     assert all(torch.equal(a, b) for a, b in zip(loaded.keys, expected.keys, strict=True))
-    assert plan.info["quant"] == "int4"
+    assert plan.document.quant == "int4"
     assert not torch.equal(expected.keys[0], cache.to_segment().keys[0])  # int4 really changed the KV
 
 
@@ -132,7 +138,7 @@ def test_press_with_reuse_is_one_clear_error(model, tokenizer):
     from kvforge.reuse import FakeEmbedder
 
     engine.reuse = SemanticReuse(open_store("memory://"), engine.model_id, FakeEmbedder())
-    with pytest.raises(UserError, match="does not store compressed documents"):
+    with pytest.raises(UserError, match="query-agnostic on a document"):
         engine.answer(DOC, QUESTIONS[0], press=press, query_aware=False, max_new_tokens=1)
     assert "query_aware=False" in PRESS_WITH_REUSE
 
@@ -174,7 +180,7 @@ def test_stored_document_gives_in_process_logits_on_smollm2(smollm2, tmp_path):
     question = "How many scrolls are there?"
     ctx_ids, q_ids = fresh.encode_qa(doc, question)
     seq = _prefilled(fresh, press, question, doc=doc)
-    assert seq.plan.is_hit and seq.plan.info["compressed"]
+    assert seq.plan.is_hit and seq.plan.document.compressed
     stored = seq.logits
     cache, _ = Engine(model, tokenizer).prefill(ctx_ids, press=press)
     _, expected = Engine(model, tokenizer).prefill(q_ids, cache)
@@ -188,5 +194,5 @@ def test_answer_many_with_a_store_goes_through_the_main_path(model, tokenizer, t
     plain = _engine(model, tokenizer)
     alone = [plain.answer(DOC, q, press=press, query_aware=False, max_new_tokens=4) for q in QUESTIONS]
     assert [g.token_ids for g in many] == [g.token_ids for g in alone]
-    assert many[0].info["reuse"]["kind"] == "miss"  # the first answer stores the compressed document
-    assert many[1].reused_tokens > 0 and many[1].info["reuse"]["compressed"]  # the second loads it
+    assert many[0].reuse.kind == "miss"  # the first answer stores the compressed document
+    assert many[1].reused_tokens > 0 and many[1].reuse.document.compressed  # the second loads it

@@ -64,7 +64,7 @@ def test_reuse_hits_equal_a_full_prefill() -> None:
     documents = DocumentReuse(MemoryStore(), engine.model_id)
     request = Request(Document(DOC, QUESTION), NEW, press=press, query_aware=False, reuse=documents)
     stored, loaded = engine.run(request), engine.run(Request(**{**vars(request), "encoded": None}))
-    assert stored.info["reuse"]["kind"] == "miss" and loaded.info["reuse"]["compressed"]
+    assert stored.reuse.kind == "miss" and loaded.reuse.document.compressed
     assert stored.token_ids == loaded.token_ids
 
 
@@ -177,6 +177,6 @@ def test_store_only_request_records_the_document_and_generates_nothing() -> None
     gen = engine.run(Request(Document(DOC, None), 0, press=press, query_aware=False, reuse=documents))
     assert gen.token_ids == [] and len(documents.store.keys()) == 1
     again = engine.run(Request(Document(DOC, None), 0, press=press, query_aware=False, reuse=documents))
-    assert again.info["reuse"]["kind"] == "prefix" and len(documents.store.keys()) == 1
+    assert again.reuse.kind == "prefix" and len(documents.store.keys()) == 1
     with pytest.raises(Exception, match="only stored"):
         Request(Document(DOC, None), 3)

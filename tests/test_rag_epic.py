@@ -105,7 +105,7 @@ def test_per_chunk_budget_sits_at_the_chunk_starts(rag, prompt, k):
 def test_share_budget_is_exact(rag, prompt, ratio):
     res = rag.prefill(prompt, make_strategy("epic", recompute_ratio=ratio))
     assert res.num_recomputed == round(ratio * prompt.num_context_tokens)
-    assert res.plan.info["method"] == "epic"
+    assert res.plan.chunks.method == "epic"
 
 
 def test_head_counts():

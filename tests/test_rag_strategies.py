@@ -158,13 +158,14 @@ def test_bad_arguments():
 def test_engine_answers_over_chunks_and_reports_reuse(rag):
     reuse = ChunkReuse(rag.model, rag.tokenizer, method="cacheclip", recompute_ratio=0.25)
     gen = rag.engine.answer_chunks(DOCS, QUESTION, rag=reuse, max_new_tokens=3)
-    info = gen.info["reuse"]
-    assert info["kind"] == "chunks" and info["method"] == "cacheclip" and info["chunk_misses"] == len(DOCS)
-    assert gen.reused_tokens == info["reused_tokens"] > 0 and info["recomputed_tokens"] > 0
-    assert gen.prompt_tokens == gen.reused_tokens + info["recomputed_tokens"] + info["fresh_tokens"]
+    assert gen.reuse is not None and gen.reuse.chunks is not None
+    facts = gen.reuse.chunks
+    assert gen.reuse.kind == "chunks" and facts.method == "cacheclip" and facts.chunk_misses == len(DOCS)
+    assert gen.reused_tokens == gen.reuse.reused_tokens > 0 and facts.recomputed_tokens > 0
+    assert gen.prompt_tokens == gen.reused_tokens + facts.recomputed_tokens + facts.fresh_tokens
     assert len(gen.token_ids) <= 3 and gen.ttft_s > 0
     again = rag.engine.answer_chunks(DOCS, QUESTION, rag=reuse, max_new_tokens=3)
-    assert again.info["reuse"]["chunk_misses"] == 0 and again.token_ids == gen.token_ids
+    assert again.reuse.chunks.chunk_misses == 0 and again.token_ids == gen.token_ids
 
 
 def test_engine_chunk_answer_at_full_recompute_equals_plain_generation(rag):

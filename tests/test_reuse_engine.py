@@ -33,14 +33,14 @@ def test_generate_reuses_prefix_and_gives_the_same_answer(engine):
         longer = engine.generate(PROMPT + "And then?", max_new_tokens=4)
     finally:
         engine.reuse = None
-    assert first.reused_tokens == 0 and first.info["reuse"]["kind"] == "miss"
+    assert first.reused_tokens == 0 and first.reuse.kind == "miss"
     n = first.prompt_tokens
-    assert second.reused_tokens == n - 1 and second.info["reuse"]["kind"] == "prefix"
+    assert second.reused_tokens == n - 1 and second.reuse.kind == "prefix"
     assert first.token_ids == second.token_ids == baseline.token_ids
     a, b = engine.encode_chat(PROMPT), engine.encode_chat(PROMPT + "And then?")
     common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)  # template end differs
     assert longer.reused_tokens == common  # to the last shared token, not a block end
-    assert second.ttft_s > 0 and "plan_s" in second.info["reuse"]
+    assert second.ttft_s > 0 and second.reuse.plan_s is not None
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
@@ -79,7 +79,7 @@ def test_answer_context_mode_prefills_the_question(engine):
     finally:
         engine.reuse = None
     plain = engine.answer(doc, "What river?", max_new_tokens=6)
-    assert base.reused_tokens == 0 and other.info["reuse"]["kind"] == "prefix" and other.reused_tokens > 50
+    assert base.reused_tokens == 0 and other.reuse.kind == "prefix" and other.reused_tokens > 50
     assert other.token_ids == plain.token_ids
 
 

@@ -17,7 +17,7 @@ from kvforge.cache import KVCache
 from kvforge.prefill import prefill
 from kvforge.reuse import PrefixReuse, ReusePlan, ReuseStrategy
 from kvforge.testing import tiny_model
-from kvforge.types import KVSegment
+from kvforge.types import KVSegment, ReuseFacts
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -198,10 +198,10 @@ def test_foreign_or_compressed_cache_is_not_recorded(model):
     cache, _ = full_prefill(model, ids)
     reuse.record(ids_of(40, seed=7), cache)  # tokens differ from the cache's
     assert not store.data
-    cache.info["reuse"] = {"approximate": True}
+    cache.reuse = ReuseFacts("semantic", 40, approximate=True)
     reuse.record(ids, cache)
     assert not store.data
-    cache.info = {}
+    cache.reuse = None
     layer = cache.layers[-1]
     k, v, p, _ = layer.view()
     layer.replace(k[:, :, ::2], v[:, :, ::2], p[:, :, ::2])  # a "press" kept every other token

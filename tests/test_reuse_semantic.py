@@ -103,10 +103,10 @@ def test_canonical_exact_and_misses(model, tok):
     torch.testing.assert_close(run(model, plan)[1], ref, atol=1e-4, rtol=1e-4)
     other = "What was built in 1999 by the city?"
     plan = reuse.plan(encode(tok, other), text=other)
-    assert plan.kind == "miss" and plan.info["reason"].startswith("numbers")
+    assert plan.kind == "miss" and plan.reason.startswith("numbers")
     unrelated = "Zebras graze on savanna grass at dawn."
     plan = reuse.plan(encode(tok, unrelated), text=unrelated)
-    assert plan.kind == "miss" and "threshold" in plan.info["reason"]
+    assert plan.kind == "miss" and "threshold" in plan.reason
     assert reuse.plan(encode(tok, other)).kind == "miss"  # no text: nothing to embed
 
 
@@ -149,7 +149,7 @@ def test_context_mode_reuses_document_and_prefills_question(model, tok):
     doc3 = DOC.replace("10th", "12th")
     ctx3 = encode(tok, doc3 + "\n")
     plan = reuse.plan(ctx3 + q2, context=PromptContext(doc3, len(ctx3)))
-    assert plan.kind == "miss" and plan.info["reason"].startswith("numbers")
+    assert plan.kind == "miss" and plan.reason.startswith("numbers")
     with pytest.raises(ValueError, match="context has"):
         reuse.plan(q2, context=PromptContext(DOC, len(q2) + 1))
 
@@ -244,7 +244,7 @@ def test_sampled_lookups_carry_a_check_and_every_instance_learns(model, tok):
     second.policy = first.policy
     assert second.threshold_for(first.entry_key(donor_ids)) > plan.similarity
     again = second.plan(para_ids, text=Q_PARA)
-    assert again.kind == "miss" and "threshold" in again.info["reason"] and again.check is None
+    assert again.kind == "miss" and "threshold" in again.reason and again.check is None
     assert make(store, verify_ratio=0.0).plan(para_ids, text=Q_PARA).check is None  # 0: never sampled
 
 
@@ -270,7 +270,7 @@ def test_the_engine_runs_a_check_through_its_loop_after_the_answer(model, tok):
     reuse = engine.reuse = make(DictStore(), threshold=0.6, verify_ratio=1.0, stats_refresh_s=0)
     engine.run(Request(Q_ORIG, 2, raw=True))
     gen = engine.run(Request(Q_PARA, 2, raw=True))
-    assert gen.info["reuse"]["kind"] == "semantic"
+    assert gen.reuse.kind == "semantic"
     assert len(engine.running) == 2  # the check's two sides, queued after the answer
     engine.run_pending()
     assert not engine.running
@@ -326,12 +326,12 @@ def test_engine_generate_embeds_the_user_message(model, tok):
     engine.generate([system, {"role": "user", "content": "What is the capital of austria?"}], max_new_tokens=2)
     gen = engine.generate([system, {"role": "user", "content": "What is the capital of australia?"}],
                           max_new_tokens=2)  # fmt: skip
-    assert gen.info["reuse"]["kind"] == "miss"
+    assert gen.reuse.kind == "miss"
     gen = engine.generate([system, {"role": "user", "content": "what is the capital of austria"}], max_new_tokens=2)
-    assert gen.info["reuse"]["kind"] == "semantic"
+    assert gen.reuse.kind == "semantic"
     other = {"role": "system", "content": "Answer in French."}  # another system prompt: never a candidate
     gen = engine.generate([other, {"role": "user", "content": "what is the capital of austria"}], max_new_tokens=2)
-    assert gen.info["reuse"]["kind"] == "miss"
+    assert gen.reuse.kind == "miss"
 
 
 class StubVerifier:
@@ -369,6 +369,6 @@ def test_verifier_scores_decide_and_a_verified_error_raises_that_entry(model, to
     second = make(store, threshold=None, verifier=verifier, policy=policy, verify_ratio=0.0, stats_refresh_s=0)
     assert second.threshold_for(first.entry_key(donor_ids)) == pytest.approx(0.901)
     again = second.plan(para_ids, text=Q_PARA)
-    assert again.kind == "miss" and "verifier score 0.900 < threshold 0.901" in again.info["reason"]
+    assert again.kind == "miss" and "verifier score 0.900 < threshold 0.901" in again.reason
     cosine = make(store, threshold=None, policy=policy, verifier=None, verify_ratio=0.0, stats_refresh_s=0)
     assert cosine.stats.prefix != second.stats.prefix  # statistics of scores and of cosines never mix

@@ -244,7 +244,7 @@ def test_rag_chunks_through_a_kvtc_store():
                            store=open_store(f"memory://?quant={quant}"))  # fmt: skip
         first = engine.answer_chunks(docs, "What is the code?", rag=reuse, max_new_tokens=4)
         again = engine.answer_chunks(docs, "What is the code?", rag=reuse, max_new_tokens=4)
-        assert first.info["reuse"]["chunk_misses"] == len(docs) and again.info["reuse"]["chunk_misses"] == 0
+        assert first.reuse.chunks.chunk_misses == len(docs) and again.reuse.chunks.chunk_misses == 0
         assert again.token_ids == first.token_ids
         answers[quant] = first.token_ids
     assert answers["kvtc-b8"] == answers["none"]

@@ -30,7 +30,7 @@ def setup():
     model, tokenizer = tiny_model("llama", num_hidden_layers=3), tiny_tokenizer()
     engine = Engine(model, tokenizer)
     client = VllmDocuments(open_store("memory://"), tokenizer, engine.model_id, uniform_press("kvzip", 0.75),
-                           engine=engine)  # fmt: skip
+                           engine=engine, slot_multiple=16)  # fmt: skip
     (doc,) = client.add([DOC])
     return engine, client, doc
 
@@ -56,7 +56,7 @@ def _slot_logits(model, segment, doc, q_ids):
 def test_slots_rotated_by_k_minus_n_give_kvforges_logits(setup):
     engine, client, doc = setup
     expected, q_ids, segment = _kvforge_logits(engine, client)
-    assert doc.num_slots == docs.uniform_slots(segment) == int(doc.num_tokens * 0.25)
+    assert doc.num_slots == docs.uniform_slots(segment) == 96  # 102 of 409 kept, rounded down to whole blocks of 16
     got = _slot_logits(engine.model, segment, doc, q_ids)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
     unrotated = dataclasses.replace(doc, num_tokens=doc.num_slots)  # the slots' keys left where they were
@@ -133,3 +133,30 @@ def test_ragged_documents_and_presses_are_refused():
                            engine=engine)  # fmt: skip
     with pytest.raises(docs.DocumentError, match="one count for every layer and head"):
         ragged.add([DOC])
+
+
+@pytest.mark.parametrize("multiple", [None, 16, 32, 128])
+def test_documents_keep_whole_blocks_of_slots_and_are_matched(setup, multiple):
+    """The kept count is the press's own rounded down to a multiple of ``slot_multiple`` (vLLM caches whole blocks
+    only; a count under one block stays as it is), the same press at another ratio, and the key a question computes
+    finds it."""
+    from kvforge.presses.base import num_kept
+
+    _, client, _ = setup
+    blocks = dataclasses.replace(client, store=open_store("memory://"), slot_multiple=multiple, _reuse=None)
+    (doc,) = blocks.add([DOC])
+    own = num_kept(doc.num_tokens, 0.75)
+    assert own == 102 and doc.num_slots == {None: 102, 16: 96, 32: 96, 128: 102}[multiple]
+    assert blocks.match(DOC, QUESTION).doc == doc
+    assert blocks.match(DOC, QUESTION).prompt_ids[: doc.num_slots] == doc.placeholder_ids()
+
+
+def test_the_announcement_carries_vllms_block_size_and_older_ones_still_read():
+    from kvforge.vllm.identity import ServedModel, announce, blob_key, find_served
+
+    store = open_store("memory://")
+    announce(store, ServedModel("/models/a", "id-a", 256, 128))
+    assert find_served(store, "/models/a") == ServedModel("/models/a", "id-a", 256, 128)
+    older = {"model": "/models/b", "model_id": "id-b", "block_size": 256}
+    store.put_blob(blob_key("/models/b"), json.dumps(older).encode())
+    assert find_served(store, "/models/b").kv_block_size is None  # written by an older connector

@@ -37,8 +37,9 @@ def _client(model_dir, url: str, press: str = "kvzip", quant: str | None = None)
     return VllmDocuments(open_store(url), tokenizer, engine.model_id, uniform_press(press, 0.75), quant, engine)
 
 
-def _kvforge_answer(client: VllmDocuments, question: str) -> dict:
-    gen = client.engine.run(Request(Document(DOC, question), max_new_tokens=8, press=client.press, query_aware=False,
+def _kvforge_answer(client: VllmDocuments, question: str, num_tokens: int) -> dict:
+    press = client.press_for(num_tokens)  # the press the document was stored with (whole blocks of slots)
+    gen = client.engine.run(Request(Document(DOC, question), max_new_tokens=8, press=press, query_aware=False,
                                     reuse=client.reuse, quant=client.quant, logprobs=5))  # fmt: skip
     assert gen.reused_tokens > 0  # answered from the stored compressed document
     return {"tokens": gen.token_ids, "top": [dict(alts) for _, _, alts in gen.info["logprobs"]]}
@@ -58,12 +59,15 @@ def test_vllm_answers_from_a_quarter_of_the_slots_with_kvforges_logits(vllm_mode
     url = f"file://{tmp_path}/kv"
     client = _client(vllm_model_dir, url, press)
     (doc,) = client.add([DOC])
-    assert doc.num_slots == int(doc.num_tokens * 0.25)
+    assert doc.num_slots == int(doc.num_tokens * 0.25) // 128 * 128  # whole blocks of vLLM's (CPU) cache
     matches = [client.match(DOC, q) for q in QUESTIONS]
-    expected = [_kvforge_answer(client, q) for q in QUESTIONS]
+    expected = [_kvforge_answer(client, q, doc.num_tokens) for q in QUESTIONS]
     client.store.close()
     answers = run(vllm_model_dir, [m.prompt_ids for m in matches], url, params=[m.doc.params() for m in matches],
                   logprobs=5)  # fmt: skip
+    from kvforge.vllm.identity import find_served
+
+    assert find_served(open_store(url), str(vllm_model_dir)).kv_block_size == 128  # vLLM's CPU block size, announced
     for answer, want, match in zip(answers, expected, matches, strict=True):
         assert answer["cached"] == doc.num_slots  # the document's slots came from the store, nothing recomputed
         assert len(answer["prompt_ids"]) == doc.num_slots + len(match.prompt_ids) - doc.num_slots
@@ -76,7 +80,7 @@ def test_transform_coded_documents_load_too(vllm_model_dir, tmp_path):
     client = _client(vllm_model_dir, url, quant="kvtc-b4")
     (doc,) = client.add([DOC])
     match = client.match(DOC, QUESTIONS[0])
-    want = _kvforge_answer(client, QUESTIONS[0])
+    want = _kvforge_answer(client, QUESTIONS[0], doc.num_tokens)
     client.store.close()
     (answer,) = run(vllm_model_dir, [match.prompt_ids], url, params=[match.doc.params()], logprobs=5)
     assert answer["cached"] == doc.num_slots

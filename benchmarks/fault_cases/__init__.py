@@ -1,8 +1,9 @@
 """The fault benchmark's cases and what they share: the registry, ``kvforge serve`` in a child process, OS faults, and
 the server's promises as written in docs/serve.md.
 
-A case is a function ``(tmp: Path) -> str | tuple[str, list[int]]``: what it observed, and for a case tied to a
-promise the HTTP statuses it got, each of which must be the status docs/serve.md promises.
+Each case module ends with its table, ``CASES``: one :class:`Case` a row, whose ``run(tmp) -> str | tuple[str, dict]``
+returns what it observed and, for a case tied to promises, the HTTP statuses each promise got (each must be the
+status docs/serve.md promises); ``ok`` (``equals``, ``starts``, ``ends`` or a function) says whether it held.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import contextlib
 import logging
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +24,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' helpers: tiny segments, redis-server, OS faults
 from os_faults import python_env  # noqa: E402
+from store_helpers import free_port  # noqa: E402
 
 DOCS = ROOT / "docs" / "serve.md"
 
@@ -38,16 +39,16 @@ class Case:
     needs: str | None = None  # "redis-server", "namespaces" or "fakeredis": skipped (with the reason) where missing
 
 
-CASES: list[Case] = []
+def equals(text: str) -> Callable[[str], bool]:
+    return lambda observed: observed == text
 
 
-def case(name: str, expected: str, ok: Callable[[str], bool] | None = None, promise: str | None = None,
-         needs: str | None = None) -> Callable[[Callable[[Path], Any]], Callable[[Path], Any]]:  # fmt: skip
-    def wrap(fn: Callable[[Path], Any]) -> Callable[[Path], Any]:
-        CASES.append(Case(name, expected, fn, ok, promise, needs))
-        return fn
+def starts(text: str) -> Callable[[str], bool]:
+    return lambda observed: observed.startswith(text)
 
-    return wrap
+
+def ends(text: str) -> Callable[[str], bool]:
+    return lambda observed: observed.endswith(text)
 
 
 def promises(path: Path = DOCS) -> dict[str, str]:
@@ -109,12 +110,6 @@ def tiny_model_dir() -> Path:
         tiny_tokenizer().save_pretrained(path)
         _MODEL_DIR.append(path)
     return _MODEL_DIR[0]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

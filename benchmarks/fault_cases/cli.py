@@ -10,7 +10,7 @@ from urllib.parse import quote
 from os_faults import python_env
 from store_helpers import free_port, redis_server
 
-from fault_cases import case, tiny_model_dir
+from fault_cases import Case, equals, starts, tiny_model_dir
 
 PASSWORDS = ["Qa#sXZJK", "Qa?sXZJK", "Qa/sXZJK", "Qa,sXZJK", "Qa@sXZJK", "Qz#?/,@Xk9J"]  # letters no message spells
 
@@ -26,11 +26,6 @@ def _one_line(proc: subprocess.CompletedProcess) -> str:
     return f"rc {proc.returncode}/{err.count(chr(10))} line/{'traceback' if 'Traceback' in err else 'no traceback'}"
 
 
-@case(
-    "a config file with `store = 5`, `store = true`, `max-new-tokens = [3]`",
-    "rc 2, one line, no traceback (each)",
-    lambda o: o == "rc 2/1 line/no traceback" * 3,
-)
 def config_types(tmp: Path) -> str:
     out = ""
     for text in ("store = 5", "store = true", "[generate]\nmax-new-tokens = [3]"):
@@ -40,13 +35,6 @@ def config_types(tmp: Path) -> str:
     return out
 
 
-@case(
-    "redis://...?ssl_cert_reqs=required, ?ssl_keyfile=..., rediss:// with a missing key file, ?socket_timout= "
-    "(password-protected redis-server)",
-    "rc 2, one line, no traceback, no password (each)",
-    lambda o: o == "rc 2/1 line/no traceback/hidden" * 4,
-    needs="redis-server",
-)
 def redis_client_options(tmp: Path) -> str:
     out = ""
     pw = "Qz#?/,@Xk9J"
@@ -62,12 +50,6 @@ def redis_client_options(tmp: Path) -> str:
     return out
 
 
-@case(
-    "`kvforge generate --reuse prefix` on a store mounted read-only",
-    "rc 0, an answer, one warning, no traceback",
-    lambda o: o == "rc 0/answered/1 warning/no traceback",
-    needs="namespaces",
-)
 def generate_read_only(tmp: Path) -> str:
     from os_faults import read_only
 
@@ -81,13 +63,6 @@ def generate_read_only(tmp: Path) -> str:
             f"/{'traceback' if 'Traceback' in proc.stderr else 'no traceback'}")  # fmt: skip
 
 
-@case(
-    "passwords holding # ? / , @ (userinfo raw and encoded, ?password=, ?PASSWORD=, a tier list): CLI errors, "
-    "logs (-v), --help, eval provenance",
-    "0 outputs show any 4 characters of a password",
-    lambda o: o.startswith("0 of "),
-    promise="no-secret",
-)
 def passwords_in_cli_output(tmp: Path) -> str:
     from kvforge.redact import redact_argv
 
@@ -109,3 +84,17 @@ def passwords_in_cli_output(tmp: Path) -> str:
                 checked += 1
                 leaks += any(pw[i : i + 4] in text and pw[i : i + 4] not in template for i in range(len(pw) - 3))
     return f"{leaks} of {checked} outputs leak"
+
+
+CASES = [
+    Case("a config file with `store = 5`, `store = true`, `max-new-tokens = [3]`",
+         "rc 2, one line, no traceback (each)", config_types, equals("rc 2/1 line/no traceback" * 3)),
+    Case("redis://...?ssl_cert_reqs=required, ?ssl_keyfile=..., rediss:// with a missing key file, "
+         "?socket_timout= (password-protected redis-server)", "rc 2, one line, no traceback, no password (each)",
+         redis_client_options, equals("rc 2/1 line/no traceback/hidden" * 4), needs="redis-server"),
+    Case("`kvforge generate --reuse prefix` on a store mounted read-only", "rc 0, an answer, one warning, no traceback",
+         generate_read_only, equals("rc 0/answered/1 warning/no traceback"), needs="namespaces"),
+    Case("passwords holding # ? / , @ (userinfo raw and encoded, ?password=, ?PASSWORD=, a tier list): CLI "
+         "errors, logs (-v), --help, eval provenance", "0 outputs show any 4 characters of a password",
+         passwords_in_cli_output, starts("0 of "), promise="no-secret"),
+]

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 from store_helpers import forge, make_segment
 
-from fault_cases import cached, case, complete, note, server, warnings_logged
+from fault_cases import Case, cached, complete, equals, note, server, starts, warnings_logged
 from fault_cases.serve import _health_probe
 from kvforge.store import DiskStore
 from kvforge.store.codec import encode
@@ -107,14 +107,6 @@ def _serve_prompts(store: str) -> tuple[list[int], float, float, str]:
     return statuses, worst[0], peak, srv.output
 
 
-@case(
-    "a store whose every entry is hostile (FIFO, link out, 10^9-token shapes, 256 MiB inflation bomb, sparse 2 GiB "
-    "garbage, basis `../..` path), a shard folder linked out, a bad name; 6 prompts twice on `kvforge serve`",
-    "starts; 200 each, the repeat a hit; /health worst <= 0.5 s; peak RSS <= 1.5x a clean run's; 0 tracebacks; "
-    "files outside untouched",
-    lambda o: o.startswith("ok"),
-    promise="hostile-store,no-500",
-)
 def hostile_store_server(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     clean = tmp / "clean"
     _, _, clean_peak, _ = _serve_prompts(f"file://{clean}")
@@ -138,11 +130,6 @@ def hostile_store_server(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     return text, {"hostile-store": firsts}
 
 
-@case(
-    "a FIFO at an entry and at a blob of a store folder: `kvforge cache ls`, `cache stats`, `cache clear`",
-    "each exits 0 within 60 s; the FIFOs left in place",
-    lambda o: o == "0/0/0; fifos kept",
-)
 def fifo_commands(tmp: Path) -> str:
     folder = tmp / "kv"
     store = DiskStore(folder, fsync=False)
@@ -186,12 +173,6 @@ def _read_in_child(folder: Path, key: str) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-@case(
-    "forged entries with valid checksums read by a fresh process: 10^9-token shapes (16 KB file), a 256 MiB "
-    "inflation bomb, a sparse 2 GiB file with a garbage header",
-    "each a miss, < 64 MiB more memory, < 1 s",
-    lambda o: o.startswith("ok"),
-)
 def forged_sizes(tmp: Path) -> str:
     folder = tmp / "kv"
     store = DiskStore(folder, fsync=False)
@@ -210,12 +191,6 @@ def forged_sizes(tmp: Path) -> str:
     return f"{'ok' if ok else 'FAILED'}: {detail}"
 
 
-@case(
-    "links out of a store folder: an entry linked to a file outside, a shard folder (hashed and former layout) "
-    "linked to a folder outside; reads, a write, `kvforge cache clear`",
-    "misses; the write lands inside; every file outside untouched",
-    lambda o: o == "3 misses; outside untouched",
-)
 def links_out(tmp: Path) -> str:
     from kvforge.cli import main as cli
     from kvforge.store.disk import shard
@@ -260,13 +235,6 @@ def _fake_redis() -> tuple[Any, Any]:
     return store, fakeredis.FakeRedis(server=fake)
 
 
-@case(
-    "Redis values written by others (fakeredis): an entry declaring 3,000,000 chunks, `chunks: \"1\"`, a bad nonce, "
-    "a name that is not a key in the sizes hash and LRU set, a non-numeric size; then reads, `stats`, semantic reuse",
-    "each a miss (removed), < 1 s; stats and semantic reuse work; one warning per entry",
-    lambda o: o.startswith("ok"),
-    needs="fakeredis",
-)
 def redis_values(tmp: Path) -> str:
     from kvforge.reuse import FakeEmbedder, SemanticReuse
 
@@ -295,11 +263,6 @@ def redis_values(tmp: Path) -> str:
             f"{len(warned)} warnings")  # fmt: skip
 
 
-@case(
-    "an old-format semantic index blob whose FAISS body is garbage; a record naming `../../x`",
-    "semantic reuse starts (the blob ignored with one warning, the record skipped); FAISS never reads the body",
-    lambda o: o.startswith("ok"),
-)
 def old_index_garbage(tmp: Path) -> str:
     from kvforge.reuse import FakeEmbedder, SemanticReuse
     from kvforge.reuse.index import MAGIC, IndexEntry, record_bytes
@@ -345,11 +308,6 @@ def _disk_bytes(folder: Path) -> int:
     return total
 
 
-@case(
-    "3 writer processes sharing one disk store (max_bytes = 8 entries), 60 entries each; disk use sampled every ms",
-    "peak <= max_bytes",
-    lambda o: o.startswith("peak") and float(o.split()[1].rstrip("x")) <= 1.0,
-)
 def shared_budget(tmp: Path) -> str:
     size = len(encode(make_segment(lengths=(200, 200), num_heads=4, head_dim=32)))
     limit = 8 * size
@@ -371,12 +329,6 @@ def shared_budget(tmp: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ connections
-@case(
-    "1,100 connections each sending half a request to `kvforge serve` under `ulimit -n 1024` (--read-timeout 3)",
-    "past the cap: 503 at once; the rest 408 within the timeout; /health 200 after; < 20 log lines, 0 tracebacks",
-    lambda o: o.startswith("ok"),
-    promise="too-many-connections,read-timeout",
-)
 def idle_connections(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
@@ -408,12 +360,6 @@ def idle_connections(tmp: Path) -> tuple[str, dict[str, list[int]]]:
                   "read-timeout": [s for s in statuses if s == 408]}  # fmt: skip
 
 
-@case(
-    "a documents request with 8 documents on --max-running 1 --max-queue 2 (refused 429 while its first were queued)",
-    "429; none of its documents computed or stored afterwards",
-    lambda o: o.startswith("429; 0 stored"),
-    promise="queue-full",
-)
 def refused_documents(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     folder = tmp / "kv"
     with server("--reuse", "prefix", "--max-running", "1", "--max-queue", "2", store=f"file://{folder}") as srv:
@@ -426,12 +372,6 @@ def refused_documents(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     return f"{answer.status_code}; {stored} stored", {"queue-full": [answer.status_code]}
 
 
-@case(
-    "a non-ASCII --api-key (UTF-8 header), `KVFORGE_API_KEY=` (empty), `stream_options` without `stream`",
-    "200; exit 2 in one line; 400 naming stream_options",
-    lambda o: o == "200; exit 2, 1 line; 400 stream_options",
-    promise="bad-body",
-)
 def keys_and_stream_options(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     key = "clé-ключ-鍵"
     with server("--api-key", key) as srv:
@@ -463,12 +403,6 @@ def _router(upstream: str, handler: Any) -> Any:
     return TestClient(create_router_app(normalizer, upstream, transport=httpx.MockTransport(handler)))
 
 
-@case(
-    "`kvforge route --upstream http://admin:PW@host`: upstream down (/health, a chat, a passthrough), the start-up "
-    "and wait lines",
-    "the password in no body or line",
-    lambda o: o == "0 of 4 show the password",
-)
 def router_password(tmp: Path) -> str:
     password = "Upstr3am-PW"
 
@@ -486,11 +420,6 @@ def router_password(tmp: Path) -> str:
     return f"{sum(password in t for t in texts)} of {len(texts)} show the password"
 
 
-@case(
-    "the router's upstream cuts a body short, then stalls a stream (ReadTimeout)",
-    "502 upstream_unavailable; the stream ends with an SSE error event then `data: [DONE]`",
-    lambda o: o == "502; error event, [DONE]",
-)
 def router_broken_upstream(tmp: Path) -> str:
     from test_route import BrokenStream
 
@@ -507,3 +436,105 @@ def router_broken_upstream(tmp: Path) -> str:
     error = "error event" if '"upstream_unavailable"' in events[-2] else "no error event"
     return f"{cut_short}; {error}, {events[-1].removeprefix('data: ')}"
 
+
+# ------------------------------------------------------------------------------------------------ a hostile Redis
+def _seed_hostile_redis(url: str, password: str) -> dict[str, int]:
+    """Replace every entry of the Redis store at ``url`` by a hostile one, kinds in turn (forged payloads with valid
+    checksums, forged metadata), and add names that are not keys; the count of each kind."""
+    import redis
+
+    from kvforge.store.redis import RedisStore
+
+    store = RedisStore(url.replace("redis://", f"redis://:{password}@"))
+    raw = redis.Redis.from_url(url, password=password)
+    payloads = {"huge-shapes": _huge_shapes, "deflate-bomb": _bomb, "basis-path": _basis_path}
+    metas = {"3M-chunks": {"chunks": 3_000_000, "bytes": 3_000_000}, "text-chunks": {"chunks": "1"},
+             "nonce-path": {"nonce": "../../x"}, "garbage-meta": None}  # fmt: skip
+    kinds = [*payloads, *metas]
+    counts = dict.fromkeys(kinds, 0)
+    for i, key in enumerate(sorted(store.list_keys())):
+        kind = kinds[i % len(kinds)]
+        if kind in payloads:
+            store.write(key, payloads[kind](bytes(store.read(key) or b"")))
+        else:
+            meta_key = f"{store.prefix}:seg:{key}:meta"
+            meta = json.loads(raw.get(meta_key))
+            raw.set(meta_key, "{not json" if metas[kind] is None else json.dumps(meta | metas[kind]))
+        counts[kind] += 1
+    raw.hset(f"{store.prefix}:seg:sizes", mapping={"bad name!": "lots", "../../etc": 5})
+    raw.zadd(f"{store.prefix}:seg:lru", {"bad name!": 2.0})
+    raw.hset(f"{store.prefix}:blob:sizes", "semantic-v1-rec-../../bad", 5)
+    store.close()
+    return counts
+
+
+def hostile_redis_server(tmp: Path) -> tuple[str, dict[str, list[int]]]:
+    from store_helpers import redis_server
+
+    pw = "s3cret-redis-pw"
+    with redis_server(tmp / "redis", password=pw) as bare:
+        url = bare.replace("redis://", f"redis://:{pw}@")
+        _, _, clean_peak, clean_log = _serve_prompts(url)
+        counts = _seed_hostile_redis(bare, pw)
+        statuses, worst, peak, log = _serve_prompts(url)
+    firsts, repeats = statuses[0::2], statuses[1::2]
+    tracebacks, leaked = log.count("Traceback"), pw in log or pw in clean_log
+    ok = (all(s == 200 for s in firsts) and all(r > 0 for r in repeats) and worst <= 0.5
+          and peak <= 1.5 * clean_peak and tracebacks == 0 and not leaked and sum(counts.values()) > 0)  # fmt: skip
+    text = (
+        f"{'ok' if ok else 'FAILED'}: {sum(counts.values())} hostile entries {counts}; "
+        f"statuses {sorted(set(firsts))}, repeats hit {sum(r > 0 for r in repeats)}/{len(repeats)}; "
+        f"/health worst {worst:.2f} s; peak RSS {peak:.0f} MiB vs clean {clean_peak:.0f} MiB "
+        f"({peak / clean_peak:.2f}x); {tracebacks} tracebacks; password {'LEAKED' if leaked else 'in no output'}; "
+        f"{log.count('WARNING')} warning lines"
+    )
+    return text, {"hostile-store": firsts}
+
+
+CASES = [
+    Case("a store whose every entry is hostile (FIFO, link out, 10^9-token shapes, 256 MiB inflation bomb, sparse "
+         "2 GiB garbage, basis `../..` path), a shard folder linked out, a bad name; 6 prompts twice on `kvforge "
+         "serve`",
+         "starts; 200 each, the repeat a hit; /health worst <= 0.5 s; peak RSS <= 1.5x a clean run's; 0 "
+         "tracebacks; files outside untouched", hostile_store_server, starts("ok"), promise="hostile-store,no-500"),
+    Case("a password-protected redis-server whose every entry is hostile (10^9-token shapes, 256 MiB inflation "
+         "bomb, basis `../..` path, 3,000,000 chunks, `chunks: \"1\"`, a nonce path, garbage metadata) plus names "
+         "that are not keys; 6 prompts twice on `kvforge serve`",
+         "starts; 200 each, the repeat a hit; /health worst <= 0.5 s; peak RSS <= 1.5x a clean run's; 0 "
+         "tracebacks; the password in no output", hostile_redis_server, starts("ok"), promise="hostile-store,no-500",
+         needs="redis-server"),
+    Case("a FIFO at an entry and at a blob of a store folder: `kvforge cache ls`, `cache stats`, `cache clear`",
+         "each exits 0 within 60 s; the FIFOs left in place", fifo_commands, equals("0/0/0; fifos kept")),
+    Case("forged entries with valid checksums read by a fresh process: 10^9-token shapes (16 KB file), a 256 MiB "
+         "inflation bomb, a sparse 2 GiB file with a garbage header", "each a miss, < 64 MiB more memory, < 1 s",
+         forged_sizes, starts("ok")),
+    Case("links out of a store folder: an entry linked to a file outside, a shard folder (hashed and former "
+         "layout) linked to a folder outside; reads, a write, `kvforge cache clear`",
+         "misses; the write lands inside; every file outside untouched", links_out,
+         equals("3 misses; outside untouched")),
+    Case("Redis values written by others (fakeredis): an entry declaring 3,000,000 chunks, `chunks: \"1\"`, a bad "
+         "nonce, a name that is not a key in the sizes hash and LRU set, a non-numeric size; then reads, `stats`, "
+         "semantic reuse", "each a miss (removed), < 1 s; stats and semantic reuse work; one warning per entry",
+         redis_values, starts("ok"), needs="fakeredis"),
+    Case("an old-format semantic index blob whose FAISS body is garbage; a record naming `../../x`",
+         "semantic reuse starts (the blob ignored with one warning, the record skipped); FAISS never reads the "
+         "body", old_index_garbage, starts("ok")),
+    Case("3 writer processes sharing one disk store (max_bytes = 8 entries), 60 entries each; disk use sampled "
+         "every ms", "peak <= max_bytes", shared_budget,
+         lambda o: o.startswith("peak") and float(o.split()[1].rstrip("x")) <= 1.0),
+    Case("1,100 connections each sending half a request to `kvforge serve` under `ulimit -n 1024` (--read-timeout 3)",
+         "past the cap: 503 at once; the rest 408 within the timeout; /health 200 after; < 20 log lines, 0 "
+         "tracebacks", idle_connections, starts("ok"), promise="too-many-connections,read-timeout"),
+    Case("a documents request with 8 documents on --max-running 1 --max-queue 2 (refused 429 while its first were "
+         "queued)", "429; none of its documents computed or stored afterwards", refused_documents,
+         starts("429; 0 stored"), promise="queue-full"),
+    Case("a non-ASCII --api-key (UTF-8 header), `KVFORGE_API_KEY=` (empty), `stream_options` without `stream`",
+         "200; exit 2 in one line; 400 naming stream_options", keys_and_stream_options,
+         equals("200; exit 2, 1 line; 400 stream_options"), promise="bad-body"),
+    Case("`kvforge route --upstream http://admin:PW@host`: upstream down (/health, a chat, a passthrough), the "
+         "start-up and wait lines", "the password in no body or line", router_password,
+         equals("0 of 4 show the password")),
+    Case("the router's upstream cuts a body short, then stalls a stream (ReadTimeout)",
+         "502 upstream_unavailable; the stream ends with an SSE error event then `data: [DONE]`",
+         router_broken_upstream, equals("502; error event, [DONE]")),
+]

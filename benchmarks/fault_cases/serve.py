@@ -8,14 +8,14 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import httpx
 
-from fault_cases import PROMPT, SEEN, Server, cached, case, chat, complete, note, post, server
+from fault_cases import PROMPT, SEEN, Case, Server, cached, chat, complete, ends, equals, note, post, server, starts
 
 DOC = "".join(f"Fact {i}: the code word of room {i} is {chr(97 + i % 26) * 3}. " for i in range(8))  # ~300 tokens
 QUESTION = "What is the code word of room 3?"
@@ -55,46 +55,23 @@ def _fault_when_touched(trigger: Path) -> Any:
 _STORE_OK = "hit before True, stored prompt hits, new [200, 200], documents [503, 503], 1 write warning, exit 0, 0 tra"
 
 
-@case(
-    "server: its disk store mounted read-only while it runs (bind mount remounted ro)",
-    "stored prompt hits, new prompts 200 uncached, documents 503, 1 warning, exit 0, no traceback",
-    lambda o: o.startswith(_STORE_OK),
-    promise="store-fault-generation,store-fault-documents",
-    needs="namespaces",
-)
-def server_read_only(tmp: Path) -> tuple[str, dict[str, list[int]]]:
-    from os_faults import read_only
+def server_disk_fault(fault: str) -> Callable[[Path], tuple[str, dict[str, list[int]]]]:
+    """A case: ``kvforge serve`` on a disk store that an OS fault hits while it runs (``os_faults.read_only``: the
+    bind mount remounted read-only; ``full_disk``: an 8 MiB tmpfs filled)."""
 
-    folder, trigger = tmp / "kv", tmp / "fault-now"
-    folder.mkdir()
-    with server("--reuse", "prefix", store=f"file://{folder}",
-                wrap=lambda argv: read_only(folder, argv, trigger=trigger)) as srv:  # fmt: skip
-        return _store_fault_run(srv, _fault_when_touched(trigger))
+    def run(tmp: Path) -> tuple[str, dict[str, list[int]]]:
+        import os_faults
 
+        folder, trigger = tmp / "kv", tmp / "fault-now"
+        folder.mkdir()
+        apply, size = getattr(os_faults, fault), ("8m",) if fault == "full_disk" else ()
+        with server("--reuse", "prefix", store=f"file://{folder}",
+                    wrap=lambda argv: apply(folder, argv, *size, trigger=trigger)) as srv:  # fmt: skip
+            return _store_fault_run(srv, _fault_when_touched(trigger))
 
-@case(
-    "server: its disk (a tmpfs) filled while it runs",
-    "stored prompt hits, new prompts 200 uncached, documents 503, 1 warning, exit 0, no traceback",
-    lambda o: o.startswith(_STORE_OK),
-    promise="store-fault-generation,store-fault-documents",
-    needs="namespaces",
-)
-def server_full_disk(tmp: Path) -> tuple[str, dict[str, list[int]]]:
-    from os_faults import full_disk
-
-    folder, trigger = tmp / "kv", tmp / "fault-now"
-    folder.mkdir()
-    with server("--reuse", "prefix", store=f"file://{folder}",
-                wrap=lambda argv: full_disk(folder, argv, "8m", trigger=trigger)) as srv:  # fmt: skip
-        return _store_fault_run(srv, _fault_when_touched(trigger))
+    return run
 
 
-@case(
-    "server under ulimit -f 64 KiB (every entry is larger: EFBIG)",
-    "prompts 200 uncached, documents 503, 1 warning, exit 0, no traceback",
-    lambda o: "new [200, 200], documents [503, 503], 1 write warning, exit 0, 0 tracebacks" in o,
-    promise="store-fault-generation,store-fault-documents",
-)
 def server_file_size_limit(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     from os_faults import file_size_limit
 
@@ -103,13 +80,6 @@ def server_file_size_limit(tmp: Path) -> tuple[str, dict[str, list[int]]]:
         return _store_fault_run(srv, lambda: None)
 
 
-@case(
-    "server: its password-protected Redis shut down while it runs",
-    "prompts 200 uncached, documents 503, exit 0, the password in no body, /health, /metrics or log line",
-    lambda o: "documents [503, 503]" in o and o.endswith("password shown 0 times"),
-    promise="store-fault-generation,store-fault-documents,no-secret",
-    needs="redis-server",
-)
 def server_redis_stops(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     import subprocess
 
@@ -140,13 +110,6 @@ def server_redis_stops(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     return text, {"store-fault-generation": _statuses(generation), "store-fault-documents": _statuses(documents)}
 
 
-@case(
-    "`kvforge serve --store` naming a Redis that is down",
-    "refuses to start: exit 2, one line, before the model loads (faster than `import torch` alone, timed in the same "
-    "run: a machine's load makes absolute times say little)",
-    lambda o: o.startswith("exit 2, 1 line, no traceback, faster"),
-    promise="store-down-at-start",
-)
 def server_store_down_at_start(tmp: Path) -> str:
     import subprocess
     import sys
@@ -191,13 +154,6 @@ _ODD_PROMPTS: list[tuple[str, Any]] = [("bad-token-id", [-1, 5]), ("bad-token-id
 _NAN = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'
 
 
-@case(
-    "odd inputs: bad JSON, wrong types, unknown fields and kvforge keys, seed 2**63 / -1, float/bool/2**40 max_tokens, "
-    "NaN temperature, top_p 0, a 999-character press, unknown press and model, too long, token ids -1 / 10**6",
-    "each the status of its promise, one-line message",
-    lambda o: o.endswith("all one line"),
-    promise="bad-body,odd-values,unknown-name,unknown-model,context-length,bad-token-id",
-)
 def odd_inputs(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     got: dict[str, list[int]] = {}
     lines = 0
@@ -218,12 +174,6 @@ def odd_inputs(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     return f"{summary}; {'all one line' if not lines else f'{lines} multi-line'}", got
 
 
-@case(
-    "chat with kvforge.rag and chunk_ids ../../etc/passwd, '', NUL, *, 10k characters; a well-formed unknown id",
-    "400 each with one line (param kvforge.chunk_ids), no file read",
-    lambda o: o.endswith("one line"),
-    promise="bad-chunk-id,unknown-chunk-id",
-)
 def chunk_ids(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     bad = ["../../etc/passwd", "", "a\x00b", "*", "x" * 10_000]
     with server() as srv:
@@ -237,12 +187,6 @@ def chunk_ids(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     return text, {"bad-chunk-id": _statuses(answers), "unknown-chunk-id": [unknown.status_code]}
 
 
-@case(
-    "temperature 1e-38, 1e-45, 1e-320 (and 0, 1e-5)",
-    "400 each, one line naming the rule (0 or at least 1e-5); 0 and 1e-5 answered",
-    lambda o: o == "[400, 400, 400] one line, the rule named: True; 0 and 1e-5: [200, 200]",
-    promise="tiny-temperature",
-)
 def tiny_temperatures(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     with server() as srv:
         tiny = [chat(srv, "Where is the key?", max_tokens=8, temperature=t, seed=1) for t in (1e-38, 1e-45, 1e-320)]
@@ -254,12 +198,6 @@ def tiny_temperatures(tmp: Path) -> tuple[str, dict[str, list[int]]]:
             {"tiny-temperature": _statuses(tiny)})  # fmt: skip
 
 
-@case(
-    "--api-key: no key, a wrong key, the key; /health open; the default bind address",
-    "401, 401, 200, 200; 127.0.0.1",
-    lambda o: o == "[401, 401] 200 200; listens on 127.0.0.1",
-    promise="api-key",
-)
 def api_key(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     from kvforge.cli import build_parser
 
@@ -274,12 +212,6 @@ def api_key(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     return text, {"api-key": _statuses(refused)}
 
 
-@case(
-    "a body over --max-body-bytes (Content-Length and chunked)",
-    "413 each",
-    lambda o: o == "[413, 413]",
-    promise="body-too-large",
-)
 def body_too_large(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     with server("--max-body-bytes", "4096") as srv:
         big = json.dumps({"model": "tiny", "prompt": "x" * 8000}).encode()
@@ -288,12 +220,6 @@ def body_too_large(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     return str(_statuses([sized, chunked])), {"body-too-large": _statuses([sized, chunked])}
 
 
-@case(
-    "12 long requests at once on --max-running 1 --max-queue 2 --timeout 1",
-    "some 429 (queue full), some 504 (timeout), the rest 200; nothing else",
-    lambda o: o.startswith("ok"),
-    promise="queue-full,timeout",
-)
 def overload(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     with server("--max-running", "1", "--max-queue", "2", "--timeout", "1") as srv:
         out: list[int] = []
@@ -315,12 +241,6 @@ def overload(tmp: Path) -> tuple[str, dict[str, list[int]]]:
                                                  "timeout": [s for s in out if s == 504] or [0]}  # fmt: skip
 
 
-@case(
-    "SIGTERM with a running request and 3 queued; then a new connection",
-    "queued 503 at once, new connection 503 (not refused), exit 0 within the grace period",
-    lambda o: o.startswith("queued [503, 503, 503], new [503, 503], exit 0"),
-    promise="shutting-down",
-)
 def sigterm(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     with server("--grace-period", "3", "--max-running", "1") as srv:
         answers: dict[int, Any] = {}
@@ -352,11 +272,6 @@ def sigterm(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     return text, {"shutting-down": [*queued, *_statuses(new)]}
 
 
-@case(
-    "32 streaming clients on one prompt, 16 disconnecting after their first token",
-    "the 16 others get the same complete answer; the server keeps serving",
-    lambda o: o.startswith("16/16 complete, 1 distinct answer"),
-)
 def streaming_disconnects(tmp: Path) -> str:
     results: list[str | None] = []
     lock = threading.Lock()
@@ -415,11 +330,6 @@ def _health_probe(srv: Server) -> Iterator[list[float]]:
         prober.join(60)
 
 
-@case(
-    "a 7 MiB document to /v1/kv/documents while a chat is asked and /health probed every 50 ms",
-    "/health worst < 1 s, the chat answered < 5 s, the document refused (400, too long)",
-    lambda o: o.startswith("ok"),
-)
 def big_document(tmp: Path) -> str:
     with server("--max-body-bytes", str(16 * 2**20)) as srv, _health_probe(srv) as worst:
         doc: dict[str, Any] = {}
@@ -448,13 +358,6 @@ def _big_bodies() -> list[tuple[str, str, bytes]]:
             ("chat", "/v1/chat/completions", json.dumps({"model": "tiny", "messages": messages}).encode())]  # fmt: skip
 
 
-@case(
-    "a 7 MiB token-id body to /v1/completions, and a 7 MiB chat of 200k messages, while /health is probed every 50 ms",
-    "each refused (400, longer than the context) in <= 2x the time json.loads takes to read the same bytes here (the "
-    "unavoidable cost, measured in the same run), /health worst < 0.25 s",
-    lambda o: o.startswith("ok"),
-    promise="context-length",
-)
 def big_token_body(tmp: Path) -> tuple[str, dict[str, list[int]]]:
     bodies, results = _big_bodies(), []
     with server("--max-body-bytes", str(16 * 2**20)) as srv, _health_probe(srv) as worst:
@@ -481,11 +384,6 @@ def _ask_compressed(srv: Server, ratio: float) -> Any:
                                       "query_aware": False}})  # fmt: skip
 
 
-@case(
-    "a compressed document (knorm 0.5) stored by one server, asked on another sharing the file store; then at 0.25",
-    "the second server hits the compressed document; another ratio is a miss",
-    lambda o: o == "stored 200; other server: compressed hit True; ratio 0.25: miss True",
-)
 def compressed_across_servers(tmp: Path) -> str:
     store = f"file://{tmp / 'kv'}"
     with server("--reuse", "prefix", store=store) as a, server("--reuse", "prefix", store=store) as b:
@@ -498,13 +396,68 @@ def compressed_across_servers(tmp: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ over all cases
-@case(
-    "every server case above: answers with status 500, tracebacks in the servers' logs",
-    "0 and 0",
-    lambda o: o.startswith("0 x 500, 0 tracebacks"),
-    promise="no-500",
-)
 def no_500(tmp: Path) -> str:
     n = len(SEEN["statuses"])
     return (f"{SEEN['statuses'].count(500)} x 500, {SEEN['tracebacks']} tracebacks ({n} answers from "
             f"{SEEN['servers']} server processes)")  # fmt: skip
+
+
+CASES = [
+    Case("server: its disk store mounted read-only while it runs (bind mount remounted ro)",
+         "stored prompt hits, new prompts 200 uncached, documents 503, 1 warning, exit 0, no traceback",
+         server_disk_fault("read_only"), starts(_STORE_OK), promise="store-fault-generation,store-fault-documents",
+         needs="namespaces"),
+    Case("server: its disk (a tmpfs) filled while it runs",
+         "stored prompt hits, new prompts 200 uncached, documents 503, 1 warning, exit 0, no traceback",
+         server_disk_fault("full_disk"), starts(_STORE_OK), promise="store-fault-generation,store-fault-documents",
+         needs="namespaces"),
+    Case("server under ulimit -f 64 KiB (every entry is larger: EFBIG)",
+         "prompts 200 uncached, documents 503, 1 warning, exit 0, no traceback", server_file_size_limit,
+         lambda o: "new [200, 200], documents [503, 503], 1 write warning, exit 0, 0 tracebacks" in o,
+         promise="store-fault-generation,store-fault-documents"),
+    Case("server: its password-protected Redis shut down while it runs",
+         "prompts 200 uncached, documents 503, exit 0, the password in no body, /health, /metrics or log line",
+         server_redis_stops, lambda o: "documents [503, 503]" in o and o.endswith("password shown 0 times"),
+         promise="store-fault-generation,store-fault-documents,no-secret", needs="redis-server"),
+    Case("`kvforge serve --store` naming a Redis that is down",
+         "refuses to start: exit 2, one line, before the model loads (faster than `import torch` alone, timed in "
+         "the same run: a machine's load makes absolute times say little)", server_store_down_at_start,
+         starts("exit 2, 1 line, no traceback, faster"), promise="store-down-at-start"),
+    Case("odd inputs: bad JSON, wrong types, unknown fields and kvforge keys, seed 2**63 / -1, float/bool/2**40 "
+         "max_tokens, NaN temperature, top_p 0, a 999-character press, unknown press and model, too long, token "
+         "ids -1 / 10**6", "each the status of its promise, one-line message", odd_inputs, ends("all one line"),
+         promise="bad-body,odd-values,unknown-name,unknown-model,context-length,bad-token-id"),
+    Case("chat with kvforge.rag and chunk_ids ../../etc/passwd, '', NUL, *, 10k characters; a well-formed unknown id",
+         "400 each with one line (param kvforge.chunk_ids), no file read", chunk_ids, ends("one line"),
+         promise="bad-chunk-id,unknown-chunk-id"),
+    Case("temperature 1e-38, 1e-45, 1e-320 (and 0, 1e-5)",
+         "400 each, one line naming the rule (0 or at least 1e-5); 0 and 1e-5 answered", tiny_temperatures,
+         equals("[400, 400, 400] one line, the rule named: True; 0 and 1e-5: [200, 200]"), promise="tiny-temperature"),
+    Case("--api-key: no key, a wrong key, the key; /health open; the default bind address",
+         "401, 401, 200, 200; 127.0.0.1", api_key, equals("[401, 401] 200 200; listens on 127.0.0.1"),
+         promise="api-key"),
+    Case("a body over --max-body-bytes (Content-Length and chunked)", "413 each", body_too_large, equals("[413, 413]"),
+         promise="body-too-large"),
+    Case("12 long requests at once on --max-running 1 --max-queue 2 --timeout 1",
+         "some 429 (queue full), some 504 (timeout), the rest 200; nothing else", overload, starts("ok"),
+         promise="queue-full,timeout"),
+    Case("SIGTERM with a running request and 3 queued; then a new connection",
+         "queued 503 at once, new connection 503 (not refused), exit 0 within the grace period", sigterm,
+         starts("queued [503, 503, 503], new [503, 503], exit 0"), promise="shutting-down"),
+    Case("32 streaming clients on one prompt, 16 disconnecting after their first token",
+         "the 16 others get the same complete answer; the server keeps serving", streaming_disconnects,
+         starts("16/16 complete, 1 distinct answer")),
+    Case("a 7 MiB document to /v1/kv/documents while a chat is asked and /health probed every 50 ms",
+         "/health worst < 1 s, the chat answered < 5 s, the document refused (400, too long)", big_document,
+         starts("ok")),
+    Case("a 7 MiB token-id body to /v1/completions, and a 7 MiB chat of 200k messages, while /health is probed "
+         "every 50 ms",
+         "each refused (400, longer than the context) in <= 2x the time json.loads takes to read the same bytes "
+         "here (the unavoidable cost, measured in the same run), /health worst < 0.25 s", big_token_body, starts("ok"),
+         promise="context-length"),
+    Case("a compressed document (knorm 0.5) stored by one server, asked on another sharing the file store; then "
+         "at 0.25", "the second server hits the compressed document; another ratio is a miss",
+         compressed_across_servers, equals("stored 200; other server: compressed hit True; ratio 0.25: miss True")),
+    Case("every server case above: answers with status 500, tracebacks in the servers' logs", "0 and 0", no_500,
+         starts("0 x 500, 0 tracebacks"), promise="no-500"),
+]

@@ -9,11 +9,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from store_helpers import free_port, make_segment, redis_chunk_audit, redis_server
 
-from fault_cases import ROOT, case, warnings_logged
+from fault_cases import ROOT, Case, ends, equals, starts, warnings_logged
 from kvforge.cli import main as cli
 from kvforge.errors import UserError
 from kvforge.store import open_store
@@ -22,11 +23,6 @@ from kvforge.store.codec import encode, segments_equal
 SECRET = "s3cr3t-Pa55"
 
 
-@case(
-    "password in a store URL, Redis down, `kvforge cache stats`",
-    "exit 2, one line, no password",
-    lambda o: o == "2/1/no",
-)
 def password_in_cli(tmp: Path) -> str:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -35,11 +31,6 @@ def password_in_cli(tmp: Path) -> str:
     return f"{rc}/{err.getvalue().count(chr(10))}/{'yes' if SECRET in text else 'no'}"
 
 
-@case(
-    "odd store URLs (1e400, /abc, file://rel, ?timeout=nan, unknown option)",
-    "5 one-line UserErrors",
-    lambda o: o == "5",
-)
 def odd_urls(tmp: Path) -> str:
     n = 0
     for url in ("memory://?max_bytes=1e400", "redis://h:1/abc", "file://rel/x", "redis://h:1/0?timeout=nan",
@@ -51,7 +42,6 @@ def odd_urls(tmp: Path) -> str:
     return str(n)
 
 
-@case("segment with one flipped header byte (every byte tried)", "0 accepted", lambda o: o.startswith("0 "))
 def header_flips(tmp: Path) -> str:
     from kvforge.errors import CorruptSegmentError, ModelMismatchError
     from kvforge.store import codec
@@ -70,7 +60,6 @@ def header_flips(tmp: Path) -> str:
     return f"{accepted} of {n} accepted"
 
 
-@case("truncated segment file on disk", "miss (None), entry removed", lambda o: o == "None/False")
 def truncated(tmp: Path) -> str:
     store = open_store(f"file://{tmp}/trunc")
     store.put("aa", make_segment())
@@ -79,11 +68,6 @@ def truncated(tmp: Path) -> str:
     return f"{store.get('aa')}/{store.contains('aa')}"
 
 
-@case(
-    "read-only folder (?read_only=1): get / put / clear",
-    "hit / skipped / clear reports 1 not deleted",
-    lambda o: o == "hit/skipped/0 removed, 1 failed",
-)
 def read_only(tmp: Path) -> str:
     open_store(f"file://{tmp}/ro").put("aa", make_segment())
     store = open_store(f"file://{tmp}/ro?read_only=1")
@@ -111,11 +95,6 @@ def _two_writers(url: str, tmp: Path) -> str:
     return f"{len(reuse.index)} indexed, {found} found"
 
 
-@case(
-    "two processes x 25 semantic records, one file:// store",
-    "50 indexed, 50 found",
-    lambda o: o == "50 indexed, 50 found",
-)
 def semantic_file(tmp: Path) -> str:
     return _two_writers(f"file://{tmp}/sem", tmp)
 
@@ -126,23 +105,11 @@ def _redis_pid(url: str) -> int:
     return int(out.split()[0])
 
 
-@case(
-    "two processes x 25 semantic records, one Redis",
-    "50 indexed, 50 found",
-    lambda o: o == "50 indexed, 50 found",
-    needs="redis-server",
-)
 def semantic_redis(tmp: Path) -> str:
     with redis_server(tmp) as url:
         return _two_writers(url, tmp)
 
 
-@case(
-    "Redis SIGSTOP'd (hung), timeout=0.5: get + put + get",
-    "misses, < 3 s, one warning",
-    lambda o: o.endswith("/1"),
-    needs="redis-server",
-)
 def hung_redis(tmp: Path) -> str:
     with redis_server(tmp) as url:
         store = open_store(url + "?timeout=0.5&connect_timeout=0.5")
@@ -163,12 +130,6 @@ def hung_redis(tmp: Path) -> str:
         return f"{misses}/{elapsed:.1f}s/{'<3s' if elapsed < 3 else '>=3s'}/{warned}"
 
 
-@case(
-    "Redis writer process SIGKILLed at random moments (3 times, real redis-server)",
-    "every visible entry whole; every unreferenced chunk has a TTL",
-    lambda o: o.startswith("whole/ttl"),
-    needs="redis-server",
-)
 def redis_sigkill(tmp: Path) -> str:
     import random
 
@@ -200,11 +161,6 @@ def redis_sigkill(tmp: Path) -> str:
                f" (killed mid-data {mid_data} of 3)"  # fmt: skip
 
 
-@case(
-    "disk store in the pre-hash layout (segments/<key[:2]>/), reopened",
-    "moved to hashed folders, every entry a hit, LRU order kept",
-    lambda o: o == "moved/3 hits/order kept",
-)
 def disk_layout_migration(tmp: Path) -> str:
     from test_store_backends import _to_old_layout
 
@@ -224,11 +180,6 @@ def disk_layout_migration(tmp: Path) -> str:
     return f"{'moved' if moved else 'not moved'}/{hits} hits/{'order kept' if kept else 'order lost'}"
 
 
-@case(
-    "full disk while creating a shard folder (ENOSPC at mkdir), 3 writes",
-    "no exception, writes skipped, one warning",
-    lambda o: o == "ok/skipped/1",
-)
 def full_disk_shard(tmp: Path) -> str:
     from store_helpers import full_disk_at_shard_folders
 
@@ -245,11 +196,6 @@ def full_disk_shard(tmp: Path) -> str:
     return f"{outcome}/{'skipped' if not store.keys() else 'written'}/{sum('No space left' in m for m in records)}"
 
 
-@case(
-    "semantic index: 2 of 8 records deleted, 2 with a flipped byte, then reopened",
-    "8 of 8 found (rebuilt from the segments' headers)",
-    lambda o: o == "8 of 8 found",
-)
 def semantic_rebuild(tmp: Path) -> str:
     from kvforge.cache import KVCache
     from kvforge.prefill import prefill
@@ -290,63 +236,31 @@ def _child(argv: list[str], **kwargs: object) -> tuple[dict, str]:
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
-def _store_under(tmp: Path, wrap: object, preexec: object = None, extra: list[str] | None = None) -> str:
-    """A disk store holding "aa", used by a child process under a fault: hit / 3 puts / delete / clear."""
-    from test_store_os_faults import CHILD
+def store_under(fault: str) -> Callable[[Path], str]:
+    """A case: a disk store holding "aa", used by a child process under an OS fault (``os_faults.read_only``,
+    ``full_disk``, or ``file_size_limit``: ulimit -f 4 KiB, and a small write): hit / 3 puts / delete / clear."""
 
-    from kvforge.store import DiskStore
+    def run(tmp: Path) -> str:
+        import os_faults
+        from test_store_os_faults import CHILD
 
-    folder = tmp / "kv"
-    DiskStore(folder, fsync=False).put("aa", make_segment())
-    argv = [sys.executable, "-c", CHILD, f"file://{folder}?fsync=0", *(extra or [])]
-    out, err = _child(wrap(folder, argv) if callable(wrap) else argv, preexec_fn=preexec)
-    warned = sum(line.startswith("WARNING") and "write of" in line for line in err.splitlines())
-    small = "" if out["small_stored"] is None else f"/small write {'kept' if out['small_stored'] else 'lost'}"
-    return (f"{'hit' if out['hit'] else 'miss'}/{sum(out['new_stored'])} of 3 stored/{warned} write warning"
-            f"/clear failed: {','.join(out['not_cleared']) or 'none'}{small}")  # fmt: skip
+        from kvforge.store import DiskStore
 
+        folder = tmp / "kv"
+        DiskStore(folder, fsync=False).put("aa", make_segment())
+        argv = [sys.executable, "-c", CHILD, f"file://{folder}?fsync=0"]
+        if fault == "file_size_limit":
+            out, err = _child([*argv, "small"], preexec_fn=os_faults.file_size_limit(4096))
+        else:
+            out, err = _child(getattr(os_faults, fault)(folder, argv))
+        warned = sum(line.startswith("WARNING") and "write of" in line for line in err.splitlines())
+        small = "" if out["small_stored"] is None else f"/small write {'kept' if out['small_stored'] else 'lost'}"
+        return (f"{'hit' if out['hit'] else 'miss'}/{sum(out['new_stored'])} of 3 stored/{warned} write warning"
+                f"/clear failed: {','.join(out['not_cleared']) or 'none'}{small}")  # fmt: skip
 
-@case(
-    "disk store on a read-only bind mount (child process): hit, 3 new entries, delete, clear",
-    "hit / 0 stored / 1 warning / clear says EROFS",
-    lambda o: o == "hit/0 of 3 stored/1 write warning/clear failed: Read-only file system [EROFS]",
-    needs="namespaces",
-)
-def read_only_mount(tmp: Path) -> str:
-    from os_faults import read_only
-
-    return _store_under(tmp, read_only)
+    return run
 
 
-@case(
-    "disk store on a full tmpfs (child process): hit, 3 new entries, delete, clear",
-    "hit / 0 stored / 1 warning / deletes work",
-    lambda o: o == "hit/0 of 3 stored/1 write warning/clear failed: none",
-    needs="namespaces",
-)
-def full_tmpfs(tmp: Path) -> str:
-    from os_faults import full_disk
-
-    return _store_under(tmp, full_disk)
-
-
-@case(
-    "disk store under ulimit -f 4 KiB (EFBIG; child process)",
-    "hit / 0 stored / 1 warning / a small entry is kept",
-    lambda o: o == "hit/0 of 3 stored/1 write warning/clear failed: none/small write kept",
-)
-def file_size_limit(tmp: Path) -> str:
-    from os_faults import file_size_limit as limit
-
-    return _store_under(tmp, None, preexec=limit(4096), extra=["small"])
-
-
-@case(
-    "`kvforge cache clear` on a read-only mount holding 4 entries",
-    "rc 1, says it could not delete 4 (EROFS), 4 still there",
-    lambda o: o == "rc 1/could not delete 4 entries/4 kept",
-    needs="namespaces",
-)
 def cache_clear_read_only(tmp: Path) -> str:
     from os_faults import python_env, read_only
 
@@ -362,11 +276,6 @@ def cache_clear_read_only(tmp: Path) -> str:
     return f"rc {proc.returncode}/{said}/{len(DiskStore(folder).keys())} kept"
 
 
-@case(
-    "`kvforge cache ls / ls --json / stats / clear` on a folder that does not exist",
-    "rc 0 each, no folder created",
-    lambda o: o == "0,0,0,0/not created",
-)
 def missing_folder(tmp: Path) -> str:
     rcs = []
     for command in (["ls"], ["ls", "--json"], ["stats"], ["clear"]):
@@ -375,7 +284,6 @@ def missing_folder(tmp: Path) -> str:
     return f"{','.join(map(str, rcs))}/{'created' if (tmp / 'no').exists() else 'not created'}"
 
 
-@case("memory store bounded at 3 entries' bytes, 20 puts", "bytes <= max_bytes, 3 newest kept", lambda o: o == "ok/3")
 def memory_bound(tmp: Path) -> str:
     from kvforge.store import MemoryStore
 
@@ -387,11 +295,6 @@ def memory_bound(tmp: Path) -> str:
     return f"{'ok' if ok else 'over'}/{sum(store.contains(f'k{i}') for i in range(17, 20))}"
 
 
-@case(
-    "disk writer process SIGKILLed at random moments (3 times)",
-    "every visible entry decodes; partial writes only in tmp/",
-    lambda o: o.startswith("whole"),
-)
 def disk_sigkill(tmp: Path) -> str:
     import random
 
@@ -447,11 +350,6 @@ def _copy_entry(store: object, src: str, dst: str) -> None:
     shutil.copyfile(store.path(src), target)  # type: ignore[attr-defined]
 
 
-@case(
-    "another model's prefix block files copied under this model's keys",
-    "a miss (0 tokens reused)",
-    lambda o: o == "0 reused",
-)
 def other_models_file(tmp: Path) -> str:
     from kvforge.reuse import PrefixReuse
 
@@ -464,11 +362,6 @@ def other_models_file(tmp: Path) -> str:
     return f"{reuse_b.plan(ids).reused_tokens} reused"
 
 
-@case(
-    "prefix block copied from another prompt: X = A+C+T, Y = B+C+T (16-token blocks), Y's 2nd block over X's",
-    "X reuses its 1st block only (16 tokens), never Y's KV",
-    lambda o: o == "16 reused",
-)
 def copied_prefix_block(tmp: Path) -> str:
     store, reuse, record = _prefix_setup(tmp)
     a = [3 + (i * 5) % 90 for i in range(16)]
@@ -482,12 +375,6 @@ def copied_prefix_block(tmp: Path) -> str:
     return f"{reuse.plan(x).reused_tokens} reused"
 
 
-@case(
-    "disk that fills while a 6-block prompt is stored (48 KiB tmpfs, child process)",
-    "the same prompt then reuses the blocks that fit, from its first one",
-    lambda o: o.split()[0].isdigit() and int(o.split()[0]) >= 16,
-    needs="namespaces",
-)
 def full_disk_prefix_head(tmp: Path) -> str:
     from os_faults import full_disk
 
@@ -503,3 +390,56 @@ def full_disk_prefix_head(tmp: Path) -> str:
     argv = full_disk(folder, [sys.executable, "-c", child, str(folder)], size="48k", fill=False)
     out, _ = _child(argv, cwd=str(ROOT / "benchmarks"))
     return f"{out['reused']} reused ({out['stored']} of 6 blocks stored)"
+
+
+CASES = [
+    Case("password in a store URL, Redis down, `kvforge cache stats`", "exit 2, one line, no password", password_in_cli,
+         equals("2/1/no")),
+    Case("odd store URLs (1e400, /abc, file://rel, ?timeout=nan, unknown option)", "5 one-line UserErrors", odd_urls,
+         equals("5")),
+    Case("segment with one flipped header byte (every byte tried)", "0 accepted", header_flips, starts("0 ")),
+    Case("truncated segment file on disk", "miss (None), entry removed", truncated, equals("None/False")),
+    Case("read-only folder (?read_only=1): get / put / clear", "hit / skipped / clear reports 1 not deleted", read_only,
+         equals("hit/skipped/0 removed, 1 failed")),
+    Case("two processes x 25 semantic records, one file:// store", "50 indexed, 50 found", semantic_file,
+         equals("50 indexed, 50 found")),
+    Case("two processes x 25 semantic records, one Redis", "50 indexed, 50 found", semantic_redis,
+         equals("50 indexed, 50 found"), needs="redis-server"),
+    Case("Redis SIGSTOP'd (hung), timeout=0.5: get + put + get", "misses, < 3 s, one warning", hung_redis, ends("/1"),
+         needs="redis-server"),
+    Case("Redis writer process SIGKILLed at random moments (3 times, real redis-server)",
+         "every visible entry whole; every unreferenced chunk has a TTL", redis_sigkill, starts("whole/ttl"),
+         needs="redis-server"),
+    Case("disk store in the pre-hash layout (segments/<key[:2]>/), reopened",
+         "moved to hashed folders, every entry a hit, LRU order kept", disk_layout_migration,
+         equals("moved/3 hits/order kept")),
+    Case("full disk while creating a shard folder (ENOSPC at mkdir), 3 writes",
+         "no exception, writes skipped, one warning", full_disk_shard, equals("ok/skipped/1")),
+    Case("semantic index: 2 of 8 records deleted, 2 with a flipped byte, then reopened",
+         "8 of 8 found (rebuilt from the segments' headers)", semantic_rebuild, equals("8 of 8 found")),
+    Case("disk store on a read-only bind mount (child process): hit, 3 new entries, delete, clear",
+         "hit / 0 stored / 1 warning / clear says EROFS", store_under("read_only"),
+         equals("hit/0 of 3 stored/1 write warning/clear failed: Read-only file system [EROFS]"), needs="namespaces"),
+    Case("disk store on a full tmpfs (child process): hit, 3 new entries, delete, clear",
+         "hit / 0 stored / 1 warning / deletes work", store_under("full_disk"),
+         equals("hit/0 of 3 stored/1 write warning/clear failed: none"), needs="namespaces"),
+    Case("disk store under ulimit -f 4 KiB (EFBIG; child process)",
+         "hit / 0 stored / 1 warning / a small entry is kept", store_under("file_size_limit"),
+         equals("hit/0 of 3 stored/1 write warning/clear failed: none/small write kept")),
+    Case("`kvforge cache clear` on a read-only mount holding 4 entries",
+         "rc 1, says it could not delete 4 (EROFS), 4 still there", cache_clear_read_only,
+         equals("rc 1/could not delete 4 entries/4 kept"), needs="namespaces"),
+    Case("`kvforge cache ls / ls --json / stats / clear` on a folder that does not exist",
+         "rc 0 each, no folder created", missing_folder, equals("0,0,0,0/not created")),
+    Case("memory store bounded at 3 entries' bytes, 20 puts", "bytes <= max_bytes, 3 newest kept", memory_bound,
+         equals("ok/3")),
+    Case("disk writer process SIGKILLed at random moments (3 times)",
+         "every visible entry decodes; partial writes only in tmp/", disk_sigkill, starts("whole")),
+    Case("another model's prefix block files copied under this model's keys", "a miss (0 tokens reused)",
+         other_models_file, equals("0 reused")),
+    Case("prefix block copied from another prompt: X = A+C+T, Y = B+C+T (16-token blocks), Y's 2nd block over X's",
+         "X reuses its 1st block only (16 tokens), never Y's KV", copied_prefix_block, equals("16 reused")),
+    Case("disk that fills while a 6-block prompt is stored (48 KiB tmpfs, child process)",
+         "the same prompt then reuses the blocks that fit, from its first one", full_disk_prefix_head,
+         lambda o: o.split()[0].isdigit() and int(o.split()[0]) >= 16, needs="namespaces"),
+]

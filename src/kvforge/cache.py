@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from kvforge.compat import Cache, dynamic_cache, dynamic_cache_layers
-from kvforge.types import KVSegment
+from kvforge.types import KVSegment, ReuseFacts
 
 DEFAULT_BLOCK_SIZE = 256
 
@@ -433,7 +433,8 @@ class KVCache(Cache):
         self.reserved: Reserved | None = None
         self.write_slots: Tensor | None = None
         self.num_visible: int | None = None
-        self.info: dict[str, Any] = {}  # facts about how the cache was built (press, reuse), for reports
+        self.info: dict[str, Any] = {}  # facts about how the cache was built (press), for reports
+        self.reuse: ReuseFacts | None = None  # the reuse it was loaded from (kind, reused tokens, approximate)
         self.attention_hook: AttentionHook | None = None  # replaces the softmax in kvforge_attention (RAG)
         # a decoding-time budget (kvforge.presses.decoding.BudgetPolicy): sees attention, cuts layers when forwards end
         self.policy: Any = None

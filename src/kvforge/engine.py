@@ -26,12 +26,20 @@ from kvforge.batch import forward_packed
 from kvforge.cache import CacheSnapshot, KVCache, mismatch_with_model
 from kvforge.calibrate import prepare_basis
 from kvforge.decode import DecodeState, SamplingParams, decode, eos_ids, trim_at_stop
-from kvforge.errors import PRESS_WITH_REUSE, Aborted, UserError
+from kvforge.errors import PRESS_WITH_REUSE, Aborted, UserError, check_combination
 from kvforge.model import context_length, model_fingerprint
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, forward, prefill, prefill_at
 from kvforge.presses.decoding import attach as attach_policy
 from kvforge.request import Chunks, Document, Encoded, Request, encode, encode_chat, encode_qa
-from kvforge.reuse.base import Check, GivenCache, PromptContext, ReusePlan, ReuseStrategy, miss_plan
+from kvforge.reuse.base import (
+    Check,
+    GivenCache,
+    PromptContext,
+    ReusePlan,
+    ReuseStrategy,
+    StoresCompressedDocuments,
+    miss_plan,
+)
 from kvforge.reuse.document import DocumentReuse
 from kvforge.reuse.rag import ChunkReuse
 from kvforge.schedule import schedule_chunks, step_budget
@@ -286,14 +294,10 @@ class Engine:
             plan = miss_plan(enc.ids)
             plan.press_size = enc.press_size if press is not None else 0
             return plan
-        if self.window is not None:
-            raise UserError("KV reuse does not support a sliding-window cache (--window)")
-        if self.decoding_press is not None:
-            raise UserError("KV reuse does not combine with a decoding budget yet (its cache is cut while it decodes)")
-        if press is not None and not (isinstance(context, PromptContext) and context.press is not None):
-            raise UserError(PRESS_WITH_REUSE)
-        if press is not None and not getattr(strategy, "stores_compressed", False):
-            raise UserError(f"{type(strategy).__name__} does not store compressed documents: {PRESS_WITH_REUSE}")
+        agnostic = isinstance(context, PromptContext) and context.press is not None  # a document compressed alone
+        check_combination(press=press is not None, stores_documents=isinstance(strategy, StoresCompressedDocuments),
+                          query_aware=not agnostic, has_document=agnostic, window=self.window is not None,
+                          decoding_budget=self.decoding_press is not None)  # fmt: skip
         plan = strategy.plan(enc.ids, text=enc.text, context=context)  # type: ignore[arg-type]
         if plan.cache is not None and (problem := mismatch_with_model(plan.cache, self.model)) is not None:
             logger.warning("stored KV does not fit this model (%s): treated as a miss", problem)
@@ -426,7 +430,7 @@ class Engine:
             gen.info["logprobs"] = state.logprobs
         if seq.strategy is not None:
             gen.reused_tokens = seq.plan.reused_tokens
-            gen.info["reuse"] = seq.plan.summary() | {"plan_s": round(seq.plan_s, 6)} | self._record(seq)
+            gen.reuse = seq.plan.facts(plan_s=round(seq.plan_s, 6), **self._record(seq))
         seq.generation = gen
         if (run := self._checks.pop(id(seq), None)) is not None:
             run.done(seq)
@@ -453,7 +457,7 @@ class Engine:
         except Exception as e:  # a check is best effort: it must never cost an answer
             logger.warning("semantic check not run: %s: %s", type(e).__name__, e)
 
-    def _record(self, seq: Sequence) -> dict[str, Any]:
+    def _record(self, seq: Sequence) -> dict[str, float | int]:
         """Store the prompt's new KV (a document: its KV alone, without the question); best effort."""
         start = time.perf_counter()
         if seq.document is not None:
@@ -584,7 +588,7 @@ class Engine:
         with document reuse (the engine's strategy when it stores documents, else an in-memory store)."""
         reuse = (
             self.reuse
-            if getattr(self.reuse, "stores_compressed", False)
+            if isinstance(self.reuse, StoresCompressedDocuments)
             else DocumentReuse(MemoryStore(), self.model_id, self.model.device)
         )
         return [self.run(Request(Document(context, q, system, answer_prefix), max_new_tokens, sampling or

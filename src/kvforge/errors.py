@@ -12,6 +12,10 @@ PRESS_WITH_REUSE = (
     "reuse=DocumentReuse(store, model_id)); CLI: --prompt-file DOC --prompt QUESTION --press P --query-agnostic "
     "--reuse document; server: kvforge.query_aware=false with a 'document\\n\\nquestion' message and document reuse"
 )
+REUSE_WITH_WINDOW = "KV reuse does not combine with a sliding-window cache (--window)"
+REUSE_WITH_DECODING_BUDGET = "KV reuse does not combine with a decoding budget yet (its cache is cut while it decodes)"
+# reuse names (CLI --reuse, the server's kvforge.reuse) whose strategy, given a press, stores the compressed document
+STORES_DOCUMENTS = frozenset({"prefix", "document"})
 
 
 class UserError(Exception):
@@ -36,6 +40,34 @@ class Aborted(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+def check_combination(
+    *,
+    press: bool,
+    stores_documents: bool,
+    query_aware: bool = True,
+    has_document: bool = True,
+    window: bool = False,
+    decoding_budget: bool = False,
+) -> None:
+    """The one rule for what combines with KV reuse, called where reuse is asked for: by the engine before it plans,
+    by the CLI and the server before a model loads or a request queues (so each says the same thing).
+
+    Args:
+        press: the prompt is compressed by a press.
+        stores_documents: the reuse strategy stores a compressed document whole (a
+            :class:`~kvforge.reuse.base.StoresCompressedDocuments`; by name: :data:`STORES_DOCUMENTS`).
+        query_aware: the press sees the question (a compressed document must not: it is reused by other questions).
+        has_document: the prompt has a document part (document + question).
+        window, decoding_budget: the engine keeps a sliding-window cache / cuts the cache while decoding.
+    """
+    if window:
+        raise UserError(REUSE_WITH_WINDOW)
+    if decoding_budget:
+        raise UserError(REUSE_WITH_DECODING_BUDGET)
+    if press and not (stores_documents and not query_aware and has_document):
+        raise UserError(PRESS_WITH_REUSE)
 
 
 def redis_unavailable(display_url: str, reason: str) -> StoreUnavailableError:

@@ -1,8 +1,9 @@
-"""Plain values that travel between the stages: a stored KV segment and a generation result."""
+"""Plain values that travel between the stages: a stored KV segment, what reuse did, and a generation result."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -82,6 +83,73 @@ class KVSegment:
         )
 
 
+@dataclass(frozen=True)
+class DocumentFacts:
+    """A stored document that document reuse loaded (:class:`kvforge.reuse.document.DocumentReuse`)."""
+
+    compressed: bool  # stored compressed by a press
+    press: str | None
+    compression_ratio: float | None
+    quant: str  # its storage code ("none": full precision)
+    kept_entries: int
+    bytes_loaded: int | None
+    load_s: float
+
+
+@dataclass(frozen=True)
+class ChunkFacts:
+    """What RAG chunk reuse did: its method and ratio, chunks found stored (hits) or computed now (misses)."""
+
+    method: str
+    recompute_ratio: float
+    chunks: int
+    chunk_hits: int
+    chunk_misses: int
+    recomputed_tokens: int = 0  # stored tokens run again
+    fresh_tokens: int = 0  # tokens with no stored KV (separators, the question)
+
+
+@dataclass(frozen=True)
+class ReuseFacts:
+    """What reuse did for one prompt: made by the strategy's plan (:meth:`kvforge.reuse.base.ReusePlan.facts`),
+    completed by the engine (``plan_s``, what recording kept), read by the server, the CLI and the evaluation.
+
+    A cache built on reuse carries the facts of its plan too (``KVCache.reuse``): what it holds is approximate or
+    reused up to some token.
+    """
+
+    kind: str = "miss"  # "miss" | "prefix" | "semantic" | "chunks" | "given"
+    reused_tokens: int = 0
+    approximate: bool = False  # the model does not see exactly the prompt asked (a semantic donor)
+    similarity: float | None = None
+    donor_prompt: str | None = None
+    reason: str | None = None  # why a miss
+    document_key: str | None = None  # the document looked up (document reuse)
+    document: DocumentFacts | None = None
+    chunks: ChunkFacts | None = None
+    details: Mapping[str, str | int | float | bool] = field(default_factory=dict)  # reported only (blocks, load_s)
+    plan_s: float | None = None
+    record_s: float | None = None
+    stored_writes: int | None = None
+    lost_writes: int | None = None  # entries the store did not keep
+
+    def as_dict(self) -> dict[str, Any]:
+        """The facts as one flat JSON object (result rows, logs)."""
+        out: dict[str, Any] = {"kind": self.kind, "reused_tokens": self.reused_tokens, "approximate": self.approximate}
+        if self.similarity is not None:
+            out["similarity"] = round(float(self.similarity), 4)
+        for name in ("donor_prompt", "reason", "document_key"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        out |= dict(self.details)
+        for part in (self.document, self.chunks):
+            out |= {k: v for k, v in asdict(part).items() if v is not None} if part is not None else {}
+        for name in ("plan_s", "record_s", "stored_writes", "lost_writes"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+
 @dataclass
 class Generation:
     """What one generate call produced, and what it cost."""
@@ -94,6 +162,7 @@ class Generation:
     finish_reason: str = "length"  # "length" | "stop" (EOS or stop string)
     reused_tokens: int = 0
     cache_bytes: int = 0
+    reuse: ReuseFacts | None = None  # None: no reuse strategy ran
     info: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -223,8 +224,17 @@ def check_store_url(url: str | None) -> None:
                 raise UserError(f"store URL {shown!r} is not an absolute path: write file:///abs/dir (three slashes)")
 
 
-def add_connection_args(parser: argparse.ArgumentParser) -> None:
-    """``--max-connections`` and ``--read-timeout`` of ``kvforge serve`` and ``kvforge route``."""
+def add_http_args(parser: argparse.ArgumentParser, port: int) -> None:
+    """What ``kvforge serve`` and ``kvforge route`` share as HTTP servers: the address, the API key, the body limit and
+    the connection limits."""
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: local only)")
+    parser.add_argument("--port", type=int, default=port)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("KVFORGE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $KVFORGE_API_KEY; none = open)",
+    )
+    parser.add_argument("--max-body-bytes", type=positive_int, default=8 * 2**20)
     parser.add_argument(
         "--max-connections",
         type=positive_int,

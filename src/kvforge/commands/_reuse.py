@@ -6,7 +6,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from kvforge.commands._common import check_store_url
-from kvforge.errors import PRESS_WITH_REUSE, UserError
+from kvforge.errors import STORES_DOCUMENTS, UserError, check_combination
 
 if TYPE_CHECKING:
     from kvforge.engine import Engine
@@ -19,12 +19,11 @@ def check_reuse_args(args: argparse.Namespace) -> Any:
 
     if args.reuse == "rag":
         raise UserError("--reuse rag answers a question over document chunks: use `kvforge rag`")
-    if getattr(args, "press", None):  # the compressed document is stored and reused: query-agnostic, document reuse
-        document = getattr(args, "prompt_file", None) and getattr(args, "prompt", None)
-        if args.reuse not in ("prefix", "document") or not getattr(args, "query_agnostic", False) or not document:
-            raise UserError(PRESS_WITH_REUSE)
-    if getattr(args, "window", None):
-        raise UserError("--reuse cannot be combined with --window")
+    check_combination(press=bool(getattr(args, "press", None)), stores_documents=args.reuse in STORES_DOCUMENTS,
+                      query_aware=not getattr(args, "query_agnostic", False),
+                      has_document=bool(getattr(args, "prompt_file", None) and getattr(args, "prompt", None)),
+                      window=bool(getattr(args, "window", None)),
+                      decoding_budget=getattr(args, "decode_budget", None) is not None)  # fmt: skip
     check_semantic_args(args)
     check_store_url(args.store)
     return open_store(args.store or default_store_url())
@@ -91,17 +90,18 @@ def attach_reuse(engine: Engine, args: argparse.Namespace, store: Any = None) ->
 
 def describe_reuse(gen: Any) -> str:
     """The ``| reuse ...`` part of generate's stderr line: hit/miss, reused tokens, similarity."""
-    info = gen.info.get("reuse", {})
-    kind = info.get("kind", "miss")
+    from kvforge.types import ReuseFacts
+
+    facts = gen.reuse or ReuseFacts()
+    kind, doc = facts.kind, facts.document
     text = f" | reuse {'miss' if kind == 'miss' else kind + ' hit'}: {gen.reused_tokens}/{gen.prompt_tokens} tok"
-    if info.get("compressed"):
+    if doc is not None and doc.compressed:
         text += (
-            f" (reused the compressed document: {info.get('press')} ratio {info.get('compression_ratio')}, quant "
-            f"{info.get('quant')}, {info.get('kept_entries')} entries, {info.get('bytes_loaded')} bytes loaded in "
-            f"{info.get('load_s', 0.0):.3f}s)"
+            f" (reused the compressed document: {doc.press} ratio {doc.compression_ratio}, quant {doc.quant}, "
+            f"{doc.kept_entries} entries, {doc.bytes_loaded} bytes loaded in {doc.load_s:.3f}s)"
         )
-    elif kind == "miss" and info.get("document_key"):
+    elif kind == "miss" and facts.document_key:
         text += " (compressed document stored for later questions)"
-    if info.get("approximate"):
-        text += f" (approximate, similarity {info.get('similarity', 0):.3f})"
+    if facts.approximate:
+        text += f" (approximate, similarity {facts.similarity or 0:.3f})"
     return text

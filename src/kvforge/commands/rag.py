@@ -51,11 +51,12 @@ def run(args: argparse.Namespace) -> int:
     separator = args.separator.encode().decode("unicode_escape")
     gen = engine.run(Request(Chunks(docs, args.question, args.system, separator), args.max_new_tokens, reuse=rag))
     print(gen.text.strip())
-    reuse = gen.info["reuse"]
+    facts = gen.reuse.chunks if gen.reuse is not None else None
+    counts = (facts.recomputed_tokens, facts.fresh_tokens, facts.chunk_hits, facts.chunk_misses) if facts else None
+    recomputed, fresh, hits, misses = counts or (gen.prompt_tokens, 0, 0, 0)
     print(
-        f"strategy={args.strategy} tokens={gen.prompt_tokens} reused={gen.reused_tokens} "
-        f"recomputed={reuse.get('recomputed_tokens', gen.prompt_tokens)} fresh={reuse.get('fresh_tokens', 0)} "
-        f"ttft={gen.ttft_s:.3f}s chunk_hits={reuse.get('chunk_hits', 0)} chunk_misses={reuse.get('chunk_misses', 0)}",
+        f"strategy={args.strategy} tokens={gen.prompt_tokens} reused={gen.reused_tokens} recomputed={recomputed} "
+        f"fresh={fresh} ttft={gen.ttft_s:.3f}s chunk_hits={hits} chunk_misses={misses}",
         file=sys.stderr,
     )
     return 0

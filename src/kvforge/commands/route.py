@@ -8,12 +8,11 @@ import time
 from typing import Any
 
 from kvforge.commands._common import (
-    add_connection_args,
+    add_http_args,
     check_api_key,
     check_port_free,
     check_store_url,
     connection_options,
-    positive_int,
 )
 from kvforge.errors import UserError
 
@@ -35,13 +34,7 @@ def register(sub: Any, bench_sub: Any) -> None:
     )
     p.add_argument("--compression-ratio", type=float, default=0.75, help="fraction of a document's entries removed")
     p.add_argument("--quant", default=None, help="how documents are stored: int8, int4, kvtc, kvtc-b2.2, ...")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (local only by default)")
-    p.add_argument("--port", type=int, default=8200)
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("KVFORGE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $KVFORGE_API_KEY; none = open)",
-    )
+    add_http_args(p, port=8200)
     p.add_argument(
         "--upstream-api-key",
         default=os.environ.get("KVFORGE_UPSTREAM_API_KEY"),
@@ -50,8 +43,6 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--upstream-wait", type=float, default=300.0, help="seconds to wait for the upstream to answer")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per upstream request")
     p.add_argument("--record-wait", type=float, default=10.0, help="seconds to wait for a missed prompt's blocks")
-    p.add_argument("--max-body-bytes", type=positive_int, default=8 * 2**20)
-    add_connection_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_route)
 

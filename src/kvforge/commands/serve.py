@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from kvforge.commands._common import (
-    add_connection_args,
+    add_http_args,
     add_model_args,
     check_api_key,
     check_port_free,
@@ -26,8 +26,7 @@ from kvforge.names import REUSE_NAMES
 def register(sub: Any, bench_sub: Any) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, KV reuse, metrics)")
     add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: local only)")
-    p.add_argument("--port", type=int, default=8000)
+    add_http_args(p, port=8000)
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     p.add_argument("--store", default=None, help="KV store URL (memory://, file:///dir, redis://host:port/db)")
     p.add_argument("--reuse", choices=[*REUSE_NAMES, "none"], default="none", help="KV reuse strategy")
@@ -36,15 +35,8 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument("--press", default=None, help="default compression method, options as "
                    "name:key=value (see `kvforge presses`; clients name presses only)")  # fmt: skip
     p.add_argument("--compression-ratio", type=ratio, default=0.5, help="fraction of KV entries removed")
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("KVFORGE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $KVFORGE_API_KEY; none = open)",
-    )
     p.add_argument("--max-queue", type=positive_int, default=16, help="waiting requests before 429s")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request (queueing included)")
-    p.add_argument("--max-body-bytes", type=positive_int, default=8 * 2**20)
-    add_connection_args(p)
     p.add_argument(
         "--grace-period",
         type=float,

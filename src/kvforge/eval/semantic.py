@@ -125,7 +125,8 @@ class _OrFull:
             return plan
         cache, snapshot, logits, _ = self.memo.full
         snapshot.restore()  # undo the tokens an earlier row decoded on it
-        return ReusePlan(cache, len(token_ids), [], kind="given", logits=logits, info=plan.info)
+        return ReusePlan(cache, len(token_ids), [], kind="given", logits=logits, reason=plan.reason,
+                         info=plan.info)  # fmt: skip
 
     def record(self, token_ids: Seq[int], cache: KVCache, *, text: str | None = None, context: Any = None) -> None:
         """Nothing: the example's store holds the stored question only."""
@@ -168,7 +169,7 @@ def semantic_trial(spec: str, embedder: Any = None) -> Trial:
         pre.columns = {
             "hit": plan.is_hit,
             "similarity": None if plan.similarity is None else round(float(plan.similarity), 4),
-            "reuse_reason": plan.info.get("reason"),
+            "reuse_reason": plan.reason,
             "stored_question": example.stored_question,
         }
         return pre

@@ -122,8 +122,9 @@ def stored_trial(
         request.reuse = DocumentReuse(bank.store, reader.model_id, device=engine.model.device)
         pre, seq = prefill_request(reader, request, example.max_new_tokens)
         if not seq.plan.is_hit:  # the store evicted it (too small), or cannot read it (its codec's basis is missing)
-            raise RuntimeError(f"stored document {seq.plan.info.get('document_key')} was not found again")
-        pre.columns = {"quant": quant, **columns, "load_s": seq.plan.info["load_s"]}
+            raise RuntimeError(f"stored document {seq.plan.document_key} was not found again")
+        assert seq.plan.document is not None
+        pre.columns = {"quant": quant, **columns, "load_s": seq.plan.document.load_s}
         return pre
 
     return Trial(stored_method(method, quant), ratio, prefill)

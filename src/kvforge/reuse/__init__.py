@@ -8,7 +8,15 @@ when a semantic strategy is built or used.
 
 from typing import Any
 
-from kvforge.reuse.base import Embedder, PromptContext, ReusePlan, ReuseStrategy, digest, miss_plan
+from kvforge.reuse.base import (
+    Embedder,
+    PromptContext,
+    ReusePlan,
+    ReuseStrategy,
+    StoresCompressedDocuments,
+    digest,
+    miss_plan,
+)
 from kvforge.reuse.document import DocumentReuse
 from kvforge.reuse.embedder import EMBEDDERS, FakeEmbedder, MiniLMEmbedder
 from kvforge.reuse.prefix import PrefixReuse
@@ -82,6 +90,7 @@ __all__ = [
     "ReusePlan",
     "ReuseStrategy",
     "SemanticReuse",
+    "StoresCompressedDocuments",
     "build_reuse",
     "digest",
     "miss_plan",

@@ -16,7 +16,7 @@ import numpy as np
 from torch import Tensor
 
 from kvforge.cache import KVCache
-from kvforge.types import KVSegment
+from kvforge.types import ChunkFacts, DocumentFacts, KVSegment, ReuseFacts
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,10 @@ class ReusePlan:
             answers the donor prompt; context mode reuses a slightly different document).
         similarity: cosine similarity of the semantic match (None for exact reuse and misses).
         donor_prompt: the text of the matched stored prompt (semantic hits).
-        info: extra facts for reports (keys, number of blocks loaded, load time...).
+        reason: why it is a miss.
+        document_key, document: the document looked up, and what was loaded (document reuse).
+        chunks: what RAG chunk reuse did.
+        info: other facts, reported only (number of blocks loaded, load time...).
         press_size: the first ``press_size`` tokens of ``prefill_ids`` are the document part a document strategy did
             not find: prefilled under the request's press (when it has one) as one step unit, and recorded alone.
         prefill_positions: the RoPE position of each of ``prefill_ids`` when they are not the ones following
@@ -114,6 +117,10 @@ class ReusePlan:
     approximate: bool = False
     similarity: float | None = None
     donor_prompt: str | None = None
+    reason: str | None = None
+    document_key: str | None = None
+    document: DocumentFacts | None = None
+    chunks: ChunkFacts | None = None
     info: dict[str, Any] = field(default_factory=dict)
     press_size: int = 0
     prefill_positions: list[int] | None = None
@@ -136,14 +143,15 @@ class ReusePlan:
         reused = [] if self.cache is None else list(self.cache.token_ids[: self.reused_tokens])
         return reused + list(self.prefill_ids)
 
+    def facts(self, **engine: Any) -> ReuseFacts:
+        """What this plan reuses (``engine``: the facts only the engine knows, e.g. ``plan_s``)."""
+        details = {k: v for k, v in self.info.items() if isinstance(v, (str, int, float, bool))}
+        return ReuseFacts(self.kind, self.reused_tokens, self.approximate, self.similarity, self.donor_prompt,
+                          self.reason, self.document_key, self.document, self.chunks, details, **engine)  # fmt: skip
+
     def summary(self) -> dict[str, Any]:
-        """JSON-able description (what the engine puts in ``Generation.info["reuse"]``)."""
-        out: dict[str, Any] = {"kind": self.kind, "reused_tokens": self.reused_tokens, "approximate": self.approximate}
-        if self.similarity is not None:
-            out["similarity"] = round(float(self.similarity), 4)
-        if self.donor_prompt is not None:
-            out["donor_prompt"] = self.donor_prompt
-        return out | {k: v for k, v in self.info.items() if isinstance(v, (str, int, float, bool))}
+        """The facts as one flat JSON object (result rows)."""
+        return self.facts().as_dict()
 
 
 @runtime_checkable
@@ -152,7 +160,7 @@ class ReuseStrategy(Protocol):
 
     The engine executes any plan the same way: load ``plan.cache`` -> prefill ``plan.prefill_ids`` (the first
     ``plan.press_size`` under the press) -> decode -> ``record``. A strategy that stores compressed documents
-    (``context.press`` set) says so with a class attribute ``stores_compressed = True``; the engine refuses a press
+    (``context.press`` set) says so by its type (:class:`StoresCompressedDocuments`); the engine refuses a press
     with any other strategy. ``record`` gets the cache holding exactly what the plan asked to compute and store: for a
     compressed document, the document's compressed KV alone (before the question was added).
     """
@@ -164,6 +172,12 @@ class ReuseStrategy(Protocol):
     def record(
         self, token_ids: Sequence[int], cache: KVCache, *, text: str | None = None, context: PromptContext | None = None
     ) -> None: ...
+
+
+class StoresCompressedDocuments:
+    """Base of the reuse strategies that store a prompt's document part whole, compressed by the request's
+    query-agnostic press (``context.press``): the only strategies a press combines with
+    (:func:`kvforge.errors.check_combination`)."""
 
 
 @dataclass
@@ -206,11 +220,13 @@ class Embedder(Protocol):
     def embed(self, texts: Sequence[str]) -> np.ndarray: ...
 
 
-def miss_plan(token_ids: Sequence[int], **info: Any) -> ReusePlan:
+def miss_plan(
+    token_ids: Sequence[int], reason: str | None = None, document_key: str | None = None, **info: Any
+) -> ReusePlan:
     """The plan that reuses nothing: prefill everything."""
     if not token_ids:
         raise ValueError("empty prompt: nothing to prefill")
-    return ReusePlan(cache=None, reused_tokens=0, prefill_ids=list(token_ids), info=dict(info))
+    return ReusePlan(None, 0, list(token_ids), reason=reason, document_key=document_key, info=dict(info))
 
 
 def encode_ids(token_ids: Sequence[int]) -> bytes:
@@ -258,7 +274,7 @@ def holds_exactly(cache: KVCache, ids: Sequence[int]) -> bool:
     if cache.next_position < len(ids):
         logger.debug("cache covers %d of %d prompt tokens: not recorded", cache.next_position, len(ids))
         return False
-    if (cache.info.get("reuse") or {}).get("approximate"):
+    if cache.reuse is not None and cache.reuse.approximate:
         logger.debug("cache was built on approximate (semantic) reuse: not recorded")
         return False
     return True

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvforge.cache import KVCache
-from kvforge.reuse.base import PromptContext, ReusePlan, digest, encode_ids, miss_plan
+from kvforge.reuse.base import PromptContext, ReusePlan, StoresCompressedDocuments, digest, encode_ids, miss_plan
 from kvforge.store.quant import canonical_quant
+from kvforge.types import DocumentFacts, ReuseFacts
 
 if TYPE_CHECKING:
     from kvforge.store.base import KVStore
@@ -43,7 +44,7 @@ def quant_name(quant: str | None) -> str:
 
 
 @dataclass
-class DocumentReuse:
+class DocumentReuse(StoresCompressedDocuments):
     """Finds and records documents in ``store``, compressed by the request's press when it has one (query-agnostic).
 
     A prompt without a document part (no :class:`~kvforge.reuse.base.PromptContext`) is a miss and records nothing.
@@ -57,8 +58,6 @@ class DocumentReuse:
     store: KVStore
     model_id: str
     device: Any = None
-
-    stores_compressed = True  # the engine hands this strategy the query-agnostic press of a document request
 
     def quant_of(self, context: PromptContext) -> str:
         """The quantisation this document is stored under: the context's, else the store's own."""
@@ -97,24 +96,18 @@ class DocumentReuse:
             return plan
         windows = segment.meta.get("layer_windows")
         cache = KVCache.from_segment(segment.to(self.device), layer_windows=windows)
-        cache.info = {"reuse": {"kind": "prefix", "reused_tokens": num_doc, "approximate": False}}
+        cache.info, cache.reuse = {}, ReuseFacts("prefix", num_doc)
         press = context.press
-        return ReusePlan(
-            cache=cache,
-            reused_tokens=num_doc,
-            prefill_ids=ids[num_doc:],
-            kind="prefix",
-            info={
-                "compressed": press is not None,
-                "press": None if press is None else getattr(press, "name", str(press)),
-                "compression_ratio": float(press.ratio()) if hasattr(press, "ratio") else None,
-                "quant": self.quant_of(context),
-                "kept_entries": segment.num_entries(),
-                "load_s": time.perf_counter() - t0,
-                "bytes_loaded": _stored_bytes(self.store, key, segment),
-                "document_key": key,
-            },
+        loaded = DocumentFacts(
+            compressed=press is not None,
+            press=None if press is None else getattr(press, "name", str(press)),
+            compression_ratio=float(press.ratio()) if hasattr(press, "ratio") else None,
+            quant=self.quant_of(context),
+            kept_entries=segment.num_entries(),
+            bytes_loaded=_stored_bytes(self.store, key, segment),
+            load_s=time.perf_counter() - t0,
         )
+        return ReusePlan(cache, num_doc, ids[num_doc:], kind="prefix", document_key=key, document=loaded)
 
     def _fits(self, segment: Any, doc_ids: list[int], context: PromptContext) -> bool:
         meta = segment.meta or {}

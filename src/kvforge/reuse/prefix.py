@@ -29,7 +29,7 @@ from kvforge.cache import KVCache
 from kvforge.errors import StoreUnavailableError
 from kvforge.reuse import chain as ch
 from kvforge.reuse.base import PromptContext, ReusePlan, covers, full_layers_complete, holds_exactly, miss_plan
-from kvforge.types import KVSegment
+from kvforge.types import KVSegment, ReuseFacts
 
 if TYPE_CHECKING:
     from kvforge.store.base import KVStore
@@ -119,7 +119,7 @@ class PrefixReuse:
         used = [s for s in segments if s.meta["block_start"] < end]
         windows = used[0].meta.get("layer_windows")
         cache = KVCache.from_segments(used, end=end, layer_windows=windows, device=self.device)
-        cache.info["reuse"] = {"kind": "prefix", "reused_tokens": end, "approximate": False}
+        cache.reuse = ReuseFacts("prefix", end)
         info: dict[str, Any] = {"blocks": len(used), "load_s": time.perf_counter() - t0}
         if branch is not None and end > branch.start:
             info["branch_tokens"] = end - branch.start
@@ -261,7 +261,7 @@ class PrefixReuse:
         bounds, chains = self.block_bounds(len(ids)), self.block_chains(ids)
         windows = list(cache.native_windows)
         branch = cache.info.get("prefix_branch") if isinstance(cache.info.get("prefix_branch"), dict) else None
-        reused = int((cache.info.get("reuse") or {}).get("reused_tokens", 0))
+        reused = cache.reuse.reused_tokens if cache.reuse is not None else 0
         written: dict[int, KVSegment] = {}
         chain_idx: list[int] = []
         for i, (start, end) in enumerate(bounds):

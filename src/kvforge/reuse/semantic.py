@@ -67,7 +67,7 @@ from kvforge.reuse.guards import tokens
 from kvforge.reuse.index import IndexEntry, SemanticIndex, read_record, record_bytes
 from kvforge.reuse.policy import POPULATION_FLOOR, BoundedErrorPolicy, Policy
 from kvforge.reuse.stats import SharedStats, StatsView
-from kvforge.types import KVSegment
+from kvforge.types import KVSegment, ReuseFacts
 
 if TYPE_CHECKING:
     from kvforge.reuse.base import Embedder
@@ -195,8 +195,8 @@ class SemanticReuse:
         plan.check = check
         if plan.cache is not None:
             plan.approximate, plan.similarity, plan.donor_prompt = True, similarity, entry.text
-            plan.cache.info["reuse"] |= {"approximate": True, "similarity": similarity, "score": score}
             plan.info["score"] = score
+            plan.cache.reuse = plan.facts()
         return plan
 
     def _plan(self, segment: KVSegment, ids: list[int], tail: list[int], t0: float, kind: str) -> ReusePlan:
@@ -209,7 +209,7 @@ class SemanticReuse:
         cache = KVCache.from_segments(
             [segment], end=end, layer_windows=segment.meta.get("layer_windows"), device=self.device
         )
-        cache.info["reuse"] = {"kind": kind, "reused_tokens": end, "approximate": False}
+        cache.reuse = ReuseFacts(kind, end)
         return ReusePlan(
             cache=cache,
             reused_tokens=end,

@@ -26,14 +26,8 @@ def build_normalizer(
     """The normaliser for ``model`` (the path vLLM serves) on ``store``: block keys as the connector announced them,
     kvforge's semantic policy (MiniLM unless ``embedder`` is given) over the store's semantic index."""
     from kvforge.reuse import MiniLMEmbedder, PrefixReuse, SemanticReuse
-    from kvforge.vllm.identity import find_served
 
-    served = find_served(store, model)
-    if served is None:
-        raise UserError(
-            f"no vLLM server with kvforge's connector has announced {model!r} in {store_url}: start vLLM with "
-            '--kv-transfer-config ... "kv_connector_extra_config": {"store": ...} on this same store'
-        )
+    served = _served(store, model, store_url)
     kwargs: dict[str, Any] = {} if threshold is None else {"threshold": threshold}
     semantic = SemanticReuse(store, served.model_id, embedder or MiniLMEmbedder(), mode="canonical", **kwargs)
     prefix = PrefixReuse(store, served.model_id, block_size=served.block_size)
@@ -51,19 +45,30 @@ def build_documents(
     from transformers import AutoTokenizer
 
     from kvforge.route.documents import DocumentRouter
-    from kvforge.vllm.client import VllmDocuments
-    from kvforge.vllm.identity import find_served
+    from kvforge.vllm.client import DEFAULT_SLOT_MULTIPLE, VllmDocuments
 
-    served = find_served(store, model)
-    if served is None:
-        raise UserError(f"no vLLM server with kvforge's connector has announced {model!r} in the store")
+    served = _served(store, model, "the store")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
     except OSError as e:
         raise UserError(f"cannot read the tokenizer of {model!r} here ({e})") from None
-    base = VllmDocuments(store, tokenizer, served.model_id, None)
+    blocks = served.kv_block_size or DEFAULT_SLOT_MULTIPLE  # documents fill whole blocks of vLLM's cache
+    base = VllmDocuments(store, tokenizer, served.model_id, None, slot_multiple=blocks)
     folder = model if Path(model).is_dir() else None
     return DocumentRouter(base, press, compression_ratio, quant, max_model_len, folder)
+
+
+def _served(store: KVStore, model: str, store_url: str) -> Any:
+    """What the connector announced for ``model`` in ``store`` (its fingerprint and block size)."""
+    from kvforge.vllm.identity import find_served
+
+    served = find_served(store, model)
+    if served is None:
+        raise UserError(
+            f"no vLLM server with kvforge's connector has announced {model!r} in {store_url}: start vLLM with "
+            '--kv-transfer-config ... "kv_connector_extra_config": {"store": ...} on this same store'
+        )
+    return served
 
 
 def create_router_app(*args: Any, **kwargs: Any) -> Any:

@@ -8,6 +8,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from functools import partial
 from typing import Any, TypeVar
 
@@ -25,7 +26,7 @@ from kvforge.serve.jobs import Job, QueueFullError, ShuttingDownError
 from kvforge.serve.metrics import Metrics
 from kvforge.serve.scheduler import Scheduler
 from kvforge.serve.translate import ServerOptions, Translated, Translator
-from kvforge.types import Generation
+from kvforge.types import Generation, ReuseFacts
 
 _Body = TypeVar("_Body", bound=BaseModel)
 _POLL_S = 0.25  # how often a waiting non-streaming request checks for a client disconnect
@@ -166,9 +167,9 @@ class Server:
 
     def kvforge_field(self, gen: Generation, job: Job, t: Translated) -> dict[str, Any]:
         """The ``kvforge`` field of an answer (what reuse and compression did), metrics observed on the way."""
-        metrics, info = self.metrics, gen.info.get("reuse") or {}
-        kind = info.get("kind", "none")  # "none": the engine did not look (no strategy)
-        if info and t.label != "none":
+        metrics, facts = self.metrics, gen.reuse
+        kind = facts.kind if facts is not None else "none"  # "none": the engine did not look (no strategy)
+        if facts is not None and t.label != "none":
             metrics.observe_reuse(t.label, kind)
         queue_s = (job.started or job.submitted) - job.submitted
         metrics.ttft.labels(job.endpoint).observe(gen.ttft_s)
@@ -177,24 +178,26 @@ class Server:
         metrics.reused_tokens.inc(gen.reused_tokens)
         metrics.completion_tokens.inc(len(gen.token_ids))
         metrics.vllm.observe(queue_s, gen.ttft_s, time.monotonic() - job.submitted, gen.info.get("token_times", []),
-                             gen.prompt_tokens, len(gen.token_ids), bool(info), gen.reused_tokens,
+                             gen.prompt_tokens, len(gen.token_ids), facts is not None, gen.reused_tokens,
                              gen.finish_reason)  # fmt: skip
+        facts = facts or ReuseFacts()
+        document = facts.document
         return {
             "reuse": kind,
             "reused_tokens": gen.reused_tokens,
             "recomputed_tokens": gen.prompt_tokens - gen.reused_tokens,
-            "approximate": bool(info.get("approximate", False)),
-            "similarity": info.get("similarity"),
-            "miss_reason": info.get("reason"),
+            "approximate": facts.approximate,
+            "similarity": None if facts.similarity is None else round(float(facts.similarity), 4),
+            "miss_reason": facts.reason,
             "ttft_s": round(gen.ttft_s, 6),
             "queue_s": round(queue_s, 6),
             "press": t.press,
             "compression_ratio": t.compression_ratio,
             "cache_bytes": gen.cache_bytes,
-            "compressed": bool(info.get("compressed", False)),  # the reused document was stored compressed
-            "bytes_loaded": info.get("bytes_loaded"),
-            "quant": info.get("quant"),
-        } | ({"rag": _rag_field(info)} if kind == "chunks" else {})
+            "compressed": document is not None and document.compressed,  # the reused document was stored compressed
+            "bytes_loaded": document.bytes_loaded if document is not None else None,
+            "quant": document.quant if document is not None else None,
+        } | ({"rag": asdict(facts.chunks)} if facts.chunks is not None else {})
 
 
 def check_sizes(body: bytes, check: Callable[[Any, bool], None], first: int = 64 * 2**10) -> None:
@@ -220,12 +223,6 @@ def check_sizes(body: bytes, check: Callable[[Any, bool], None], first: int = 64
     except ValueError:
         return  # not JSON: the schema's own message
     check(whole, False)
-
-
-def _rag_field(info: dict[str, Any]) -> dict[str, Any]:
-    """What RAG chunk reuse did: method, ratio, chunks found stored (hits) or computed now (misses), token counts."""
-    keys = ("method", "recompute_ratio", "chunks", "chunk_hits", "chunk_misses", "recomputed_tokens", "fresh_tokens")
-    return {k: info.get(k) for k in keys}
 
 
 def shutting_down() -> APIError:

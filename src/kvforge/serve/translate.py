@@ -13,11 +13,11 @@ from typing import Any
 
 from kvforge.decode import PresenceFrequencyPenalty, SamplingParams
 from kvforge.engine import Engine
-from kvforge.errors import PRESS_WITH_REUSE, UserError
+from kvforge.errors import STORES_DOCUMENTS, UserError, check_combination
 from kvforge.names import RAG_RECOMPUTING
 from kvforge.presses.base import Press
 from kvforge.request import Chunks, Document, Prompt, Request
-from kvforge.reuse.base import ReuseStrategy
+from kvforge.reuse.base import ReuseStrategy, StoresCompressedDocuments
 from kvforge.serve import schemas as S
 from kvforge.serve.errors import APIError, user_error
 from kvforge.serve.features import Features
@@ -66,8 +66,13 @@ class Translator:
         press_name = opts.press if opts.press is not None else o.press
         press = self.features.press(press_name, ratio, client=opts.press is not None)
         reuse, label = self._reuse(opts)
-        if press is not None and label != "none" and (opts.query_aware is not False or label == "semantic"):
-            raise APIError(400, PRESS_WITH_REUSE, param="kvforge.press")  # the engine's and the CLI's message
+        if label != "none":  # the engine's rule, before the request queues
+            try:
+                check_combination(press=press is not None, stores_documents=self._stores_documents(reuse, label),
+                                  query_aware=opts.query_aware is not False, window=self.engine.window is not None,
+                                  decoding_budget=self.engine.decoding_press is not None)  # fmt: skip
+            except UserError as e:
+                raise APIError(400, str(e), param="kvforge.press" if press is not None else "kvforge.reuse") from e
         if opts.quant is not None:
             if press is None or opts.query_aware is not False or label == "none":
                 raise APIError(400, "kvforge.quant sets how a compressed document is stored: it needs kvforge.press, "
@@ -101,6 +106,11 @@ class Translator:
             raise APIError(400, "kvforge.semantic_mode needs semantic reuse", param="kvforge.semantic_mode")
         strategy = self.features.reuse(label, opts.semantic_mode or o.semantic_mode)
         return (strategy if strategy is not None else False), label
+
+    def _stores_documents(self, reuse: ReuseStrategy | bool, label: str) -> bool:
+        """Whether the request's reuse stores a compressed document (by name, or the operator's own strategy)."""
+        strategy = self.engine.reuse if reuse is True else reuse
+        return label in STORES_DOCUMENTS or isinstance(strategy, StoresCompressedDocuments)
 
     def _context_mode(self, opts: S.KVForgeOptions) -> bool:
         """Whether this request's reuse is semantic in context mode."""

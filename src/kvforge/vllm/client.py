@@ -29,6 +29,24 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_SLOT_MULTIPLE = 128  # vLLM's default block size on CPU (and a multiple of its GPU default, 16)
+
+
+def whole_blocks_press(press: Press, num_tokens: int, multiple: int | None) -> Press:
+    """``press`` for a document of ``num_tokens`` tokens, keeping its own count rounded down to a multiple of
+    ``multiple`` (never more than the press asks; a count under one multiple stays as it is): the same press, another
+    compression ratio."""
+    from dataclasses import replace
+
+    from kvforge.presses.base import num_kept
+
+    ratio = getattr(press, "compression_ratio", None)
+    if not multiple or ratio is None:
+        return press
+    kept = num_kept(num_tokens, ratio)
+    target = kept - kept % multiple
+    return press if target in (0, kept) else replace(press, compression_ratio=1.0 - target / num_tokens)
+
 
 def uniform_press(name: str, compression_ratio: float) -> Press:
     """The press ``name`` keeping one count of entries on every layer and KV head (what vLLM's cache holds):
@@ -75,6 +93,11 @@ class VllmDocuments:
         press: a press keeping a uniform count (:func:`uniform_press`); None stores documents uncompressed.
         quant: storage quantisation or transform code (``int8``, ``kvtc``, ...; None: the store's own).
         engine: kvforge's engine on the same weights, to compress documents (only :meth:`store` needs it).
+        slot_multiple: a document keeps what the press keeps rounded down to a multiple of this many slots (vLLM's
+            block size, or a multiple of it: 128 is vLLM's CPU default and a multiple of its GPU default 16), so
+            its placeholder fills whole blocks and a later question on a document vLLM still holds is a plain
+            prefix-cache hit: vLLM caches only whole blocks, and a partial last block is loaded again each time.
+            None or 0: the press's own count.
     """
 
     store: KVStore
@@ -83,14 +106,17 @@ class VllmDocuments:
     press: Press | None
     quant: str | None = None
     engine: Engine | None = None
+    slot_multiple: int | None = DEFAULT_SLOT_MULTIPLE
     _reuse: Any = field(default=None, repr=False)
 
     @classmethod
     def for_model(
         cls, folder: str, store: str | KVStore, press: str | None = "kvzip", compression_ratio: float = 0.75,
-        quant: str | None = None, load: bool = True,
+        quant: str | None = None, load: bool = True, slot_multiple: int | None = None,
     ) -> VllmDocuments:  # fmt: skip
-        """For the model folder vLLM serves (``load``: also load it into kvforge's engine, to store documents)."""
+        """For the model folder vLLM serves (``load``: also load it into kvforge's engine, to store documents).
+        ``slot_multiple`` None: the block size of vLLM's cache that a connector announced for ``folder`` in the
+        store, else :data:`DEFAULT_SLOT_MULTIPLE`; 0: the press's own count."""
         from kvforge.model import folder_fingerprint
         from kvforge.store import open_store
 
@@ -114,7 +140,12 @@ class VllmDocuments:
             from transformers import AutoTokenizer
 
             engine, tokenizer, model_id = None, AutoTokenizer.from_pretrained(folder), folder_fingerprint(folder)
-        return cls(kv, tokenizer, model_id, press_obj, quant, engine)
+        if slot_multiple is None:
+            from kvforge.vllm.identity import find_served
+
+            served = find_served(kv, folder)
+            slot_multiple = (served.kv_block_size if served else None) or DEFAULT_SLOT_MULTIPLE
+        return cls(kv, tokenizer, model_id, press_obj, quant, engine, slot_multiple)
 
     @property
     def reuse(self) -> Any:
@@ -138,16 +169,24 @@ class VllmDocuments:
     def _context(self, text: str, num_tokens: int) -> Any:
         from kvforge.reuse.base import PromptContext
 
-        return PromptContext(text, num_tokens, press=self.press, quant=self.quant)
+        return PromptContext(text, num_tokens, press=self.press_for(num_tokens), quant=self.quant)
+
+    def press_for(self, num_tokens: int) -> Press | None:
+        """The press a document of ``num_tokens`` tokens is stored with (its count in whole blocks of slots)."""
+        return None if self.press is None else whole_blocks_press(self.press, num_tokens, self.slot_multiple)
 
     def key(
         self, text: str, question: str = "?", system: str | None = None, answer_prefix: str = ""
     ) -> tuple[str, list[int]]:
         """(the document's store key, the question's tokens after it) for ``text`` asked ``question``."""
+        key, _, q_ids = self._key(text, question, system, answer_prefix)
+        return key, q_ids
+
+    def _key(self, text: str, question: str, system: str | None, answer_prefix: str) -> tuple[str, int, list[int]]:
         from kvforge.request import encode_qa
 
         ctx_ids, q_ids = encode_qa(self.tokenizer, text, question, system, answer_prefix)
-        return self.reuse.key(ctx_ids, self._context(text, len(ctx_ids))), q_ids
+        return self.reuse.key(ctx_ids, self._context(text, len(ctx_ids))), len(ctx_ids), q_ids
 
     def add(self, texts: Sequence[str], system: str | None = None) -> list[docs.ServedDocument]:
         """Compress and store each document once (kvforge's engine), described for vLLM; stored ones are kept."""
@@ -157,11 +196,11 @@ class VllmDocuments:
             raise UserError("storing documents needs kvforge's engine on the served weights (load=True)")
         out = []
         for text in texts:
-            key, _ = self.key(text, system=system)
+            key, num_tokens, _ = self._key(text, "?", system, "")
             doc = docs.find(self.store, key)
             if doc is None:
                 if not self.store.contains(key):
-                    request = Request(Document(text, None, system), max_new_tokens=0, press=self.press,
+                    request = Request(Document(text, None, system), max_new_tokens=0, press=self.press_for(num_tokens),
                                       query_aware=False, reuse=self.reuse, quant=self.quant)  # fmt: skip
                     self.engine.run(request)
                 doc = docs.publish(self.store, key, self.vocab_size)

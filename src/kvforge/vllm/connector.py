@@ -164,7 +164,8 @@ class KVForgeConnector(KVConnectorBase_V1):
                 save=self._kv_transfer_config.is_kv_producer,
             )
             if self.planner.save:  # the router reads what the blocks are keyed by from the store
-                served = ServedModel(vllm_config.model_config.model, self.model_id, self.settings.block_size)
+                served = ServedModel(vllm_config.model_config.model, self.model_id, self.settings.block_size,
+                                     vllm_config.cache_config.block_size)
                 try:
                     announce(self.store, served)
                 except Exception as e:  # a read-only store: blocks still load, routers cannot find this model

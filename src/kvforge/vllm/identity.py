@@ -27,6 +27,7 @@ class ServedModel:
     model: str  # the path (or hub id) vLLM serves, as it reports it
     model_id: str  # kvforge fingerprint
     block_size: int  # tokens per stored block
+    kv_block_size: int | None = None  # tokens per block of vLLM's own paged cache (None: an older announcement)
 
 
 def blob_key(model: str) -> str:
@@ -45,8 +46,10 @@ def find_served(store: KVStore, model: str) -> ServedModel | None:
         return None
     try:
         fields = json.loads(data)
+        kv_block = fields.get("kv_block_size")
         return ServedModel(
-            model=str(fields["model"]), model_id=str(fields["model_id"]), block_size=int(fields["block_size"])
+            model=str(fields["model"]), model_id=str(fields["model_id"]), block_size=int(fields["block_size"]),
+            kv_block_size=None if kv_block is None else int(kv_block),
         )
     except (ValueError, KeyError, TypeError):
         return None

@@ -23,6 +23,7 @@ from kvforge.reuse.rag.chunks import ChunkCache
 from kvforge.reuse.rag.methods import ChunkMethod, FullStrategy, make_strategy
 from kvforge.reuse.rag.prompt import RagPrompt, build_prompt
 from kvforge.rope import RopeSpec, rope_spec
+from kvforge.types import ChunkFacts
 
 if TYPE_CHECKING:
     from kvforge.store.base import KVStore
@@ -38,8 +39,6 @@ class ChunkPlan(ReusePlan):
     """
 
     prompt_ids: list[int] | None = None
-    recomputed_tokens: int = 0
-    fresh_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prefill_ids:
@@ -53,8 +52,13 @@ class ChunkPlan(ReusePlan):
     def token_ids(self) -> list[int]:
         return list(self.prompt_ids or [])
 
-    def summary(self) -> dict[str, Any]:
-        return super().summary() | {"recomputed_tokens": self.recomputed_tokens, "fresh_tokens": self.fresh_tokens}
+    @property
+    def recomputed_tokens(self) -> int:
+        return self.chunks.recomputed_tokens if self.chunks is not None else 0
+
+    @property
+    def fresh_tokens(self) -> int:
+        return self.chunks.fresh_tokens if self.chunks is not None else 0
 
 
 @dataclass(eq=False)
@@ -156,23 +160,24 @@ class ChunkReuse:
             raise ValueError("the last prompt token must be run (its logits start decoding)")
         num_cached = int(asm.is_cached.sum())
         num_recomputed = int((sel.recompute & asm.is_cached).sum())
-        info = {
-            "method": self.name,
-            "recompute_ratio": float(getattr(self.method, "recompute_ratio", None) or 0.0),
-            "chunks": len(context.chunk_ids),
-            "chunk_hits": self.chunks.num_hits - hits,
-            "chunk_misses": self.chunks.num_misses - misses,
-        } | sel.info
+        facts = ChunkFacts(
+            method=self.name,
+            recompute_ratio=float(getattr(self.method, "recompute_ratio", None) or 0.0),
+            chunks=len(context.chunk_ids),
+            chunk_hits=self.chunks.num_hits - hits,
+            chunk_misses=self.chunks.num_misses - misses,
+            recomputed_tokens=num_recomputed,
+            fresh_tokens=asm.num_tokens - num_cached,
+        )
         return ChunkPlan(
             cache=cache,
             reused_tokens=num_cached - num_recomputed,
             prefill_ids=asm.ids[run].tolist(),
             kind="chunks",
-            info=info,
+            chunks=facts,
+            info=dict(sel.info),
             prefill_positions=asm.positions[run].tolist(),
             prompt_ids=asm.ids.tolist(),
-            recomputed_tokens=num_recomputed,
-            fresh_tokens=asm.num_tokens - num_cached,
         )
 
     def record(self, token_ids: Sequence[int], cache: KVCache, *, text: str | None = None, context: Any = None) -> None:

@@ -64,7 +64,7 @@ async def _store_documents(server: Server, request: HTTPRequest, req: S.Document
     gens = await server.wait_all(request, jobs)
     if gens is None:
         return None
-    lost = sum(g.info.get("reuse", {}).get("lost_writes", 0) for g in gens if g is not None)
+    lost = sum(g.reuse.lost_writes or 0 for g in gens if g is not None and g.reuse is not None)
     if lost:  # 503 unless every entry was kept: never a 200 that names what was not stored
         raise store_unavailable(
             f"the KV store did not keep {lost} of the entries to write (unavailable, full or read-only): nothing is "
