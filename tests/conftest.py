@@ -11,7 +11,7 @@ import torch
 from kvforge.testing import ARCHS, tiny_model, tiny_tokenizer
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-# a kvzap press met without a trained scorer trains one on first use: on tiny models, a small one (seconds)
+# the first use of a kvzap press trains its scorer (kvforge.kvzap_train.ensure_trained): on tiny models, a small one
 os.environ.setdefault("KVFORGE_KVZAP_WINDOW", "128")
 os.environ.setdefault("KVFORGE_KVZAP_WINDOWS", "3")
 
@@ -19,6 +19,18 @@ os.environ.setdefault("KVFORGE_KVZAP_WINDOWS", "3")
 @pytest.fixture(scope="session", params=sorted(ARCHS))
 def arch(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+@pytest.fixture()
+def kvzap_scorers() -> None:
+    """KVzap presses read a scorer trained once per model (an explicit step): the tiny models' ones, in the cache dir
+    the test sees (seconds, once per folder)."""
+    from kvforge.kvzap_train import ensure_trained
+    from kvforge.presses import build_press
+
+    for arch in sorted(ARCHS):
+        for name in ("kvzap", "kvzap-mlp"):
+            ensure_trained(build_press(name, 0.5), tiny_model(arch), tiny_tokenizer())
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import torch
 from kvforge.attention import attend, attention_scores, sdpa
 from kvforge.cache import KVCache
 from kvforge.decode import decode
+from kvforge.kvzap_train import ensure_trained
 from kvforge.prefill import forward, prefill
 from kvforge.presses import PRESSES, build_press, compress_prefill
 from kvforge.store import DiskStore, MemoryStore
@@ -100,6 +101,7 @@ def test_every_press_compresses_and_decodes_on_cuda(name):
         press = build_press(name, 0.5, window_size=16)
     except Exception:
         press = build_press(name, 0.5)
+    ensure_trained(press, model, tiny_tokenizer())  # a learned scorer (KVzap): trained once per model, on CUDA
     cache = KVCache.for_model(model)
     logits = compress_prefill(model, _ids(120, seed=2), cache, press, chunk_size=48, tokenizer=tiny_tokenizer())
     assert _on_cuda(cache) and cache.next_position == 120

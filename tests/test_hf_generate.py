@@ -13,13 +13,14 @@ from kvforge.cache import KVCache
 from kvforge.engine import Engine
 from kvforge.errors import UserError
 from kvforge.hf import attach
+from kvforge.kvzap_train import ensure_trained
 from kvforge.prefill import forward, prefill
 from kvforge.presses import PRESSES, build_press, compressible_layers, num_kept
 from kvforge.testing import ARCHS, tiny_model
 
 S, NEW, CHUNK = 40, 4, 16  # prompt tokens, new tokens, prefill chunk
 
-pytestmark = pytest.mark.usefixtures("one_thread", "calibration_dir")
+pytestmark = pytest.mark.usefixtures("one_thread", "calibration_dir", "kvzap_scorers")
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,10 @@ def test_generate_continues_every_press_cache(model, tokenizer, name):
 
 def test_which_caches_plain_generate_takes(tokenizer):
     """SnapKV keeps the same count per head: plain; AdaKV pads heads, PyramidKV varies layers: kvforge attention."""
-    eng = engine(tiny_model("llama", num_hidden_layers=3), tokenizer)
+    model = tiny_model("llama", num_hidden_layers=3)
+    for name in ("kvzap", "kvzap-mlp"):  # learned scorers: trained once per model, a step of its own
+        ensure_trained(small(name), model, tokenizer)
+    eng = engine(model, tokenizer)
     problems = {n: eng.prefill(ids()[0].tolist(), press=small(n))[0].hf_attention_problem() for n in PRESSES}
     assert problems["snapkv"] is None and problems["full"] is None
     assert "head-wise" in problems["adakv"] and "different lengths" in problems["pyramidkv"]

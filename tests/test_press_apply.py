@@ -15,7 +15,7 @@ from kvforge.testing import ARCHS, tiny_model, tiny_tokenizer
 S, CHUNK = 150, 64
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one thread is faster
+pytestmark = pytest.mark.usefixtures("one_thread", "kvzap_scorers")  # tiny tensors: one thread is faster
 
 
 @pytest.fixture(autouse=True)

@@ -8,12 +8,12 @@ import torch
 from kvforge import cli
 from kvforge.cache import KVCache
 from kvforge.errors import UserError
+from kvforge.kvzap_train import Recorder, _Gram, ensure_trained, replay_targets, train_kvzap
 from kvforge.presses import KVzapModel, build_press, compress_prefill, num_kept
 from kvforge.presses.apply import CompressionSource
-from kvforge.presses.base import Needs
 from kvforge.presses.kvzap import model_path, position_features
-from kvforge.presses.kvzap_train import Recorder, _Gram, replay_targets, train_kvzap
 from kvforge.presses.kvzip_heads import fingerprint_of
+from kvforge.presses.layer import Needs
 from kvforge.testing import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -158,19 +158,22 @@ def test_scoring_runs_no_extra_forward(trained, tmp_path):
         handle.remove()
 
 
-def test_first_use_trains_and_caches_by_fingerprint(tmp_path):
-    """Without a trained file the press trains once on the bundled text and saves it under the model's fingerprint;
-    the next press loads it; without a tokenizer it says how to get one."""
+def test_first_use_trains_once_as_a_step_of_its_own_and_caches_by_fingerprint(tmp_path):
+    """A press without a trained file says how to train one (a press never trains); ``ensure_trained`` trains once
+    on the bundled text and saves under the model's fingerprint; the press then loads it, and nothing trains again."""
     model, tok = tiny_model("qwen2"), tiny_tokenizer()
     ids = tok(TEXT, return_tensors="pt").input_ids[:, :150]
-    compress_prefill(model, ids, KVCache.for_model(model), build_press("kvzap", 0.5), tokenizer=tok)
+    with pytest.raises(UserError, match="kvforge presses train"):
+        compress_prefill(model, ids, KVCache.for_model(model), build_press("kvzap", 0.5), tokenizer=tok)
+    ensure_trained(build_press("kvzap", 0.5), model, tok)
     path = model_path(fingerprint_of(model, tok), "linear")
     assert path.exists()
     stamp = path.stat().st_mtime_ns
+    ensure_trained(build_press("kvzap", 0.5), model, tok)
     compress_prefill(model, ids, KVCache.for_model(model), build_press("kvzap", 0.5), tokenizer=tok)
     assert path.stat().st_mtime_ns == stamp  # loaded, not trained again
     with pytest.raises(UserError, match="tokenizer"):
-        compress_prefill(model, ids, KVCache.for_model(model), build_press("kvzap-mlp", 0.5))
+        ensure_trained(build_press("kvzap-mlp", 0.5), model, None)
 
 
 def test_presses_train_cli(tiny_llama_dir, tmp_path, capsys):

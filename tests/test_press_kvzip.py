@@ -8,12 +8,13 @@ import pytest
 import torch
 
 import kvforge.presses.apply as apply_mod
+import kvforge.presses.replay as replay_mod
 from kvforge.cache import KVCache
 from kvforge.errors import UserError
 from kvforge.presses import KVzipPress, LayerContext, build_press, compress_prefill, compressible_layers, num_kept
 from kvforge.presses.expected_attention import ExpectedAttentionPress, averaged_rope, rotate
-from kvforge.presses.kvzip import REPEAT_PART_PROMPT, REPEAT_PROMPT, header_length, replay_prefix
 from kvforge.presses.kvzip_heads import calibration_path, load_head_scores, save_head_scores
+from kvforge.presses.replay import REPEAT_PART_PROMPT, REPEAT_PROMPT, header_length, replay_prefix
 from kvforge.testing import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -115,7 +116,8 @@ def test_replay_is_a_chunked_chat_turn(tok, monkeypatch):
         calls.append(torch.as_tensor(ids)[0].tolist())
         return real(model, ids, cache, **kw)
 
-    monkeypatch.setattr(apply_mod, "prefill", spy)
+    monkeypatch.setattr(apply_mod, "prefill", spy)  # the prompt's prefill
+    monkeypatch.setattr(replay_mod, "prefill", spy)  # the replay's
     model, ids = tiny_model("llama"), chat_ids(tok)
     press = build_press("kvzip", 0.5, replay_chunk=50, replay_turn="new")
     compress_prefill(model, ids, KVCache.for_model(model), press, tokenizer=tok)
@@ -134,10 +136,12 @@ def test_replay_continues_the_user_turn_as_kvzip_does(tok, monkeypatch):
     the assistant repeats; later chunks quote the previous chunk's last 8 tokens."""
     calls: list[list[int]] = []
     real = apply_mod.prefill
-    monkeypatch.setattr(
-        apply_mod, "prefill", lambda model, ids, cache, **kw: calls.append(torch.as_tensor(ids)[0].tolist()) or real(
-            model, ids, cache, **kw)
-    )  # fmt: skip
+    def spy(model, ids, cache, **kw):
+        calls.append(torch.as_tensor(ids)[0].tolist())
+        return real(model, ids, cache, **kw)
+
+    monkeypatch.setattr(apply_mod, "prefill", spy)  # the prompt's prefill
+    monkeypatch.setattr(replay_mod, "prefill", spy)  # the replay's
     model = tiny_model("llama")
     rendered = tok.apply_chat_template([{"role": "user", "content": TEXT}], tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([tok.encode(rendered[: rendered.index(TEXT) + len(TEXT)], add_special_tokens=False)])
@@ -177,7 +181,7 @@ def test_head_level_reuses_calibration_without_replay(tok, monkeypatch):
     def no_replay(*args, **kwargs):
         raise AssertionError("head-level mode replayed the context after calibration")
 
-    monkeypatch.setattr(apply_mod, "_reconstruct", no_replay)
+    monkeypatch.setattr(apply_mod, "replay_scores", no_replay)
     cache = KVCache.for_model(model)
     compress_prefill(model, chat_ids(tok, TEXT[::-1]), cache, build_press("kvzip-head", 0.75), tokenizer=tok)
     n = chat_ids(tok, TEXT[::-1]).shape[1]
@@ -303,11 +307,12 @@ def test_fused_replay_scores_equal_the_textbook_attention(tok, arch, path, norma
     if path == "explicit":
         monkeypatch.setattr(hooks_mod, "_FLASH_WITH_LSE", None)
     elif path == "cpu-small-blocks":  # the score matmul in many blocks of keys / queries
-        monkeypatch.setattr(apply_mod, "ReplayAttention", functools.partial(hooks_mod.ReplayAttention, max_elements=64))
+        small_blocks = functools.partial(hooks_mod.ReplayAttention, max_elements=64)
+        monkeypatch.setattr(replay_mod, "ReplayAttention", small_blocks)
     elif path == "cpu-masked":
-        monkeypatch.setattr(apply_mod, "ReplayAttention", MaskedReplay)
+        monkeypatch.setattr(replay_mod, "ReplayAttention", MaskedReplay)
     scores, kept = replay_scores_and_kept(model, tok, ids, normalise=normalise, **options)
-    monkeypatch.setattr(apply_mod, "ReplayAttention", TextbookReplay)
+    monkeypatch.setattr(replay_mod, "ReplayAttention", TextbookReplay)
     ref_scores, ref_kept = replay_scores_and_kept(model, tok, ids, normalise=normalise, **options)
     assert sorted(scores) == sorted(ref_scores) == compressible_layers(KVCache.for_model(model))
     for i in scores:
@@ -320,8 +325,8 @@ def test_fused_replay_scores_equal_the_textbook_attention(tok, arch, path, norma
 def test_pool_keeps_the_neighbours_of_a_high_score():
     """pool=5: each entry scores the max of the 5 around it, so a needle's key words next to its surprising value
     are kept with it; pool=0 leaves the replay's scores as they are."""
-    from kvforge.presses.base import LayerContext
     from kvforge.presses.kvzip import KVzipPress
+    from kvforge.presses.layer import LayerContext
 
     keys = torch.zeros(1, 2, 100, 8)
     scores = torch.full((1, 2, 100), 0.01)
@@ -339,8 +344,8 @@ def test_pool_keeps_the_neighbours_of_a_high_score():
 def test_shared_token_budgets_keep_the_same_tokens_in_every_head(budget):
     """``token``: the same num_kept tokens in every KV head of a layer; ``tokens``: in every layer too; each token
     ranked by its highest score over those heads (and layers)."""
-    from kvforge.presses.base import num_kept
     from kvforge.presses.kvzip import shared_tokens
+    from kvforge.presses.layer import num_kept
 
     g = torch.Generator().manual_seed(0)
     scores = [torch.rand(1, 3, 40, generator=g) for _ in range(2)]

@@ -5,7 +5,7 @@ import torch
 
 from kvforge.cache import KVCache
 from kvforge.prefill import forward
-from kvforge.reuse.rag import UnsupportedRopeError, rope_spec, rotate_keys
+from kvforge.rope import UnsupportedRopeError, rope_spec, rotate_keys
 from kvforge.testing import tiny_model
 
 ARCHS = ["llama", "qwen2", "mistral", "gemma3"]

@@ -237,10 +237,10 @@ def test_every_header_byte_flip_is_caught() -> None:
 
 def _old_format(seg, version: int) -> bytes:
     """``seg`` as formats 1 and 2 wrote it: magic + header length + header JSON + safetensors payload."""
-    from kvforge.store.payload import write_payload
+    from kvforge.store.payload import tensor_index, write_parts
 
     data = encode(seg, checksum_algo="sha256")
-    payload = b"".join(bytes(p) for p in write_payload(safetensors.torch.load(data)))
+    payload = b"".join(bytes(p) for p in write_parts(*tensor_index(safetensors.torch.load(data))))
     header = codec.read_header(data) | {"version": version, "payload_bytes": len(payload)}
     header["checksum"] = checksum.checksum([payload], "sha256")
     del header["header_checksum"]

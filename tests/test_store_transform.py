@@ -13,13 +13,15 @@ import torch
 from store_helpers import make_segment
 
 from kvforge.cache import KVCache
+from kvforge.calibrate import calibrate_basis, prepare_basis
 from kvforge.engine import Engine
 from kvforge.prefill import forward, prefill
 from kvforge.presses import build_press
+from kvforge.reuse.prefix import PrefixReuse
 from kvforge.store import open_store
 from kvforge.store.codec import decode, encode, quant_roundtrip, read_header, segments_equal
 from kvforge.store.quant import canonical_quant
-from kvforge.store.transform import BOOK, BasisBook, allocate_bits, calibrate_basis, parse_transform
+from kvforge.store.transform import BOOK, BasisBook, allocate_bits, parse_transform, store_basis
 from kvforge.testing import tiny_model, tiny_tokenizer
 
 
@@ -201,6 +203,8 @@ def test_calibrated_basis_codes_keys_before_rope_and_continues_a_model(tmp_path)
 
 
 def test_first_segment_fits_the_basis_of_an_unknown_model_or_calibrates_a_known_one(tmp_path):
+    """A store never runs a model: an uncalibrated model's first segment fits the basis (keys after RoPE); the
+    engine calibrates the model (keys before RoPE, saved in the cache dir) before a kvtc store sees its KV."""
     model, tok = tiny_model("qwen2"), tiny_tokenizer()
     cache = KVCache.for_model(model)
     prefill(model, torch.randint(3, 90, (1, 80)), cache)
@@ -209,11 +213,17 @@ def test_first_segment_fits_the_basis_of_an_unknown_model_or_calibrates_a_known_
     basis = _book().by_digest(header["basis"])
     assert basis is not None and basis.info["fitted_on"] == "first segment" and basis.inv_freq[0] is None
     engine = Engine(model, tok)
-    _book().remember_model(engine.model_id, model, tok)
-    seg2 = cache.to_segment(model_id=engine.model_id)
-    basis2 = _book().by_digest(read_header(encode(seg2, "kvtc"))["basis"])
+    assert _book().saved(engine.model_id) is None  # reading the model id registers nothing
+    store = open_store(f"file://{tmp_path}/kv?quant=kvtc")
+    engine.reuse = PrefixReuse(store=store, model_id=engine.model_id, block_size=16)
+    engine.generate("It was the best of times. " * 4, max_new_tokens=1)
+    basis2 = _book().saved(engine.model_id)
     assert basis2 is not None and basis2.inv_freq[0] is not None  # calibrated on the model: keys before RoPE
-    assert BOOK is not None
+    assert basis2.info["calibrated_on"] == "bundled sample"
+    assert store_basis(open_store(f"file://{tmp_path}/kv"), engine.model_id).digest == basis2.digest
+    entries = store.keys()
+    assert entries and all(read_header(store.load(k))["basis"] == basis2.digest for k in entries)
+    assert prepare_basis(model, tok) is basis2  # once per machine: saved, not calibrated again
 
 
 def test_rag_chunks_through_a_kvtc_store():

@@ -15,7 +15,7 @@ from kvforge.cache import KVCache
 from kvforge.compat import cache_arg, dynamic_cache
 from kvforge.engine import Engine
 from kvforge.errors import UserError
-from kvforge.reuse.rag.rope import rope_spec, rope_spec_from_config
+from kvforge.rope import rope_spec, rope_spec_from_config
 from kvforge.store import open_store
 from kvforge.testing import tiny_model, tiny_tokenizer
 from kvforge.vllm import documents as docs

@@ -24,6 +24,7 @@ from torch import Tensor
 from kvforge import threads
 from kvforge.batch import forward_packed
 from kvforge.cache import CacheSnapshot, KVCache, mismatch_with_model
+from kvforge.calibrate import prepare_basis
 from kvforge.decode import DecodeState, SamplingParams, decode, eos_ids, trim_at_stop
 from kvforge.errors import PRESS_WITH_REUSE, Aborted, UserError, check_combination
 from kvforge.model import context_length, model_fingerprint
@@ -43,8 +44,8 @@ from kvforge.reuse.document import DocumentReuse
 from kvforge.reuse.rag import ChunkReuse
 from kvforge.schedule import schedule_chunks, step_budget
 from kvforge.sequence import Sequence, Unit
-from kvforge.store import transform
 from kvforge.store.memory import MemoryStore
+from kvforge.store.transform import parse_transform
 from kvforge.types import Generation
 
 if TYPE_CHECKING:
@@ -116,10 +117,17 @@ class Engine:
     @property
     def model_id(self) -> str:
         """Fingerprint of model + tokenizer (keys stored caches)."""
-        fingerprint = model_fingerprint(self.model, self.tokenizer)
-        # a store coding this model's KV with kvtc calibrates its basis on the model itself (keys before RoPE)
-        transform.BOOK.remember_model(fingerprint, self.model, self.tokenizer)
-        return fingerprint
+        return model_fingerprint(self.model, self.tokenizer)
+
+    def prepare_codec(self, strategy: ReuseStrategy | None, context: Any = None) -> None:
+        """Calibrate this model's kvtc basis (once per machine; saved with the model's artefacts) and name it in the
+        strategy's store, before that store codes the model's KV with kvtc (its own quantisation or the document's):
+        the store never runs the model."""
+        store = getattr(strategy, "store", None)
+        tiers = getattr(store, "tiers", None) or [store]
+        quants = [getattr(context, "quant", None)] + [getattr(t, "quant", None) for t in tiers]
+        if store is not None and any(q and parse_transform(str(q)) for q in quants):
+            prepare_basis(self.model, self.tokenizer, store, model_id=self.model_id)
 
     @cached_property
     def vocab_size(self) -> int:
@@ -177,6 +185,7 @@ class Engine:
     def _add(self, request: Request, enc: Encoded, tag: Any) -> Sequence:
         start = time.perf_counter()
         strategy = self.strategy_of(request)
+        self.prepare_codec(strategy, enc.context)
         plan = self._plan(request, enc, strategy)
         self.check_length(len(plan.token_ids), request.max_new_tokens)
         units = self._units(request, plan, strategy)

@@ -97,10 +97,11 @@ def run_clear(args: argparse.Namespace) -> int:
 def run_calibrate(args: argparse.Namespace) -> int:
     """Fit the model's KV basis on the bundled sample text and make it the one every writer of the store codes
     with (kvforge's engine and vLLM's connector alike)."""
+    from kvforge.calibrate import calibrate_basis
     from kvforge.commands._common import check_store_url, load
     from kvforge.model import model_fingerprint
     from kvforge.store import open_store
-    from kvforge.store.transform import BOOK, calibrate_basis, publish_basis
+    from kvforge.store.transform import BOOK, publish_basis
 
     check_store_url(args.store)
     store = open_store(args.store)

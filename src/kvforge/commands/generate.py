@@ -155,6 +155,10 @@ def run_generate(args: argparse.Namespace) -> int:
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer, chunk_size=args.chunk_size, window=args.window, num_sink=args.num_sink,
                     decoding_press=decoding)  # fmt: skip
+    if press is not None:
+        from kvforge.kvzap_train import ensure_trained
+
+        ensure_trained(press, model, tokenizer)  # a learned press's scorer, trained once per model
     if args.reuse:
         from kvforge.commands._reuse import attach_reuse
 

@@ -61,8 +61,8 @@ def _check_train(args: argparse.Namespace) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from kvforge.commands._common import load
+    from kvforge.kvzap_train import DEFAULT_WINDOW, train_kvzap
     from kvforge.presses.kvzap import model_path
-    from kvforge.presses.kvzap_train import DEFAULT_WINDOW, train_kvzap
     from kvforge.presses.kvzip_heads import fingerprint_of
 
     model, tokenizer = load(args)

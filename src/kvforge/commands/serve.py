@@ -67,10 +67,11 @@ def run_serve(args: argparse.Namespace) -> int:
     check_store_url(args.store)  # cheap checks first: a bad URL or a port in use fails before anything heavy loads
     check_port_free(args.host, args.port)
     check_semantic_args(args)  # before any heavy import
+    press = None
     if args.press:  # a wrong press name fails before the model loads
         from kvforge.presses import build_press
 
-        build_press(args.press, compression_ratio=args.compression_ratio)
+        press = build_press(args.press, compression_ratio=args.compression_ratio)
     try:
         import uvicorn
 
@@ -85,6 +86,10 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--grace-period must be >= 0 seconds, got {args.grace_period}")
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer, chunk_size=args.chunk_size)
+    if press is not None:
+        from kvforge.kvzap_train import ensure_trained
+
+        ensure_trained(press, model, tokenizer)  # the server's press (a learned scorer) is ready before it listens
     app = create_app(
         engine,
         model_name=args.served_model_name or args.model,

@@ -31,6 +31,7 @@ from kvforge.errors import UserError
 from kvforge.eval import fidelity
 from kvforge.eval.data import Example
 from kvforge.eval.metrics import score_prediction
+from kvforge.kvzap_train import ensure_trained
 from kvforge.request import Chunks, Document, Request
 from kvforge.reuse.base import GivenCache, PromptContext
 from kvforge.reuse.rag import RagPrompt
@@ -100,6 +101,7 @@ def press_trial(method: str, compression_ratio: float, query_aware: bool = True)
         press = build_press(method, compression_ratio=compression_ratio)
 
     def prefill(engine: Engine, example: Example) -> Prefilled:
+        ensure_trained(press, engine.model, engine.tokenizer)  # a learned press's scorer: trained once per model
         request = Request(document_of(example), max_new_tokens=0, press=press, query_aware=query_aware, reuse=False)
         return prefill_request(engine, request, example.max_new_tokens)[0]
 

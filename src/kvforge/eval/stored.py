@@ -24,6 +24,7 @@ from typing import Any
 from kvforge.engine import Engine
 from kvforge.eval.data import Example
 from kvforge.eval.runner import FULL, Prefilled, Trial, document_of, prefill_request
+from kvforge.kvzap_train import ensure_trained
 from kvforge.request import Request
 from kvforge.reuse.base import PromptContext
 from kvforge.reuse.document import DocumentReuse
@@ -50,7 +51,7 @@ class DocumentBank:
     def source(self, engine: Engine, ctx_ids: list[int]) -> Any:
         """The document prefilled once (full cache + what every press of the run scores from)."""
         from kvforge.presses import CompressionSource
-        from kvforge.presses.base import Needs
+        from kvforge.presses.layer import Needs
 
         if self._doc != tuple(ctx_ids) or self._source is None:
             needs = Needs()
@@ -115,6 +116,7 @@ def stored_trial(
         encoded = engine.encode(request)
         context = encoded.context
         assert isinstance(context, PromptContext), "a stored trial needs a question after the document"
+        ensure_trained(press, engine.model, engine.tokenizer)  # a learned press's scorer: trained once per model
         columns = bank.ensure(engine, encoded.ids[: context.num_tokens], context)
         reader = Engine(engine.model, engine.tokenizer, chunk_size=engine.chunk_size)  # ask many: a fresh engine
         request.reuse = DocumentReuse(bank.store, reader.model_id, device=engine.model.device)

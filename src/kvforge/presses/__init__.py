@@ -17,7 +17,7 @@ from kvforge.errors import UserError
 from kvforge.names import PRESS_DESCRIPTIONS, parse_press
 from kvforge.presses.adakv import AdaKVPress
 from kvforge.presses.apply import CompressionSource, compress_prefill, compressible_layers
-from kvforge.presses.base import LayerContext, Needs, Press, ScorerPress, Selection, WrapperPress, num_kept
+from kvforge.presses.base import Press, ScorerPress, WrapperPress
 from kvforge.presses.criticalkv import CriticalAdaKVPress, CriticalKVPress
 from kvforge.presses.decoding import BudgetPolicy, DecodingPress
 from kvforge.presses.expected_attention import ExpectedAttentionPress
@@ -27,6 +27,7 @@ from kvforge.presses.knorm import KnormPress
 from kvforge.presses.kvzap import KVzapModel, KVzapPress
 from kvforge.presses.kvzip import KVzipPress
 from kvforge.presses.kvzip_heads import KVzipHeadPress
+from kvforge.presses.layer import LayerContext, Needs, Selection, num_kept
 from kvforge.presses.pyramidkv import PyramidKVPress
 from kvforge.presses.snapkv import SnapKVPress
 from kvforge.presses.streaming_llm import StreamingLLMPress

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from kvforge.presses.base import LayerContext, Selection, WrapperPress, num_kept, topk_mask
+from kvforge.presses.base import WrapperPress
+from kvforge.presses.layer import LayerContext, Selection, num_kept, topk_mask
 
 
 def adaptive_budgets(scores: Tensor, n: int, alpha_safeguard: float) -> tuple[Tensor, Tensor]:

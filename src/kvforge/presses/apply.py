@@ -22,10 +22,10 @@ from torch import Tensor
 
 from kvforge.cache import CacheSnapshot, KVCache, KVLayer
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, forward, prefill
-from kvforge.presses.base import LayerContext, Needs, Press, Selection
 from kvforge.presses.decoding import paused
-from kvforge.presses.hooks import Collector, ReplayAttention, attention_hooks, attention_modules, num_query_heads
-from kvforge.presses.kvzip import KVzipPress, header_length, replay_requests
+from kvforge.presses.hooks import Collector, attention_hooks, attention_modules, num_query_heads
+from kvforge.presses.layer import Compressing, LayerContext, Needs, Selection
+from kvforge.presses.replay import ReplaySettings, head_scores_from_replay, header_length, replay_key, replay_scores
 
 logger = logging.getLogger(__name__)
 QUERY_SINKS = 4  # query statistics skip the first positions (attention sinks), as kvpress's Expected Attention
@@ -41,7 +41,7 @@ def compress_prefill(
     model: Any,
     input_ids: Tensor | list[int],
     cache: KVCache,
-    press: Press,
+    press: Compressing,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     tokenizer: Any = None,
     on_chunk: Callable[[int, int], None] | None = None,
@@ -131,7 +131,7 @@ class CompressionSource:
         return self.cache
 
     @torch.inference_mode()
-    def compress(self, press: Press) -> KVCache:
+    def compress(self, press: Compressing) -> KVCache:
         """Restore the full cache, then compress its prompt entries with ``press``; returns the (same) cache.
 
         A press with a ``kv_budget`` (:func:`kvforge.presses.build_press`) runs at the ratio that keeps that many of
@@ -149,7 +149,7 @@ class CompressionSource:
         cache.info["press"]["kv_budget"] = budget
         return cache
 
-    def _compress(self, press: Press) -> KVCache:
+    def _compress(self, press: Compressing) -> KVCache:
         contexts, seconds, reused = self._contexts(press)
         cache, name = self.cache, getattr(press, "registry_name", press.name)
         clock = time.perf_counter()
@@ -175,12 +175,12 @@ class CompressionSource:
         return cache
 
     @torch.inference_mode()
-    def contexts(self, press: Press) -> list[LayerContext]:
+    def contexts(self, press: Compressing) -> list[LayerContext]:
         """What ``press`` sees of each compressed layer of the full cache (its replay run, if it needs one), without
         compressing: e.g. the scores a press would give (``press.score(ctx)``), to train a scorer on them."""
         return self._contexts(press)[0]
 
-    def _contexts(self, press: Press) -> tuple[list[LayerContext], dict[str, float], bool]:
+    def _contexts(self, press: Compressing) -> tuple[list[LayerContext], dict[str, float], bool]:
         """Restore the full cache and build the press's layer contexts; ``(contexts, stage seconds, replay reused)``."""
         cache = self.restore()
         needs, name = press.needs(), getattr(press, "registry_name", press.name)
@@ -203,19 +203,11 @@ class CompressionSource:
         self.collector.reconstruction = {}
         replay_seconds, reused = 0.0, False
         if active and needs.reconstruction:
-            kvzip = _find(press, KVzipPress) or KVzipPress()
-            key = (
-                tuple(kvzip.prompt_ids or ()),
-                kvzip.prompt,
-                kvzip.chat_template,
-                kvzip.replay_chunk,
-                kvzip.replay_turn,
-                kvzip.normalise,
-                kvzip.keep_first,
-            )
+            settings = needs.replay or ReplaySettings()  # presses reusing KVzip's scores replay with its defaults
+            key = replay_key(settings)
             reused = key in self._replays
             if not reused:  # one replay per replay setting, shared by every press and ratio using it
-                scores = _reconstruct(self.model, cache, self.ids, press, self.tokenizer, self.chunk_size, self.start)
+                scores = self._replay(cache, settings)
                 self._replays[key] = (scores, time.perf_counter() - clock[0])
             self.collector.reconstruction, replay_seconds = self._replays[key]
         clock.append(time.perf_counter())
@@ -246,13 +238,15 @@ class CompressionSource:
     @torch.inference_mode()
     def calibrate_heads(self, skip: int) -> list[list[float] | None]:
         """KVzip head-level calibration on this prompt: one context replay, one mean score per (layer, KV head)."""
-        from kvforge.presses.kvzip_heads import head_scores_from_replay
-
         cache = self.restore()
-        replay = _reconstruct(self.model, cache, self.ids, KVzipPress(), self.tokenizer, self.chunk_size, self.start)
+        replay = self._replay(cache, ReplaySettings())
         modules = attention_modules(self.model)
         group = {i: num_query_heads(modules[i]) // cache.layers[i].keys.shape[1] for i in self.layers}
         return head_scores_from_replay(replay, cache.num_layers, group, skip)
+
+    def _replay(self, cache: KVCache, settings: ReplaySettings) -> dict[int, Tensor]:
+        return replay_scores(self.model, cache, self.ids, settings, self.tokenizer, self.chunk_size, self.start,
+                             compressible_layers(cache))  # fmt: skip
 
 
 def _lookahead(model: Any, cache: KVCache, logits: Tensor, steps: int, collector: Collector) -> None:
@@ -266,53 +260,6 @@ def _lookahead(model: Any, cache: KVCache, logits: Tensor, steps: int, collector
     finally:
         collector.mode = "window"
         snapshot.restore()
-
-
-def _reconstruct(
-    model: Any,
-    cache: KVCache,
-    ids: Tensor,
-    press: Press,
-    tokenizer: Any,
-    chunk_size: int | None,
-    start: list[int],
-) -> dict[int, Tensor]:
-    """Teacher-force "repeat the context" + the context on top; undo. Returns ``{layer: (B, H, S)}``: the max
-    attention each context entry received, taken inside the replay's attention (:class:`ReplayAttention` as
-    ``cache.attention_hook``) for the compressible layers."""
-    if cache.attention_hook is not None:
-        raise ValueError("KVzip's replay cannot run on a cache that already has an attention hook (RAG assembly)")
-    kvzip = _find(press, KVzipPress) or KVzipPress()  # presses reusing KVzip's scores replay with its defaults
-    if kvzip.prompt_ids is None and tokenizer is None:
-        logger.warning("KVzip without tokenizer or prompt_ids: repeating the context without an instruction")
-    context = ids[0].tolist()
-    # context tokens not repeated (as KVzip): the template header (found on the whole prompt: a BOS can be the
-    # header's first token, as SmolLM2's <|im_start|>), else a leading BOS
-    offset = header_length(tokenizer, context) if kvzip.chat_template else 0
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if offset == 0 and bos is not None and context and context[0] == bos:
-        offset = 1
-    context = context[offset:]
-    snapshot = CacheSnapshot(cache)
-    bounds = {i: (start[i], cache.layers[i].length) for i in compressible_layers(cache)}
-    scorer = ReplayAttention(bounds, normalise=kvzip.normalise, sinks=kvzip.keep_first)
-    with paused(cache):
-        cache.attention_hook = scorer
-        try:
-            for a, request in replay_requests(kvzip, tokenizer, context):  # each chunk behind its request, then undone
-                scorer.chunk = (offset + a, offset + min(len(context), a + (kvzip.replay_chunk or len(context))))
-                prefill(model, torch.tensor([request]), cache, chunk_size=chunk_size)
-                snapshot.restore()
-        finally:
-            cache.attention_hook = None
-            snapshot.restore()
-    return scorer.scores
-
-
-def _find(press: Any, cls: type) -> Any:
-    while press is not None and not isinstance(press, cls):
-        press = getattr(press, "press", None)
-    return press
 
 
 def _layer_context(

@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from kvforge.presses.adakv import adaptive_budgets
-from kvforge.presses.base import LayerContext, Selection, WrapperPress, num_kept, topk_mask_varying
+from kvforge.presses.base import WrapperPress
+from kvforge.presses.layer import LayerContext, Selection, num_kept, topk_mask_varying
 
 _ROWS = 1024  # value rows projected at once: bounds the (H, rows, hidden) temporary
 

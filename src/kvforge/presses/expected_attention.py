@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvforge.presses.base import LayerContext, Needs, ScorerPress
+from kvforge.presses.base import ScorerPress
+from kvforge.presses.layer import LayerContext, Needs
 
 
 def averaged_rope(angles: Tensor, last: int, n_future: int) -> tuple[Tensor, Tensor]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvforge.presses.base import LayerContext, Press, Selection
+from kvforge.presses.base import Press
+from kvforge.presses.layer import LayerContext, Selection
 
 
 @dataclass

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvforge.presses.base import LayerContext, WindowPress, num_kept
+from kvforge.presses.base import WindowPress
+from kvforge.presses.layer import LayerContext, num_kept
 
 
 @dataclass

@@ -10,10 +10,11 @@ prefill's own hooks, chunk by chunk, so scoring costs a matmul per layer and chu
 linear model on SmolLM2-135M) and the selection is KVzip's: one top-k over every (layer, KV head, token), the chat
 template header and the first ``keep_first`` entries always kept.
 
-The model is trained by kvforge on the model's own replay scores (:mod:`kvforge.presses.kvzap_train`): on the
-public-domain sample text shipped with kvforge by default (or a user's files, ``kvforge presses train``), once per
-model fingerprint, and saved as a small safetensors file under ``<kvforge cache dir>/kvzap/`` (a file made for
-another model is refused). ``KVzapPress(model="path.safetensors")`` loads a shipped file instead.
+The model is trained by kvforge on the model's own replay scores (:mod:`kvforge.kvzap_train`, an explicit step
+above the engine): on the public-domain sample text shipped with kvforge by default (or a user's files, ``kvforge
+presses train``), once per model fingerprint, and saved as a small safetensors file under ``<kvforge cache
+dir>/kvzap/`` (a file made for another model is refused). ``KVzapPress(model="path.safetensors")`` loads a
+shipped file instead.
 
 Departures from the paper: trained on kvforge's own KVzip+ scores (chunk-normalised replay x ``||V W_O||_1`` over
 its layer mean) on a small sample, not on Nemotron pre-training data; used with a ratio (a fixed budget) and
@@ -35,8 +36,9 @@ from torch import Tensor
 
 from kvforge.errors import UserError
 from kvforge.paths import cache_dir
-from kvforge.presses.base import LayerContext, Needs, ScorerPress
+from kvforge.presses.base import ScorerPress
 from kvforge.presses.kvzip import BudgetedSelection, max_pool
+from kvforge.presses.layer import LayerContext, Needs
 
 logger = logging.getLogger(__name__)
 FORMAT = "kvforge-kvzap/2"  # 2: layers may carry the recency weights ``wp``
@@ -176,7 +178,7 @@ class KVzapModel:
 @dataclass(eq=False)
 class KVzapScorer:
     """The :class:`~kvforge.presses.base.HiddenScorer` of :class:`KVzapPress`: binds the trained model of the model
-    being prefilled (loading it, or training it once on the bundled sample text) and predicts per prefill chunk."""
+    being prefilled (a file: training is a step of its own, :mod:`kvforge.kvzap_train`) and predicts per chunk."""
 
     kind: str = "linear"
     path: str | None = None
@@ -202,21 +204,11 @@ class KVzapScorer:
         if path.exists():
             self.model = KVzapModel.load(path, fingerprint)
             return
-        from kvforge.presses.kvzap_train import auto_train_size, train_kvzap
-
-        if tokenizer is None:
-            raise UserError(
-                f"KVzap has no trained {self.kind} scorer for {fingerprint} and needs the model's tokenizer to train "
-                "one (pass tokenizer=..., run `kvforge presses train`, or give KVzapPress(model=FILE))"
-            )
-        logger.warning(
-            "KVzap: no %s scorer for %s yet: training one on the bundled sample text (once, minutes on a CPU; "
-            "`kvforge presses train` does it ahead), saving %s", self.kind, fingerprint, path
-        )  # fmt: skip
-        window, windows = auto_train_size()
-        self.model = train_kvzap(model, tokenizer, kind=self.kind, window=window, max_windows=windows,
-                                 progress="KVzap training (first use)")  # fmt: skip
-        self.model.save(path)
+        raise UserError(
+            f"KVzap has no trained {self.kind} scorer for {fingerprint}: train it once with `kvforge presses train "
+            f"--kind {self.kind}` (the CLI, evaluation and server start-up do it for their press), "
+            "kvforge.kvzap_train.ensure_trained(press, model, tokenizer), or give KVzapPress(model=FILE)"
+        )
 
     def __call__(self, layer_idx: int, hidden_states: Tensor) -> Tensor | None:
         if self.model is None:
@@ -237,8 +229,8 @@ class KVzapPress(BudgetedSelection, ScorerPress):
 
     Args:
         kind: ``"linear"`` or ``"mlp"``.
-        model: a trained file (``kvforge presses train --out``); None = this model's file in the kvforge cache dir,
-            trained on first use.
+        model: a trained file (``kvforge presses train --out``); None = this model's file in the kvforge cache dir
+            (``kvforge presses train``, or the CLI's first use of the press).
         budget: ``"global"`` (KVzip's default), ``"layer"`` or ``"head"``, as :class:`KVzipPress`.
         keep_first, keep_header: entries always kept, as :class:`KVzipPress`.
         pool: max over a window of neighbouring entries' scores before the top-k, as :class:`KVzipPress`.

@@ -40,21 +40,17 @@ Without a tokenizer (``compress_prefill(..., tokenizer=None)`` and no ``prompt_i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from kvforge.presses.base import LayerContext, Needs, ScorerPress, Selection, num_kept, topk_mask
+from kvforge.presses.base import ScorerPress
 from kvforge.presses.criticalkv import projected_value_norms
+from kvforge.presses.layer import LayerContext, Needs, Selection, num_kept, topk_mask
+from kvforge.presses.replay import NORMALISE, REPEAT_PROMPT, REPLAY_CHUNK, TURNS
 
-REPEAT_PROMPT = "Repeat the previous context exactly."
-REPEAT_PART_PROMPT = "Repeat the part of the previous context exactly, starting with"
 BUDGETS = ("head", "layer", "global", "token", "tokens")
 UNIFORM_BUDGETS = ("head", "token", "tokens")  # one count of entries on every layer and KV head (vLLM's paged cache)
-TURNS = ("continue", "new")
-NORMALISE = ("chunk", "all")
-OVERLAP = 8  # a later chunk's request quotes the previous chunk's last tokens (KVzip / kvpress)
 
 
 class BudgetedSelection:
@@ -104,7 +100,7 @@ class KVzipPress(BudgetedSelection, ScorerPress):
     prompt: str = REPEAT_PROMPT
     prompt_ids: list[int] | None = field(default=None, repr=False)
     chat_template: bool = True
-    replay_chunk: int = 2048
+    replay_chunk: int = REPLAY_CHUNK
     budget: str = "global"
     keep_header: bool = True
     keep_first: int = 4
@@ -124,7 +120,7 @@ class KVzipPress(BudgetedSelection, ScorerPress):
             raise ValueError("replay_chunk and keep_first must be >= 0 (replay_chunk 0 = the whole context at once)")
 
     def needs(self) -> Needs:
-        return Needs(reconstruction=True)
+        return Needs(reconstruction=True, replay=self)
 
     def protected(self, ctx: LayerContext) -> Tensor:
         """``(B, S)`` True for entries always kept: the first ``keep_first`` and the template header."""
@@ -183,102 +179,3 @@ def shared_tokens(scores: list[Tensor], compression_ratio: float) -> list[Select
     best = torch.stack([s.float().nan_to_num(float("-inf")).amax(dim=1) for s in scores]).amax(dim=0)  # (B, S)
     keep = topk_mask(best, num_kept(best.shape[-1], compression_ratio))
     return [Selection(keep=keep[:, None, :].expand(s.shape).clone()) for s in scores]
-
-
-def header_length(tokenizer: Any, ids: list[int]) -> int:
-    """Tokens of ``ids`` that are the chat template's header (system prompt + user role tokens), 0 without one.
-
-    The header is what two renderings of a one-message chat with different contents share; the prompt's header is
-    its common prefix with that.
-    """
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        return 0
-    try:
-        a, b = (_render(tokenizer, [{"role": "user", "content": c}], False) for c in ("a", "b"))
-    except Exception:
-        return 0
-    return _common(a[: _common(a, b)], ids)
-
-
-def replay_prefix(tokenizer: Any, prompt: str, use_template: bool, turn: str = "new") -> list[int]:
-    """Token ids put before a teacher-forced context chunk.
-
-    ``turn="continue"`` (KVzip's and kvpress's layout, for a context that ends inside the user turn that holds it, as
-    :meth:`Engine.encode_qa` builds it): ``"\n\n" + prompt``, then the template's end of the user turn and the
-    assistant's header. ``turn="new"``: the request as a later user turn of the template (no system prompt: the cache
-    holds it) ending in the assistant's turn. Without a template: the bare prompt.
-    """
-    if use_template and tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        if turn == "continue":
-            suffix = _assistant_suffix(tokenizer)
-            if suffix is not None:
-                return _encode(tokenizer, "\n\n" + prompt) + _encode(tokenizer, suffix)
-        try:
-            earlier = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
-            before = tokenizer.apply_chat_template(earlier, tokenize=False)
-            after = tokenizer.apply_chat_template(
-                [*earlier, {"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-        except Exception:
-            before, after = "", ""
-        if after.startswith(before) and after != before:
-            return _encode(tokenizer, after[len(before) :])
-    if tokenizer is None:
-        return []
-    return _encode(tokenizer, "\n\n" + prompt + "\n")
-
-
-def replay_requests(press: KVzipPress, tokenizer: Any, context: list[int]) -> list[tuple[int, list[int]]]:
-    """``[(offset, ids), ...]``: each context chunk (``replay_chunk`` tokens from ``offset``) behind its request.
-
-    With ``replay_turn="continue"`` a later chunk is asked for as KVzip does ("Repeat the part of the previous
-    context exactly, starting with" + the previous chunk's last 8 tokens); otherwise every chunk repeats the prompt.
-    """
-    step = press.replay_chunk or len(context) or 1
-    if press.prompt_ids is not None:
-        first = later = list(press.prompt_ids)
-    elif tokenizer is None:
-        first = later = []
-    else:
-        first = replay_prefix(tokenizer, press.prompt, press.chat_template, press.replay_turn)
-        later = first
-    continued = press.prompt_ids is None and press.replay_turn == "continue" and press.chat_template
-    suffix = _assistant_suffix(tokenizer) if continued and tokenizer is not None else None
-    out = []
-    for a in range(0, max(1, len(context)), step):
-        chunk = context[a : a + step]
-        if a and suffix is not None:
-            quote = context[max(0, a - OVERLAP) : a]
-            later = _encode(tokenizer, "\n\n" + REPEAT_PART_PROMPT) + quote + _encode(tokenizer, suffix)
-        out.append((a, (later if a else first) + chunk))
-    return out
-
-
-def _assistant_suffix(tokenizer: Any) -> str | None:
-    """What the template puts after a user message's content: end of the user turn + the assistant's header."""
-    marker = "\x00kvzip\x00"
-    try:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
-        )
-    except Exception:
-        return None
-    return text.split(marker, 1)[1] if marker in text else None
-
-
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def _render(tokenizer: Any, messages: list[dict[str, str]], generation: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

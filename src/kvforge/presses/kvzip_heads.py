@@ -29,7 +29,8 @@ from torch import Tensor
 
 from kvforge.errors import UserError
 from kvforge.paths import cache_dir
-from kvforge.presses.base import LayerContext, Press, Selection, check_ratio, num_kept
+from kvforge.presses.base import Press
+from kvforge.presses.layer import LayerContext, Selection, check_ratio, num_kept
 
 logger = logging.getLogger(__name__)
 FORMAT = "kvforge-kvzip-heads/1"
@@ -67,16 +68,6 @@ def load_head_scores(path: Path, fingerprint: str) -> list[list[float] | None]:
             "calibrate this model (delete the file or pass another calibration path)"
         )
     return data["scores"]
-
-
-def head_scores_from_replay(reconstruction: dict[int, Tensor], num_layers: int, group: dict[int, int], skip: int):
-    """``[layer][kv head]`` mean replay score of the context entries past the first ``skip`` (sinks)."""
-    out: list[list[float] | None] = [None] * num_layers
-    for idx, scores in reconstruction.items():  # (B, H, S) per query head
-        b, h, s = scores.shape
-        per_kv = scores.view(b, h // group[idx], group[idx], s).amax(dim=2)[..., min(skip, s - 1) :]
-        out[idx] = per_kv.mean(dim=(0, 2)).tolist()
-    return out
 
 
 def proportional_budgets(weights: Tensor, total: int, low: int, high: int) -> Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvforge.presses.base import LayerContext, Selection, num_kept, topk_mask
+from kvforge.presses.layer import LayerContext, Selection, num_kept, topk_mask
 from kvforge.presses.snapkv import SnapKVPress
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from kvforge.presses.base import LayerContext, WindowPress, pool_tokens
+from kvforge.presses.base import WindowPress
+from kvforge.presses.layer import LayerContext, pool_tokens
 
 
 @dataclass

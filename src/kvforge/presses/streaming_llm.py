@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvforge.presses.base import LayerContext, ScorerPress
+from kvforge.presses.base import ScorerPress
+from kvforge.presses.layer import LayerContext
 
 
 @dataclass

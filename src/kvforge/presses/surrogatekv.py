@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kvforge.presses.base import LayerContext, Needs, Press, Selection, check_ratio, num_kept, pool_tokens
+from kvforge.presses.base import Press
 from kvforge.presses.criticalkv import projected_value_norms
+from kvforge.presses.layer import LayerContext, Needs, Selection, check_ratio, num_kept, pool_tokens
 
 SURROGATES = ("null", "local", "global")
 

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from kvforge.errors import CorruptSegmentError, ModelMismatchError
+from kvforge.rope import rotate_keys
 from kvforge.store import transform
 from kvforge.store.checksum import checksum, default_algo, hasher
 from kvforge.store.payload import index_json, parse_index, read_payload, tensor_index, write_parts
@@ -623,7 +624,7 @@ def _compact_layer(
             k_head = _decode_head(tensors, info, "k", i, head, at_k, coded, basis.key_mean[i][head],
                                   basis.key_basis[i][head])  # fmt: skip
             if freq is not None:
-                k_head = transform.rotate(k_head, positions[~sink], freq)
+                k_head = rotate_keys(k_head, positions[~sink], freq)
             v_head = _decode_head(tensors, info, "v", i, head, at_v, coded, basis.value_mean[i][head],
                                   basis.value_basis[i][head])  # fmt: skip
             for name, decoded in (("k", k_head), ("v", v_head)):

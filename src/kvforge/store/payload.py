@@ -69,11 +69,6 @@ def write_parts(
     return [struct.pack("<Q", len(raw)), raw, *buffers]
 
 
-def write_payload(tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> list[bytes | memoryview]:
-    """Serialise tensors in the safetensors format without concatenating them (the caller streams the parts)."""
-    return write_parts(*tensor_index(tensors), metadata)
-
-
 def parse_index(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], int]:
     """The JSON index of a safetensors buffer (``__metadata__`` included) and where its data starts."""
     if len(buf) < 8:

@@ -85,9 +85,6 @@ class TieredStore:
         self._down_until.pop(i, None)
         return out
 
-    def available_tiers(self) -> list[int]:
-        return [i for i in range(len(self.tiers)) if self._available(i)]
-
     # ------------------------------------------------------------------------------------------ protocol
     def get(self, key: str) -> KVSegment | None:
         """The first tier holding a readable copy answers; the bytes are then copied into the faster tiers."""

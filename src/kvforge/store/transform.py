@@ -18,8 +18,10 @@ entries are coded (a head-wise layer is not padded to its longest head).
 The basis is not in the segment (it would cost more than the coded entries of a short document): the segment names it
 by digest, and a reader finds it in this process, in the kvforge cache dir (``kv-basis/``) or in the store itself,
 which keeps it as a blob next to the segments (:meth:`kvforge.store.base.BaseStore.put`). A basis is made once per
-model: by :func:`calibrate_basis` on the bundled public-domain sample text when the model is known (keys before
-RoPE), else fitted on the first segment that needs one (keys as stored, after RoPE).
+model, as an explicit step before the store sees its segments (:mod:`kvforge.calibrate`: on the bundled
+public-domain sample text, keys before RoPE; the engine runs it when a store codes with kvtc, ``kvforge cache
+calibrate`` ahead of time), else fitted on the first segment that needs one (keys as stored, after RoPE). The store
+itself only sees segments and bytes: it never runs a model.
 
 Decoding is deterministic: the same bytes give the same tensors in any process (tested across processes with other
 thread counts).
@@ -47,6 +49,7 @@ from torch import Tensor
 
 from kvforge.errors import CorruptSegmentError, ModelMismatchError
 from kvforge.paths import cache_dir
+from kvforge.rope import rotate_keys
 
 logger = logging.getLogger(__name__)
 BASIS_FORMAT = "kvforge-kv-basis/1"
@@ -208,30 +211,19 @@ def fit_basis(
 
 def unrotate(keys: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
     """Post-RoPE keys ``(N, D)`` at ``positions`` ``(N,)`` back to before RoPE (fp32)."""
-    from kvforge.reuse.rag.rope import rotate_keys
-
     return rotate_keys(keys.float(), -positions, inv_freq)
-
-
-def rotate(keys: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
-    from kvforge.reuse.rag.rope import rotate_keys
-
-    return rotate_keys(keys, positions, inv_freq)
 
 
 # ------------------------------------------------------------------------------------------------ where bases live
 class BasisBook:
-    """The bases this process knows: by digest and by model, backed by the kvforge cache dir (``kv-basis/``).
-
-    Models an :class:`kvforge.engine.Engine` runs are remembered (weakly) so that the first segment of a model that
-    needs a basis gets one calibrated on the model itself (keys before RoPE) rather than fitted on that segment.
+    """The bases this process knows: by digest and by model, backed by the kvforge cache dir (``kv-basis/``), where a
+    model's basis lies beside its other artefacts (:mod:`kvforge.calibrate` makes it on the model, keys before RoPE).
     """
 
     def __init__(self, folder: Path | None = None) -> None:
         self._folder = folder
         self._by_digest: dict[str, KVBasis] = {}
         self._by_model: dict[str, KVBasis] = {}
-        self._models: dict[str, tuple[weakref.ref, Any]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -263,11 +255,6 @@ class BasisBook:
                 break
         return basis
 
-    def remember_model(self, model_id: str, model: Any, tokenizer: Any) -> None:
-        """Let a basis for ``model_id`` be calibrated on ``model`` when one is first needed."""
-        with self._lock:
-            self._models[model_id] = (weakref.ref(model), tokenizer)
-
     def by_digest(self, digest: str, fetch: Callable[[str], bytes | None] | None = None) -> KVBasis | None:
         """The basis with ``digest``: from memory, the cache dir, or ``fetch(blob key)`` (a store's blobs). A digest
         is hex digits (it names a file): anything else, e.g. a path read from a forged header, is refused."""
@@ -288,27 +275,29 @@ class BasisBook:
             self._by_digest[digest] = basis
         return basis
 
-    def for_model(self, model_id: str, sample: Any = None) -> KVBasis:
-        """The basis of ``model_id``: known, saved, calibrated on the remembered model, or fitted on ``sample`` (a
-        :class:`~kvforge.types.KVSegment`, keys after RoPE)."""
+    def saved(self, model_id: str) -> KVBasis | None:
+        """The basis of ``model_id`` this process knows or the cache dir holds, else None."""
         basis = self._by_model.get(model_id)
         if basis is not None:
             return basis
         data = _read(self._model_file(model_id))
-        if data is not None:
-            try:
-                basis = KVBasis.from_bytes(data)
-            except CorruptSegmentError as exc:
-                logger.warning("KV basis file of %s is unreadable (%s): making a new one", model_id, exc)
-            else:
-                with self._lock:
-                    self._by_model[model_id] = self._by_digest[basis.digest] = basis
-                return basis
-        ref = self._models.get(model_id)
-        model = ref[0]() if ref is not None else None
-        if model is not None:
-            logger.info("calibrating the KV basis of %s on the bundled sample text (once per model)", model_id)
-            return self.add(calibrate_basis(model, ref[1]))  # type: ignore[index]
+        if data is None:
+            return None
+        try:
+            basis = KVBasis.from_bytes(data)
+        except CorruptSegmentError as exc:
+            logger.warning("KV basis file of %s is unreadable (%s): making a new one", model_id, exc)
+            return None
+        with self._lock:
+            self._by_model[model_id] = self._by_digest[basis.digest] = basis
+        return basis
+
+    def for_model(self, model_id: str, sample: Any = None) -> KVBasis:
+        """The basis of ``model_id``: known or saved (calibrated on the model), else fitted on ``sample`` (a
+        :class:`~kvforge.types.KVSegment`, keys after RoPE)."""
+        basis = self.saved(model_id)
+        if basis is not None:
+            return basis
         if sample is None:
             raise CorruptSegmentError(f"no KV basis for model {model_id!r}")
         logger.info("KV basis of %s fitted on the first segment stored with it (keys after RoPE)", model_id)
@@ -332,40 +321,6 @@ def basis_from_segment(segment: Any) -> KVBasis:
         keys.append([k[h][m[h]] if m is not None else k[h] for h in range(k.shape[0])])
         values.append([v[h][m[h]] if m is not None else v[h] for h in range(v.shape[0])])
     return fit_basis(segment.model_id, keys, values, info={"fitted_on": "first segment", "tokens": segment.num_tokens})
-
-
-@torch.inference_mode()
-def calibrate_basis(model: Any, tokenizer: Any, text: str | None = None, num_tokens: int = 4096,
-                    rope: bool = True) -> KVBasis:  # fmt: skip
-    """A basis for ``model`` from the KV of ``num_tokens`` tokens of ``text`` (default: the bundled public-domain
-    sample), keys before RoPE when ``rope`` and the model's RoPE allows it."""
-    from kvforge.cache import KVCache
-    from kvforge.model import model_fingerprint
-    from kvforge.paths import bundled_data_dir
-    from kvforge.prefill import prefill
-
-    if text is None:
-        books = sorted((bundled_data_dir() / "haystack_gutenberg").glob("*.txt"))
-        text = "\n\n".join(p.read_text(encoding="utf-8") for p in books)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:num_tokens]
-    cache = KVCache.for_model(model)
-    prefill(model, torch.tensor([ids], device=model.device), cache)
-    freqs: list[Tensor | None] = [None] * cache.num_layers
-    if rope:
-        from kvforge.reuse.rag.rope import UnsupportedRopeError, rope_spec
-
-        try:
-            freqs = list(rope_spec(model).inv_freq)
-        except UnsupportedRopeError as exc:  # no RoPE, partial or length-dependent RoPE: code the keys as stored
-            logger.info("KV basis: keys coded after RoPE (%s)", exc)
-    keys, values = [], []
-    for layer, freq in zip(cache.layers, freqs, strict=True):
-        k, v, p, _ = layer.view()
-        k, v, p = k[0].float().cpu(), v[0].float().cpu(), p[0].cpu()
-        keys.append([unrotate(k[h], p[h], freq) if freq is not None else k[h] for h in range(k.shape[0])])
-        values.append(list(v))
-    info = {"calibrated_on": "bundled sample" if text is None else "text", "tokens": len(ids), "rope": rope}
-    return fit_basis(model_fingerprint(model, tokenizer), keys, values, freqs, info)
 
 
 # ------------------------------------------------------------------------------------------------ coding one matrix

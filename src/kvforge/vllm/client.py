@@ -133,6 +133,9 @@ class VllmDocuments:
             model, tokenizer = load_model(folder)
             engine: Engine | None = Engine(model, tokenizer)
             model_id = engine.model_id  # type: ignore[union-attr]
+            from kvforge.kvzap_train import ensure_trained
+
+            ensure_trained(press_obj, model, tokenizer)  # a learned press's scorer: trained once per model
         else:
             from transformers import AutoTokenizer
 

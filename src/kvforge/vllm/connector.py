@@ -349,7 +349,7 @@ class KVForgeConnector(KVConnectorBase_V1):
             if reason is not None:
                 raise LookupError(reason)
             if self._rope is None:
-                from kvforge.reuse.rag.rope import rope_spec_from_config
+                from kvforge.rope import rope_spec_from_config
 
                 self._rope = rope_spec_from_config(self._hf_config)
             keys, values = docs.slot_kv(segment, doc, self._rope, spec.dtype)

@@ -34,7 +34,7 @@ from torch import Tensor
 from kvforge.errors import UserError
 
 if TYPE_CHECKING:
-    from kvforge.reuse.rag.rope import RopeSpec
+    from kvforge.rope import RopeSpec
     from kvforge.store.base import KVStore
     from kvforge.types import KVSegment
 

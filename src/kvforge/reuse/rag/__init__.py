@@ -3,7 +3,7 @@ recomputed.
 
 :class:`ChunkReuse` (``strategy.py``) plans a :class:`~kvforge.request.Chunks` prompt; its methods (``STRATEGIES``:
 naive, APE, CacheBlend, CacheClip, EPIC) live in ``methods.py``; ``prompt.py`` cuts the prompt into pieces,
-``chunks.py`` computes and stores chunk KV, ``assemble.py`` places it, ``rope.py`` re-rotates keys, ``aux.py``
+``chunks.py`` computes and stores chunk KV, ``assemble.py`` places it, ``kvforge.rope`` re-rotates keys, ``aux.py``
 scores tokens with an auxiliary model (CacheClip), ``attend.py`` holds APE's attention.
 
 >>> from kvforge.request import Chunks, Request   # doctest: +SKIP
@@ -29,7 +29,6 @@ from kvforge.reuse.rag.methods import (
     make_strategy,
 )
 from kvforge.reuse.rag.prompt import RagPrompt, build_prompt
-from kvforge.reuse.rag.rope import RopeSpec, UnsupportedRopeError, rope_spec, rotate_keys
 from kvforge.reuse.rag.strategy import ChunkPlan, ChunkReuse
 
 __all__ = [
@@ -49,15 +48,11 @@ __all__ = [
     "FullStrategy",
     "NaiveStrategy",
     "RagPrompt",
-    "RopeSpec",
     "Selection",
-    "UnsupportedRopeError",
     "assemble",
     "build_prompt",
     "chunk_key",
     "make_strategy",
     "map_scores",
-    "rope_spec",
-    "rotate_keys",
     "select_top",
 ]

@@ -21,7 +21,7 @@ from torch import Tensor
 from kvforge.cache import HIDDEN, KVCache, Reserved
 from kvforge.reuse.rag.chunks import ChunkCache
 from kvforge.reuse.rag.prompt import RagPrompt
-from kvforge.reuse.rag.rope import RopeSpec
+from kvforge.rope import RopeSpec
 from kvforge.types import KVSegment
 
 

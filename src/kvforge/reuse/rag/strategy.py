@@ -22,7 +22,7 @@ from kvforge.reuse.rag.assemble import Assembly, assemble, build_cache
 from kvforge.reuse.rag.chunks import ChunkCache
 from kvforge.reuse.rag.methods import ChunkMethod, FullStrategy, make_strategy
 from kvforge.reuse.rag.prompt import RagPrompt, build_prompt
-from kvforge.reuse.rag.rope import RopeSpec, rope_spec
+from kvforge.rope import RopeSpec, rope_spec
 from kvforge.types import ChunkFacts
 
 if TYPE_CHECKING:

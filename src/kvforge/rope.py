@@ -1,4 +1,5 @@
-"""Exact RoPE re-rotation of cached keys: move a post-RoPE key from position p to p' without recomputing it.
+"""Exact RoPE re-rotation of cached keys: move a post-RoPE key from position p to p' without recomputing it (RAG chunk
+reuse, the kvtc codec, vLLM document slots).
 
 RoPE rotations compose, ``R(a) R(b) = R(a + b)``, so a key rotated at ``p`` moves to ``p'`` by
 ``k' = k * cos(d * theta) + rotate_half(k) * sin(d * theta)`` with ``d = p' - p`` (may be negative), done in fp32.

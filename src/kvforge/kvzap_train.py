@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,10 +34,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kvforge.engine import Engine
 from kvforge.errors import UserError
 from kvforge.paths import bundled_data_dir
-from kvforge.presses.base import Needs
-from kvforge.presses.kvzap import KINDS, MLP_HIDDEN, NUM_POSITION_FEATURES, KVzapModel, position_features
+from kvforge.presses.apply import CompressionSource
+from kvforge.presses.kvzap import (
+    KINDS,
+    MLP_HIDDEN,
+    NUM_POSITION_FEATURES,
+    KVzapModel,
+    KVzapScorer,
+    model_path,
+    position_features,
+)
+from kvforge.presses.kvzip import KVzipPress
+from kvforge.presses.kvzip_heads import fingerprint_of
+from kvforge.presses.layer import Needs
 
 logger = logging.getLogger(__name__)
 # Documents of 4096 tokens: KVzip replays in chunks of 2048 context tokens, so each training document shows the scores
@@ -47,10 +61,8 @@ ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strength, relative to the mean f
 
 
 def auto_train_size() -> tuple[int, int | None]:
-    """``(tokens per window, max windows)`` of the training a kvzap press runs on first use:
+    """``(tokens per window, max windows)`` of the training :func:`ensure_trained` runs on a press's first use:
     ``$KVFORGE_KVZAP_WINDOW`` (default 4096) and ``$KVFORGE_KVZAP_WINDOWS`` (default: every window of the text)."""
-    import os
-
     try:
         window = int(os.environ.get("KVFORGE_KVZAP_WINDOW") or DEFAULT_WINDOW)
         windows = os.environ.get("KVFORGE_KVZAP_WINDOWS")
@@ -120,10 +132,6 @@ def replay_targets(
 ) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
     """``{layer: (X (N, hidden), P (N, 4), Y (N, H_kv))}``: attention inputs, recency features and log KVzip+ scores
     of ``text``'s entries as a document (chat template header and sinks left out)."""
-    from kvforge.engine import Engine
-    from kvforge.presses.apply import CompressionSource
-    from kvforge.presses.kvzip import KVzipPress
-
     engine = Engine(model, tokenizer, chunk_size=chunk_size)
     ctx_ids, _ = engine.encode_qa(text, QUESTION)
     recorder = Recorder()
@@ -248,89 +256,119 @@ def train_kvzap(
         max_samples: MLP only: tokens per layer it trains on (a random subset).
         progress: show a progress bar of the replays on stderr with this title (None: no bar).
     """
-    from kvforge.presses.kvzip_heads import fingerprint_of
-
     if kind not in KINDS:
         raise UserError(f"KVzap kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    paths = list(files) if files else default_texts()
-    texts = read_texts(paths)
-    windows = text_windows(tokenizer, texts, window)
-    if max_windows is not None:
-        windows = windows[:max_windows]
+    texts = read_texts(list(files) if files else default_texts())
+    windows = text_windows(tokenizer, texts, window)[:max_windows]
     if len(windows) < 2:
         raise UserError(f"KVzap training needs at least 2 windows of {window} tokens of text (got {len(windows)})")
     start, cpu_start = time.perf_counter(), time.process_time()
-    rng = random.Random(seed)
-    grams: dict[int, _Gram] = {}
-    samples: dict[int, list[tuple[Tensor, Tensor]]] = {}
-    held: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
-    num_tokens = 0
-    per_window = max(1, max_samples // max(1, len(windows) - 1))
+    data = _replays(model, tokenizer, windows, kind == "mlp", max(1, max_samples // (len(windows) - 1)), chunk_size,
+                    seed, progress)  # fmt: skip
+    replay_s = time.perf_counter() - start
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    num_layers, fingerprint = int(config.num_hidden_layers), fingerprint_of(model, tokenizer)
+    alpha, linear = _fit_linear(data, num_layers, fingerprint)
+    result = linear
+    if kind == "mlp":
+        layers: list[dict[str, Tensor] | None] = [None] * num_layers
+        for layer, parts in data.samples.items():
+            x = torch.cat([p[0] for p in parts]).float()
+            # the MLP learns what the linear model's recency term leaves, and keeps that term
+            y = torch.cat([p[2] - linear.recency(layer, p[1]).T for p in parts])  # type: ignore[union-attr]
+            layers[layer] = {**_fit_mlp(x, y, epochs, seed + layer), "wp": linear.layers[layer]["wp"]}  # type: ignore[index]
+        result = KVzapModel("mlp", fingerprint, layers)
+    result.info = {
+        "texts": [name for name, _ in texts][:20],
+        "windows": len(windows) - 1,
+        "window_tokens": window,
+        "train_tokens": data.num_tokens,
+        "held_out_tokens": next(iter(data.held.values()))[0].shape[0] if data.held else 0,
+        "ridge_alpha": alpha,
+        "epochs": epochs if kind == "mlp" else None,
+        "seconds": {"replay": round(replay_s, 1), "fit": round(time.perf_counter() - start - replay_s, 1),
+                    "cpu": round(time.process_time() - cpu_start, 1), "threads": torch.get_num_threads()},
+        "validation": _validation(result, data.held),
+        "linear_validation": _validation(linear, data.held) if kind == "mlp" else None,
+    }  # fmt: skip
+    linear.info = {**result.info, "validation": result.info["linear_validation"] or result.info["validation"],
+                   "linear_validation": None, "epochs": None}  # fmt: skip
+    result.linear = linear  # type: ignore[attr-defined]  # the MLP's training also fits the linear model
+    logger.info("KVzap %s trained on %d tokens in %.0f s: %s", kind, data.num_tokens, time.perf_counter() - start,
+                result.info["validation"])  # fmt: skip
+    return result
+
+
+@dataclass
+class _Replays:
+    """What the training windows' replays give: normal equations per layer, MLP samples, the held-out window."""
+
+    grams: dict[int, _Gram] = field(default_factory=dict)
+    samples: dict[int, list[tuple[Tensor, Tensor, Tensor]]] = field(default_factory=dict)
+    held: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)
+    num_tokens: int = 0
+
+
+def _replays(model: Any, tokenizer: Any, windows: list[str], keep_samples: bool, per_window: int,
+             chunk_size: int | None, seed: int, progress: str | None) -> _Replays:  # fmt: skip
+    """Replay every window; all but the last feed the regressions, the last is held out."""
+    rng, out = random.Random(seed), _Replays()
     bar = None
     if progress is not None:
-        import sys
-
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(windows), desc=progress, unit="doc", file=sys.stderr)
     for i, text in enumerate(windows):
         targets = replay_targets(model, tokenizer, text, chunk_size)
         if i == len(windows) - 1:
-            held = targets
+            out.held = targets
         else:
             for layer, (x, pos, y) in targets.items():
-                grams.setdefault(layer, _Gram()).add(torch.cat([x, pos], dim=1), y)
-                if kind == "mlp":
+                out.grams.setdefault(layer, _Gram()).add(torch.cat([x, pos], dim=1), y)
+                if keep_samples:
                     pick = sorted(rng.sample(range(x.shape[0]), min(per_window, x.shape[0])))
-                    samples.setdefault(layer, []).append((x[pick].half(), pos[pick], y[pick]))
-            num_tokens += next(iter(targets.values()))[0].shape[0]
+                    out.samples.setdefault(layer, []).append((x[pick].half(), pos[pick], y[pick]))
+            out.num_tokens += next(iter(targets.values()))[0].shape[0]
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
-    replay_s = time.perf_counter() - start
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    num_layers = int(config.num_hidden_layers)
-    fingerprint = fingerprint_of(model, tokenizer)
+    return out
+
+
+def _fit_linear(data: _Replays, num_layers: int, fingerprint: str) -> tuple[float, KVzapModel]:
+    """The ridge model whose strength gives the least error on the held-out window: ``(alpha, model)``."""
     best: tuple[float, float, KVzapModel] | None = None
-    for alpha in ALPHAS:  # ridge strength chosen on the held-out window
+    for alpha in ALPHAS:
         layers: list[dict[str, Tensor] | None] = [None] * num_layers
-        for layer, gram in grams.items():
+        for layer, gram in data.grams.items():
             w, b = gram.solve(alpha)  # w: (H_kv, hidden + 4)
             hidden = w.shape[1] - NUM_POSITION_FEATURES
             layers[layer] = {"w1": w[:, :hidden].contiguous(), "b1": b, "wp": w[:, hidden:].contiguous()}
         candidate = KVzapModel("linear", fingerprint, layers)
-        mse = _validation(candidate, held)["mse"]
+        mse = _validation(candidate, data.held)["mse"]
         if best is None or mse < best[0]:
             best = (mse, alpha, candidate)
     assert best is not None
-    _, alpha, linear = best
-    result = linear
-    if kind == "mlp":
-        layers = [None] * num_layers
-        for layer, parts in samples.items():
-            x = torch.cat([p[0] for p in parts]).float()
-            # the MLP learns what the linear model's recency term leaves, and keeps that term
-            y = torch.cat([p[2] - linear.recency(layer, p[1]).T for p in parts])  # type: ignore[union-attr]
-            layers[layer] = {**_fit_mlp(x, y, epochs, seed + layer), "wp": linear.layers[layer]["wp"]}  # type: ignore[index]
-        result = KVzapModel("mlp", fingerprint, layers)
-    texts_info = [name for name, _ in texts][:20]
-    result.info = {
-        "texts": texts_info,
-        "windows": len(windows) - 1,
-        "window_tokens": window,
-        "train_tokens": num_tokens,
-        "held_out_tokens": next(iter(held.values()))[0].shape[0] if held else 0,
-        "ridge_alpha": alpha,
-        "epochs": epochs if kind == "mlp" else None,
-        "seconds": {"replay": round(replay_s, 1), "fit": round(time.perf_counter() - start - replay_s, 1),
-                    "cpu": round(time.process_time() - cpu_start, 1), "threads": torch.get_num_threads()},
-        "validation": _validation(result, held),
-        "linear_validation": _validation(linear, held) if kind == "mlp" else None,
-    }
-    linear.info = {**result.info, "validation": result.info["linear_validation"] or result.info["validation"],
-                   "linear_validation": None, "epochs": None}  # fmt: skip
-    result.linear = linear  # type: ignore[attr-defined]  # the MLP's training also fits the linear model
-    logger.info("KVzap %s trained on %d tokens in %.0f s: %s", kind, num_tokens, time.perf_counter() - start,
-                result.info["validation"])  # fmt: skip
-    return result
+    return best[1], best[2]
+
+
+def ensure_trained(press: Any, model: Any, tokenizer: Any) -> None:
+    """Train and save, once per model, the KVzap scorer ``press`` (or a press it wraps) needs and has no file for:
+    the explicit first-use step the CLI, the evaluation and the server's start-up take before prefilling with it."""
+    for scorer in press.needs().scorers if press is not None else ():
+        if not isinstance(scorer, KVzapScorer) or scorer.path:
+            continue
+        if tokenizer is None:
+            raise UserError("KVzap trains its scorer on text: pass the model's tokenizer, or KVzapPress(model=FILE)")
+        path = model_path(fingerprint_of(model, tokenizer), scorer.kind)
+        if path.exists():
+            continue
+        logger.warning(
+            "KVzap: no %s scorer for this model yet: training one on the bundled sample text (once, minutes on a "
+            "CPU; `kvforge presses train` does it ahead), saving %s", scorer.kind, path
+        )  # fmt: skip
+        window, windows = auto_train_size()
+        trained = train_kvzap(model, tokenizer, kind=scorer.kind, window=window, max_windows=windows,
+                              progress="KVzap training (first use)")  # fmt: skip
+        trained.save(path)
