@@ -179,3 +179,40 @@ def test_the_placeholder_mask_follows_the_model_inputs_device():
     assert masks_from_cache(torch.device("cpu")).device.type == "cpu"
     assert masks_from_cache(torch.device("meta")) is mask  # made once per device
     assert not mask.is_inference()  # usable outside inference mode too
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("group", [2, 3, 128])
+def test_queries_up_to_their_slots_equal_the_masked_reference(monkeypatch, kv_heads, group):
+    """RAG recompute: queries written to ascending slots see the keys up to their own slot (groups split into the
+    keys before the group, unmasked, and a band; a contiguous group runs causally)."""
+    monkeypatch.setattr(attention, "SLOT_GROUP", group)
+    slots = torch.tensor([0, 1, 2, 5, 9, 10, 11, 17, 18, 30, 31])
+    q, _, _ = _qkv(len(slots), 32, kv_heads=kv_heads, seed=3)
+    _, k, v = _qkv(len(slots), 32, kv_heads=kv_heads, seed=4)
+    mask = (torch.arange(32)[None, :] <= slots[:, None])[None, None]
+    out = attention._up_to_slots(q, k, v, slots, None)
+    torch.testing.assert_close(out, _reference(q, k, v, mask), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("ratio", [0.3, 1.0])
+def test_a_rag_recompute_takes_the_slot_path_with_the_masked_paths_logits(monkeypatch, ratio):
+    """A RAG plan's recompute (reserved slots in position order) runs on the slot path, in several groups, and
+    gives the logits of the positional mask over every key."""
+    from rag_helpers import RagRunner
+
+    from kvforge.reuse.rag import make_strategy
+    from kvforge.testing import tiny_model, tiny_tokenizer
+
+    runner = RagRunner(tiny_model("llama", num_hidden_layers=3), tiny_tokenizer())
+    docs = ["The cat sat on the mat, then it slept all day.", "Paris is the capital of France.", "The code is 7731."]
+    prompt = runner.build_prompt(docs, "What is the code?", system="Answer briefly.")
+    monkeypatch.setattr(attention, "SLOT_GROUP", 3)
+    calls = []
+    real = attention._up_to_slots
+    monkeypatch.setattr(attention, "_up_to_slots", lambda *a: calls.append(1) or real(*a))
+    fast = runner.prefill(prompt, make_strategy("cacheblend", ratio))
+    assert calls, "the recompute did not take the slot path"
+    monkeypatch.setattr(KVLayer, "sorted_query_slots", lambda self: None)
+    masked = runner.prefill(prompt, make_strategy("cacheblend", ratio))
+    torch.testing.assert_close(fast.logits, masked.logits, atol=1e-5, rtol=0)

@@ -68,6 +68,9 @@ def kvforge_attention(
     if softcap is not None:
         scores = attention_scores(query, key, per_query_head(mask, num_heads), is_causal, scaling, softcap)  # eager
         return attend(torch.softmax(scores, dim=-1), value), None
+    slots = layer.sorted_query_slots() if layer is not None and mask is not None else None
+    if slots is not None and query.device.type == "cpu" and _cpu_flash_with_lse() is not None:
+        return _up_to_slots(query, key, value, slots, scaling), None
     return sdpa(query, key, value, mask, is_causal, scaling), None
 
 
@@ -129,6 +132,38 @@ def _lower_right_causal(query: Tensor, key: Tensor, value: Tensor, scale: float 
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=causal_lower_right(q_len, k_len), scale=scale, enable_gqa=gqa
     )
+
+
+SLOT_GROUP = 128  # queries per group in _up_to_slots: the masked band of a group spans its first to last slot
+
+
+def _up_to_slots(query: Tensor, key: Tensor, value: Tensor, slots: Tensor, scale: float | None) -> Tensor:
+    """Attention of queries that see exactly the keys up to their own slot ``slots`` ``(Q,)`` (ascending): the
+    same values as the positional mask, without materialising it over every key (CPU; returns ``(B, Q, H, D)``).
+
+    A group of queries sees every key before its first slot (the flash kernel, no mask) and a band from its first
+    to its last slot (a small mask, or plain causal when the group's slots are contiguous); the two parts are merged
+    with their log-sum-exps (exact up to rounding), so the work follows the causal triangle, not the whole prompt.
+    """
+    flash = _cpu_flash_with_lse()
+    at = slots.tolist()
+    outs = []
+    for g in range(0, len(at), SLOT_GROUP):
+        first, last = at[g], at[min(g + SLOT_GROUP, len(at)) - 1]
+        q = query[:, :, g : g + SLOT_GROUP]
+        band_k, band_v = key[:, :, first : last + 1], value[:, :, first : last + 1]
+        if last - first + 1 == q.shape[2]:  # contiguous: plain causal within the group
+            out, lse = flash(q, band_k, band_v, 0.0, True, scale=scale)
+        else:
+            band = torch.arange(first, last + 1, device=q.device)[None, :] <= slots[g : g + SLOT_GROUP, None]
+            bias = torch.zeros(band.shape, dtype=q.dtype, device=q.device).masked_fill_(~band, float("-inf"))
+            out, lse = flash(q, band_k, band_v, 0.0, False, attn_mask=bias, scale=scale)
+        if first > 0:
+            out_past, lse_past = flash(q, key[:, :, :first], value[:, :, :first], 0.0, False, scale=scale)
+            weight = torch.sigmoid(lse_past - lse).unsqueeze(-1).to(out.dtype)  # share of the keys before the band
+            out = torch.lerp(out, out_past, weight)
+        outs.append(out)
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 
 @functools.cache

@@ -64,6 +64,8 @@ class KVLayer:
         self.num_reallocations = 0
         # a forward writing into reserved slots sees only the first num_visible entries (None: all of them)
         self.num_visible: int | None = None
+        # the slots that forward's queries were written to, when the layer is in position order (else None)
+        self.query_slots: Tensor | None = None
 
     # ----------------------------------------------------------------------------------------------- storage
     @property
@@ -146,6 +148,7 @@ class KVLayer:
         self.positions[:, :, slots] = positions[:, None, :]
         self.num_new, self.run_start = 0, None
         self.num_visible = num_visible
+        self.query_slots = slots if num_visible is not None else None
         n = self.length if num_visible is None else num_visible
         return self.keys[:, :, :n], self.values[:, :, :n]
 
@@ -327,6 +330,13 @@ class KVLayer:
         if num_query_heads is not None and 1 < allowed.shape[1] != num_query_heads:
             allowed = allowed.repeat_interleave(num_query_heads // allowed.shape[1], dim=1)
         return allowed
+
+    def sorted_query_slots(self) -> Tensor | None:
+        """The slots ``(Q,)`` this forward's queries were written to when every query sees exactly the entries up to
+        its own slot (a reserved write into a layer in position order, no window, no validity mask), else None."""
+        if self.query_slots is None or self.valid is not None or self.window is not None or self.is_headwise:
+            return None
+        return self.query_slots
 
     def is_plain_causal(self, query_positions: Tensor) -> bool:
         """True when this forward's queries are the last entries and see every earlier one: plain causal attention
@@ -569,6 +579,7 @@ class KVCache(Cache):
         for layer in self.layers:
             layer.num_new = 0
             layer.num_visible = None
+            layer.query_slots = None
         if self.policy is not None:
             self.policy.after_forward(self)
 
@@ -579,6 +590,7 @@ class KVCache(Cache):
             layer.length -= layer.num_new
             layer.num_new = 0
             layer.num_visible = None
+            layer.query_slots = None
         self.query_positions = None
         self._hf_layer = None
 
