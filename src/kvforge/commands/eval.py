@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvforge.commands._common import input_file
 from kvforge.errors import UserError
+from kvforge.names import RAG_STRATEGY_NAMES
 
 if TYPE_CHECKING:
     from kvforge.engine import Engine
@@ -74,7 +75,7 @@ def register(sub: Any, bench_sub: Any) -> None:
     p.add_argument(
         "--rag",
         type=_names,
-        help="RAG strategies instead of presses: naive,ape,cacheblend,cacheclip "
+        help=f"RAG strategies instead of presses, from {','.join(RAG_STRATEGY_NAMES[1:])} "
         "(examples' chunks are reused; see docs/rag.md)",
     )
     p.add_argument("--recompute-ratios", type=_floats, default=[0.2], help="RAG: share of context tokens recomputed")

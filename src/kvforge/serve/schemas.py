@@ -31,11 +31,11 @@ from pydantic import (
 )
 
 from kvforge.errors import UserError
-from kvforge.names import STORE_KEY_PATTERN
+from kvforge.names import RAG_STRATEGY_NAMES, STORE_KEY_PATTERN
 from kvforge.sampling import check_temperature
 
 REUSE_KINDS = ("prefix", "semantic", "none")
-RAG_METHODS = ("naive", "ape", "cacheblend", "cacheclip", "epic", "epic-ape")
+RAG_METHODS = RAG_STRATEGY_NAMES[1:]  # every strategy but "full" (a plain request is the full prefill)
 SEMANTIC_MODES = ("canonical", "context")
 MAX_COUNT = 2**31 - 1  # the largest max_tokens / token id accepted (anything larger is surely a mistake)
 
@@ -58,7 +58,7 @@ class KVForgeOptions(BaseModel):
     semantic_mode: Literal["canonical", "context"] | None = None
     query_aware: StrictBool | None = None
     quant: Name | None = None  # how a compressed document is stored (query_aware=false + prefix reuse)
-    rag: Literal["naive", "ape", "cacheblend", "cacheclip", "epic", "epic-ape"] | None = None
+    rag: Literal[RAG_METHODS] | None = None  # type: ignore[valid-type]
     recompute_ratio: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
     chunks: Annotated[list[StrictStr], Field(min_length=1, max_length=256)] | None = None
     chunk_ids: Annotated[list[ChunkId], Field(min_length=1, max_length=256)] | None = None

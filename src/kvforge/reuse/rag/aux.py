@@ -8,11 +8,13 @@ of ``window_size`` tokens holding more than ``window_threshold`` selected ones (
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import Tensor
 
 from kvforge.prefill import prefill_at
-from kvforge.reuse.rag.assemble import ChunkSource, build_cache
+from kvforge.reuse.rag.assemble import ChunkSource, build_cache, truncated
 from kvforge.reuse.rag.attend import AttentionCapture
 from kvforge.reuse.rag.prompt import RagPrompt, build_prompt
 
@@ -38,19 +40,32 @@ def map_scores(
     return out
 
 
-def select_top(scores: Tensor, ratio: float, window_size: int = 8, window_threshold: int = 5) -> Tensor:
-    """Bool ``(N,)``: the ``round(ratio * N)`` highest scores, then whole aligned windows with > threshold picked."""
+GROUPINGS = ("union", "windows", "none")
+
+
+def select_top(
+    scores: Tensor, ratio: float, window_size: int = 8, window_threshold: int = 5, grouping: str = "union"
+) -> Tensor:
+    """Bool ``(N,)``: the ``round(ratio * N)`` highest scores, grouped in aligned windows of ``window_size``.
+
+    ``grouping``: ``"union"`` keeps every picked token and adds the whole windows with more than
+    ``window_threshold`` picked (the recomputed share can exceed ``ratio``); ``"windows"`` recomputes only those
+    whole windows and skips the others (CacheClip's rule as its paper states it: the share can fall below
+    ``ratio``); ``"none"`` keeps the picked tokens alone.
+    """
+    if grouping not in GROUPINGS:
+        raise ValueError(f"unknown grouping {grouping!r}; choose from {', '.join(GROUPINGS)}")
     n = scores.numel()
     k = min(n, round(ratio * n))
     selected = torch.zeros(n, dtype=torch.bool)
     if k == 0:
         return selected
     selected[scores.topk(k).indices] = True
-    if window_size > 1:
+    if window_size > 1 and grouping != "none":
         pad = (-n) % window_size
         counts = torch.cat([selected, selected.new_zeros(pad)]).view(-1, window_size).sum(-1)  # (num_windows,)
         whole = (counts > window_threshold).repeat_interleave(window_size)[:n]
-        selected |= whole
+        selected = whole if grouping == "windows" else selected | whole
     return selected
 
 
@@ -59,11 +74,15 @@ class AuxScorer:
 
     The auxiliary model reuses its precomputed chunks naively and only runs the separators and question; the
     question tokens' attention at its last layer, averaged over heads and question tokens, scores each context
-    token (CacheClip).
+    token (CacheClip). ``num_layers`` runs only the auxiliary model's first layers and reads the last of those (a
+    layer subset of the model itself as the small auxiliary model).
     """
 
-    def __init__(self, aux: ChunkSource) -> None:
+    def __init__(self, aux: ChunkSource, num_layers: int | None = None) -> None:
+        if num_layers is not None and not 1 <= num_layers <= aux.num_layers:
+            raise ValueError(f"aux_layers must be in 1..{aux.num_layers}, got {num_layers}")
         self.aux = aux
+        self.num_layers = aux.num_layers if num_layers is None else num_layers
 
     def aux_prompt(self, prompt: RagPrompt) -> RagPrompt:
         return build_prompt(self.aux.tokenizer, prompt.chunk_texts, prompt.question, prompt.system, prompt.separator)
@@ -78,12 +97,14 @@ class AuxScorer:
             raise ValueError("auxiliary scoring needs the chunk texts and offsets (use build_prompt)")
         aux_prompt = self.aux_prompt(prompt)
         asm = self.aux.load(aux_prompt)
-        cache = build_cache(self.aux.model, asm, torch.zeros(asm.num_tokens, dtype=torch.bool))
+        layers = self.num_layers
+        cache = build_cache(self.aux.model, asm, torch.zeros(asm.num_tokens, dtype=torch.bool), num_layers=layers)
         question_start = asm.num_tokens - len(aux_prompt.question_ids)
-        capture = AttentionCapture(cache, self.aux.num_layers - 1, int(asm.positions[question_start]))
+        capture = AttentionCapture(cache, layers - 1, int(asm.positions[question_start]))
         cache.attention_hook = capture
         fresh = asm.fresh_idx
-        prefill_at(self.aux.model, asm.ids[fresh], asm.positions[fresh], cache)
+        with truncated(self.aux.model, layers) if layers < self.aux.num_layers else nullcontext():
+            prefill_at(self.aux.model, asm.ids[fresh], asm.positions[fresh], cache)
         by_pos = capture.scores_by_position(int(asm.positions.max()) + 1)
         aux_ctx = by_pos[asm.positions[asm.context_idx]]  # (N_ctx_aux,)
         out, start = [], 0

@@ -20,7 +20,7 @@ from kvforge.names import RAG_RECOMPUTING
 from kvforge.prefill import prefill_at
 from kvforge.reuse.rag.assemble import Assembly, ChunkSource, build_cache, truncated
 from kvforge.reuse.rag.attend import APEAttention
-from kvforge.reuse.rag.aux import AuxScorer, select_top
+from kvforge.reuse.rag.aux import GROUPINGS, AuxScorer, select_top
 from kvforge.reuse.rag.prompt import RagPrompt
 
 EARLY_CHUNK_SIZE = 512  # CacheBlend's early-layer pass runs the prompt in chunks of this many tokens
@@ -149,24 +149,32 @@ class CacheBlendStrategy:
 class CacheClipStrategy:
     """CacheClip (arXiv 2510.10129): an auxiliary model's question-to-context attention picks the top r tokens.
 
-    Aligned windows of ``window_size`` tokens with more than ``window_threshold`` picked are recomputed whole, so
-    the recomputed share can exceed r. Recomputation runs from layer 0 at the true positions. ``aux`` defaults
-    to the main model itself.
+    Aligned windows of ``window_size`` tokens with more than ``window_threshold`` picked are recomputed whole
+    (``grouping``, see :func:`~kvforge.reuse.rag.aux.select_top`: by default the picked tokens too, so the
+    recomputed share can exceed r). Recomputation runs from layer 0 at the true positions. ``aux`` defaults to
+    the main model itself; ``aux_layers`` runs only its first layers and reads the last of them.
     """
 
     recompute_ratio: float = 0.2
     aux: ChunkSource | None = None
     window_size: int = 8
     window_threshold: int = 5
+    grouping: str = "union"
+    aux_layers: int | None = None
     name: str = "cacheclip"
     _scorers: dict[int, AuxScorer] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         _check_ratio(self.recompute_ratio)
+        if self.grouping not in GROUPINGS:
+            raise ValueError(f"unknown grouping {self.grouping!r}; choose from {', '.join(GROUPINGS)}")
+        if self.aux_layers is not None and self.aux_layers < 1:
+            raise ValueError(f"aux_layers must be >= 1, got {self.aux_layers}")
 
     def _scorer(self, reuse: ChunkSource) -> AuxScorer:
         aux = self.aux if self.aux is not None else reuse
-        return self._scorers.setdefault(id(aux), AuxScorer(aux))
+        layers = None if self.aux_layers is None else min(self.aux_layers, aux.num_layers)  # a smaller model: all
+        return self._scorers.setdefault(id(aux), AuxScorer(aux, layers))
 
     def warm(self, reuse: ChunkSource, prompt: RagPrompt) -> None:
         """Precompute the auxiliary model's chunks (when it will score)."""
@@ -180,7 +188,7 @@ class CacheClipStrategy:
             recompute |= asm.is_context  # no need to score: everything is recomputed
         elif self.recompute_ratio > 0.0:
             scores = self._scorer(reuse).score(prompt)  # (N_ctx,)
-            chosen = select_top(scores, self.recompute_ratio, self.window_size, self.window_threshold)
+            chosen = select_top(scores, self.recompute_ratio, self.window_size, self.window_threshold, self.grouping)
             recompute[asm.context_idx[chosen]] = True
         return Selection(asm, recompute)
 
@@ -295,6 +303,11 @@ STRATEGIES: dict[str, Callable[..., Any]] = {
     "cacheclip": CacheClipStrategy,
     "epic": EPICStrategy,
     "epic-ape": partial(EPICStrategy, temperature=0.9, scale=0.9, name="epic-ape"),
+    # CacheClip's parts, for ablations: its paper's grouping (whole windows only), no grouping, and the model's
+    # first eight layers as the auxiliary scorer
+    "cacheclip-windows": partial(CacheClipStrategy, grouping="windows", name="cacheclip-windows"),
+    "cacheclip-tokens": partial(CacheClipStrategy, grouping="none", name="cacheclip-tokens"),
+    "cacheclip-l8": partial(CacheClipStrategy, aux_layers=8, name="cacheclip-l8"),
 }
 
 RECOMPUTING = RAG_RECOMPUTING
