@@ -166,7 +166,7 @@ def memory_rows(model: Any, context: int, new_tokens: int) -> list[dict[str, Any
 def reuse_rows(model: Any, lengths: list[int], repeats: int, suffix: int = 32) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        stores = {"memory": MemoryStore(), "disk": DiskStore(Path(folder) / "kv")}
+        stores = {"memory": MemoryStore(max_bytes=8 << 30), "disk": DiskStore(Path(folder) / "kv")}  # 32k tokens: 1 GB
         for n in lengths:
             ids = ids_of(n, model.config.vocab_size, "cuda", seed=3)
             cache = KVCache.for_model(model)

@@ -677,6 +677,8 @@ class KVCache(Cache):
         """A cache holding the entries of ``segments`` (in position order) at positions ``< end`` (default: all):
         the one segment -> cache conversion. Tokens and ``next_position`` follow the segments, cut at ``end``."""
         first = segments[0]
+        if device is None and model is not None:
+            device = getattr(model, "device", None)  # a cache for a model holds its entries where the model runs
         cache = cls.for_model(model, **kwargs) if model is not None else cls(first.num_layers, **kwargs)
         if cache.num_layers != first.num_layers:
             raise ValueError(f"segment has {first.num_layers} layers, model has {cache.num_layers}")

@@ -141,7 +141,7 @@ def replay_targets(
     out = {}
     for ctx in source.contexts(target):
         layer = ctx.model_layer if ctx.model_layer is not None else ctx.layer_idx
-        y = target.score(ctx)[0]  # (H_kv, S), inf where always kept
+        y = target.score(ctx)[0].cpu()  # (H_kv, S), inf where always kept; fitted on CPU beside the hidden states
         scored = torch.isfinite(y).all(dim=0)
         x = torch.cat(recorder.hidden[layer], dim=0)
         pos = position_features(y.shape[-1])

@@ -169,8 +169,9 @@ def build_cache(
     for li, layer in enumerate(cache.layers[:num_layers]):
         k, v = overrides[li] if overrides and li in overrides else (asm.keys[li], asm.values[li])
         keys, values = k.new_zeros((1, k.shape[0], n, k.shape[2])), v.new_zeros((1, v.shape[0], n, v.shape[2]))
-        keys[0].index_copy_(1, slots, k if every else k[:, kept])
-        values[0].index_copy_(1, slots, v if every else v[:, kept])
+        at = slots.to(k.device)  # index_copy_ wants its index where the entries are
+        keys[0].index_copy_(1, at, k if every else k[:, kept.to(k.device)])
+        values[0].index_copy_(1, at, v if every else v[:, kept.to(v.device)])
         layer.replace(keys.to(device), values.to(device), positions[None].to(device))
     cache.reserved = Reserved(
         slots=run.nonzero().flatten(),
