@@ -248,3 +248,20 @@ def test_attention_hook_is_the_declared_way_to_replace_attention(model):
     cache = KVCache.for_model(model)
     cache.attention_hook = Zero()
     assert not torch.allclose(prefill(model, ids, cache, chunk_size=None), plain, atol=1e-3)
+
+
+def test_a_cache_from_a_stored_segment_holds_its_entries_where_the_model_runs(model, monkeypatch):
+    """A segment read from a store is on the CPU; the cache built from it for a model gets its entries on the model's
+    device (the meta device stands in for CUDA; the layers only record where their entries arrive)."""
+    import copy
+
+    cache = KVCache.for_model(model)
+    prefill(model, [5, 6, 7, 8], cache)
+    segment = cache.to_segment("m", [5, 6, 7, 8])
+    arrived = []
+    monkeypatch.setattr(KVLayer, "replace", lambda self, k, v, p, valid=None: arrived.append((k.device, v.device)))
+    KVCache.from_segment(segment, copy.deepcopy(model).to("meta"))
+    assert arrived and all(k.type == v.type == "meta" for k, v in arrived)
+    arrived.clear()
+    KVCache.from_segment(segment)  # no model: the entries stay where the segment is
+    assert arrived and all(k.type == "cpu" for k, _ in arrived)
