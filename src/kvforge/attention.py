@@ -125,13 +125,18 @@ def _lower_right_causal(query: Tensor, key: Tensor, value: Tensor, scale: float 
         past = k_len - q_len
         out_past, lse_past = flash(query, key[:, :, :past], value[:, :, :past], 0.0, False, scale=scale)
         out_new, lse_new = flash(query, key[:, :, past:], value[:, :, past:], 0.0, True, scale=scale)
-        weight = torch.sigmoid(lse_past - lse_new).unsqueeze(-1).to(out_new.dtype)  # share of the past keys
-        return torch.lerp(out_new, out_past, weight)
+        return _merge(out_new, lse_new, out_past, lse_past)
     from torch.nn.attention.bias import causal_lower_right
 
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=causal_lower_right(q_len, k_len), scale=scale, enable_gqa=gqa
     )
+
+
+def _merge(out: Tensor, lse: Tensor, out_past: Tensor, lse_past: Tensor) -> Tensor:
+    """Attention over two disjoint key sets from each one's output ``(B, H, Q, D)`` and log-sum-exp ``(B, H, Q)``."""
+    weight = torch.sigmoid(lse_past - lse).unsqueeze(-1).to(out.dtype)  # the past keys' share of the softmax mass
+    return torch.lerp(out, out_past, weight)
 
 
 SLOT_GROUP = 128  # queries per group in _up_to_slots: the masked band of a group spans its first to last slot
@@ -160,8 +165,7 @@ def _up_to_slots(query: Tensor, key: Tensor, value: Tensor, slots: Tensor, scale
             out, lse = flash(q, band_k, band_v, 0.0, False, attn_mask=bias, scale=scale)
         if first > 0:
             out_past, lse_past = flash(q, key[:, :, :first], value[:, :, :first], 0.0, False, scale=scale)
-            weight = torch.sigmoid(lse_past - lse).unsqueeze(-1).to(out.dtype)  # share of the keys before the band
-            out = torch.lerp(out, out_past, weight)
+            out = _merge(out, lse, out_past, lse_past)
         outs.append(out)
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 

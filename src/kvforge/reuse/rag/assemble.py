@@ -166,12 +166,12 @@ def build_cache(
     device = next(model.parameters()).device
     cache = KVCache.for_model(model)
     n = asm.num_tokens
+    at, kept_at = slots.to(asm.keys[0].device), kept.to(asm.keys[0].device)  # index_copy_: index beside the entries
     for li, layer in enumerate(cache.layers[:num_layers]):
         k, v = overrides[li] if overrides and li in overrides else (asm.keys[li], asm.values[li])
         keys, values = k.new_zeros((1, k.shape[0], n, k.shape[2])), v.new_zeros((1, v.shape[0], n, v.shape[2]))
-        at = slots.to(k.device)  # index_copy_ wants its index where the entries are
-        keys[0].index_copy_(1, at, k if every else k[:, kept.to(k.device)])
-        values[0].index_copy_(1, at, v if every else v[:, kept.to(v.device)])
+        keys[0].index_copy_(1, at, k if every else k[:, kept_at])
+        values[0].index_copy_(1, at, v if every else v[:, kept_at])
         layer.replace(keys.to(device), values.to(device), positions[None].to(device))
     cache.reserved = Reserved(
         slots=run.nonzero().flatten(),

@@ -43,6 +43,11 @@ def map_scores(
 GROUPINGS = ("union", "windows", "none")
 
 
+def check_grouping(grouping: str) -> None:
+    if grouping not in GROUPINGS:
+        raise ValueError(f"unknown grouping {grouping!r}; choose from {', '.join(GROUPINGS)}")
+
+
 def select_top(
     scores: Tensor, ratio: float, window_size: int = 8, window_threshold: int = 5, grouping: str = "union"
 ) -> Tensor:
@@ -53,8 +58,7 @@ def select_top(
     whole windows and skips the others (CacheClip's rule as its paper states it: the share can fall below
     ``ratio``); ``"none"`` keeps the picked tokens alone.
     """
-    if grouping not in GROUPINGS:
-        raise ValueError(f"unknown grouping {grouping!r}; choose from {', '.join(GROUPINGS)}")
+    check_grouping(grouping)
     n = scores.numel()
     k = min(n, round(ratio * n))
     selected = torch.zeros(n, dtype=torch.bool)

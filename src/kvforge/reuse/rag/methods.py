@@ -20,7 +20,7 @@ from kvforge.names import RAG_RECOMPUTING
 from kvforge.prefill import prefill_at
 from kvforge.reuse.rag.assemble import Assembly, ChunkSource, build_cache, truncated
 from kvforge.reuse.rag.attend import APEAttention
-from kvforge.reuse.rag.aux import GROUPINGS, AuxScorer, select_top
+from kvforge.reuse.rag.aux import AuxScorer, check_grouping, select_top
 from kvforge.reuse.rag.prompt import RagPrompt
 
 EARLY_CHUNK_SIZE = 512  # CacheBlend's early-layer pass runs the prompt in chunks of this many tokens
@@ -166,8 +166,7 @@ class CacheClipStrategy:
 
     def __post_init__(self) -> None:
         _check_ratio(self.recompute_ratio)
-        if self.grouping not in GROUPINGS:
-            raise ValueError(f"unknown grouping {self.grouping!r}; choose from {', '.join(GROUPINGS)}")
+        check_grouping(self.grouping)
         if self.aux_layers is not None and self.aux_layers < 1:
             raise ValueError(f"aux_layers must be >= 1, got {self.aux_layers}")
 
