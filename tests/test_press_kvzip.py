@@ -361,3 +361,63 @@ def test_shared_token_budgets_keep_the_same_tokens_in_every_head(budget):
         assert set(best[0].topk(k).indices.tolist()) == set(kept[0][0, 0].nonzero().flatten().tolist())
     if budget == "tokens":
         assert bool(kept[0][0, 0, 7])  # kept in the other layer too
+
+
+def test_word_ids_join_digits_and_letters_and_split_at_spaces_and_marks(tok):
+    from kvforge.presses.layer import MAX_WORD, word_ids
+
+    ids = tok.encode("ab 47.x-y", add_special_tokens=False)
+    assert word_ids(tok, ids).tolist() == [0, 0, 1, 1, 1, 2, 3, 4, 5]  # "ab", " 47", ".", "x", "-", "y"
+    long = word_ids(tok, tok.encode("9" * (2 * MAX_WORD + 1), add_special_tokens=False))
+    assert torch.bincount(long).tolist() == [MAX_WORD, MAX_WORD, 1]  # a run longer than a word is cut
+
+
+def test_whole_words_keep_a_number_whole_in_the_heads_that_want_any_of_it():
+    """Head 0 scores one digit of a 7-digit word high, head 1 another: with whole_words each head keeps all seven
+    (and still keeps exactly its budget); without it each keeps its one digit."""
+    from kvforge.presses.layer import word_max
+
+    s = 60
+    words = torch.tensor([i // 3 for i in range(20)] + [7] * 7 + [8 + i // 3 for i in range(s - 27)])
+    assert int(words[20]) == 7 and int(words[27]) != 7
+    scores = torch.rand(1, 2, s, generator=torch.Generator().manual_seed(0)) * 0.1 + 0.01
+    scores[0, :, 20:27] = 0.0
+    scores[0, 0, 22], scores[0, 1, 25] = 0.9, 0.8
+    keys = torch.zeros(1, 2, s, 8)
+    base = dict(keys=keys, values=keys, positions=torch.arange(s)[None], reconstruction_scores=scores, words=words)
+    ctx = LayerContext(**base)
+    ratio = 1 - 10 / s
+    plain = KVzipPress(ratio, keep_first=0, keep_header=False, budget="head").compress(ctx).keep[0]
+    whole = KVzipPress(ratio, keep_first=0, keep_header=False, budget="head", whole_words=True).compress(ctx).keep[0]
+    number = slice(20, 27)
+    assert plain[:, number].sum(-1).tolist() == [1, 1]
+    assert whole[:, number].all()
+    assert whole.sum(-1).tolist() == plain.sum(-1).tolist() == [num_kept(s, ratio)] * 2 == [10, 10]
+    pooled = word_max(scores, words)
+    assert torch.equal(pooled[0, 0, number], scores[0, 0, 22].expand(7))
+    assert torch.equal(pooled[0, 1, number], scores[0, 1, 25].expand(7))
+    with pytest.raises(ValueError, match="tokenizer"):
+        KVzipPress(0.75, whole_words=True).score(LayerContext(**(base | {"words": None})))
+
+
+def test_whole_words_through_compress_prefill_split_at_most_one_word_per_head(tok):
+    """On a real prefill every KV head keeps each word of the context whole or drops it, except the one word the
+    budget cuts (and the always-kept header and sinks, which follow no word)."""
+    from kvforge.presses.layer import word_ids
+
+    model = tiny_model("llama")
+    ids = chat_ids(tok)
+    cache = KVCache.for_model(model)
+    compress_prefill(model, ids, cache, build_press("kvzip:budget=head:whole_words=true", 0.6), chunk_size=64,
+                     tokenizer=tok)
+    words = word_ids(tok, ids[0].tolist())
+    header = header_length(tok, ids[0].tolist()) + 4
+    for layer in cache.layers:
+        _, _, pos, valid = layer.view()
+        for h in range(pos.shape[1]):
+            kept = torch.zeros(ids.shape[1], dtype=torch.bool)
+            kept[pos[0, h][valid[0, h]] if valid is not None else pos[0, h]] = True
+            body, kept_body = words[header:], kept[header:]
+            split = [w for w in body.unique() if 0 < int(kept_body[body == w].sum()) < int((body == w).sum())]
+            assert len(split) <= 2, split  # the budget's cut, and the word the header's end falls in
+            assert 0 < int(kept_body.sum()) < len(body)

@@ -24,7 +24,7 @@ from kvforge.cache import CacheSnapshot, KVCache, KVLayer
 from kvforge.prefill import DEFAULT_CHUNK_SIZE, forward, prefill
 from kvforge.presses.decoding import paused
 from kvforge.presses.hooks import Collector, attention_hooks, attention_modules, num_query_heads
-from kvforge.presses.layer import Compressing, LayerContext, Needs, Selection
+from kvforge.presses.layer import Compressing, LayerContext, Needs, Selection, word_ids
 from kvforge.presses.replay import ReplaySettings, head_scores_from_replay, header_length, replay_key, replay_scores
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ class CompressionSource:
         self.chunk_size, self.tokenizer = chunk_size, tokenizer
         self.layers = compressible_layers(cache)
         self.header = header_length(tokenizer, ids[0].tolist())
+        self.words = None if tokenizer is None else word_ids(tokenizer, ids[0].tolist())
         self.start = [layer.length for layer in cache.layers]
         final_position = cache.next_position + ids.shape[1] - 1
         window = needs.window_size if self.layers else 0
@@ -226,6 +227,7 @@ class CompressionSource:
                 window,
                 lookahead,
                 self.header,
+                self.words,
             )
             for rank, idx in enumerate(self.layers)
         ]
@@ -273,6 +275,7 @@ def _layer_context(
     window_size: int,
     lookahead: int,
     header: int = 0,
+    words: Tensor | None = None,
 ) -> LayerContext:
     """The press's view of layer ``idx``: its new entries, the last ``window_size`` window queries and the first
     ``lookahead`` draft queries collected."""
@@ -313,6 +316,7 @@ def _layer_context(
         query_mean=mean,
         query_cov=cov,
         hidden_scores=scored or None,
+        words=words,
     )
 
 

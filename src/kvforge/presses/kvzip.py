@@ -28,6 +28,9 @@ As in the paper (and each switchable so its effect is measured):
 - ``pool`` (kvforge, 0 = off): before the top-k, each entry's score becomes the max over a window of ``pool`` entries
   around it (odd; per KV head), so the tokens next to a surprising one (a needle's key words beside its value) are
   kept with it. Measured in docs/presses.md ("Score pooling") and docs/store.md (the best stored point).
+- ``whole_words`` (kvforge, off): after ``pool``, each entry's score becomes the highest of its word's (a number's
+  digits, a name's pieces: :func:`~kvforge.presses.layer.word_ids`), per KV head, so a head keeps a word whole or
+  not at all: a model copying a value needs every piece of it in the heads it copies from.
 - ``value_aware`` (KVzip+): score x the entry's projected value contribution ``||V_i W_O||_1`` (CriticalKV's
   :func:`~kvforge.presses.criticalkv.projected_value_norms`), normalised by its mean over the layer's entries so that
   layers compare under a global budget (the paper normalises by the residual stream's norm; the layer mean of the
@@ -46,7 +49,7 @@ from torch import Tensor
 
 from kvforge.presses.base import ScorerPress
 from kvforge.presses.criticalkv import projected_value_norms
-from kvforge.presses.layer import LayerContext, Needs, Selection, num_kept, topk_mask
+from kvforge.presses.layer import LayerContext, Needs, Selection, num_kept, topk_mask, word_max
 from kvforge.presses.replay import NORMALISE, REPEAT_PROMPT, REPLAY_CHUNK, TURNS
 
 BUDGETS = ("head", "layer", "global", "token", "tokens")
@@ -108,6 +111,7 @@ class KVzipPress(BudgetedSelection, ScorerPress):
     replay_turn: str = "continue"
     normalise: str = "chunk"
     pool: int = 0
+    whole_words: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -133,7 +137,12 @@ class KVzipPress(BudgetedSelection, ScorerPress):
         if self.value_aware:
             norms = projected_value_norms(ctx)
             scores = scores * (norms / norms.mean(dim=(1, 2), keepdim=True).clamp_min(1e-12))
-        return max_pool(scores, self.pool).masked_fill(self.protected(ctx)[:, None, :], float("inf"))
+        scores = max_pool(scores, self.pool)
+        if self.whole_words:
+            if ctx.words is None:
+                raise ValueError("whole_words needs the prompt's tokenizer (compress_prefill(..., tokenizer=...))")
+            scores = word_max(scores, ctx.words)
+        return scores.masked_fill(self.protected(ctx)[:, None, :], float("inf"))
 
 
 def max_pool(scores: Tensor, window: int) -> Tensor:

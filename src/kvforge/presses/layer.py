@@ -113,6 +113,8 @@ class LayerContext:
         query_mean, query_cov: ``(B, H, D)``, ``(B, H, D, D)`` mean and covariance of the prompt's pre-RoPE queries
             (positions >= 4, the sinks excluded), or None.
         hidden_scores: ``{scorer key: (B, H_kv, S)}`` what each :class:`HiddenScorer` gave the new entries.
+        words: ``(S,)`` the word each new entry belongs to (:func:`word_ids`; a number is one word), or None when
+            the prompt's tokenizer is not known.
     """
 
     keys: Tensor
@@ -136,6 +138,7 @@ class LayerContext:
     model_layer: int | None = None
     query_cov: Tensor | None = None
     hidden_scores: dict[str, Tensor] | None = None
+    words: Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -268,3 +271,33 @@ class Compressing(Protocol):
     def compress_all(self, contexts: list[LayerContext]) -> list[Selection]: ...
 
     def config(self) -> dict[str, object]: ...
+
+
+MAX_WORD = 16  # tokens: a longer run (a hash, a URL) is cut into words of this many
+
+
+def word_ids(tokenizer: Any, ids: list[int]) -> Tensor:
+    """``(S,)`` ascending word index of every token of ``ids``: a word is a run of tokens that continue one another
+    with letters or digits (``" 8" "7" "8"`` is one word, so is ``" Neil"``; ``"."``, ``"-"`` and a token that opens
+    with a space start new ones), at most :data:`MAX_WORD` tokens."""
+    texts = [tokenizer.decode([i]) for i in ids]
+    out, word, length, prev = [], -1, 0, ""
+    for text in texts:
+        joins = (
+            bool(text) and bool(prev) and text[0].isalnum() and (prev[-1].isalnum() or prev.isspace())
+            and length < MAX_WORD
+        )
+        if not joins:
+            word, length = word + 1, 0
+        out.append(word)
+        length += 1
+        prev = text
+    return torch.tensor(out, dtype=torch.long)
+
+
+def word_max(scores: Tensor, words: Tensor) -> Tensor:
+    """``(B, H, S)`` scores -> every entry takes the highest score of its word (``words`` ``(S,)``, ascending)."""
+    idx = words.to(scores.device)[None, None].expand_as(scores)
+    best = scores.new_full((*scores.shape[:2], int(words.max()) + 1), float("-inf"))
+    best = best.scatter_reduce(2, idx, scores, reduce="amax", include_self=True)
+    return best.gather(2, idx)
