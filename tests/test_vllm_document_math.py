@@ -127,6 +127,9 @@ def test_ragged_documents_and_presses_are_refused():
     with pytest.raises(UserError, match="different number of entries"):
         uniform_press("adakv", 0.5)
     assert uniform_press("kvzip", 0.5).budget == "head" and uniform_press("kvzap", 0.5).budget == "head"
+    # words kept whole by default under one count per head, unless the name says otherwise
+    assert uniform_press("kvzip-plus", 0.5).whole_words and uniform_press("kvzip:budget=token", 0.5).whole_words
+    assert not uniform_press("kvzip:whole_words=false", 0.5).whole_words
     from kvforge.presses import build_press
 
     ragged = VllmDocuments(open_store("memory://"), tokenizer, engine.model_id, build_press("kvzip", 0.75),

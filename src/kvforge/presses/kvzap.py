@@ -37,7 +37,7 @@ from torch import Tensor
 from kvforge.errors import UserError
 from kvforge.paths import cache_dir
 from kvforge.presses.base import ScorerPress
-from kvforge.presses.kvzip import BudgetedSelection, max_pool
+from kvforge.presses.kvzip import BudgetedSelection
 from kvforge.presses.layer import LayerContext, Needs
 
 logger = logging.getLogger(__name__)
@@ -233,7 +233,8 @@ class KVzapPress(BudgetedSelection, ScorerPress):
             (``kvforge presses train``, or the CLI's first use of the press).
         budget: ``"global"`` (KVzip's default), ``"layer"`` or ``"head"``, as :class:`KVzipPress`.
         keep_first, keep_header: entries always kept, as :class:`KVzipPress`.
-        pool: max over a window of neighbouring entries' scores before the top-k, as :class:`KVzipPress`.
+        pool, whole_words: max over a window of neighbouring entries' / over a word's scores before the top-k, as
+            :class:`KVzipPress`.
     """
 
     kind: str = "linear"
@@ -242,6 +243,7 @@ class KVzapPress(BudgetedSelection, ScorerPress):
     keep_first: int = 4
     keep_header: bool = True
     pool: int = 0
+    whole_words: bool = False
     scorer: KVzapScorer = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -263,5 +265,5 @@ class KVzapPress(BudgetedSelection, ScorerPress):
         got = (ctx.hidden_scores or {}).get(self.scorer.key)
         if got is None:
             raise ValueError("KVzap needs its scorer's scores from the prefill (run it through compress_prefill)")
-        return max_pool(got, self.pool).masked_fill(ctx.protected(self.keep_first, self.keep_header)[:, None, :],
-                                                    float("inf"))  # fmt: skip
+        return self.pooled(got, ctx).masked_fill(ctx.protected(self.keep_first, self.keep_header)[:, None, :],
+                                                 float("inf"))  # fmt: skip

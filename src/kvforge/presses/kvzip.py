@@ -61,11 +61,13 @@ class BudgetedSelection:
     ``num_kept`` entries in every KV head, ``"layer"`` one top-k over a layer's heads, ``"global"`` one over every
     (layer, head, token) of the model; ``"token"`` keeps the same ``num_kept`` tokens in every KV head of a layer
     (a token's score: its highest over the layer's heads), ``"tokens"`` the same tokens in every layer and head (its
-    highest over the model); ``pool`` is checked here too (0 off, else an odd window)."""
+    highest over the model); ``pool`` is checked here too (0 off, else an odd window), and applied with
+    ``whole_words`` by :meth:`pooled`."""
 
     budget: str
     pool: int
     compression_ratio: float
+    whole_words: bool
 
     def check_selection(self) -> None:
         if self.pool < 0 or (self.pool > 1 and self.pool % 2 == 0):
@@ -75,6 +77,15 @@ class BudgetedSelection:
 
     def score(self, ctx: LayerContext) -> Tensor:
         raise NotImplementedError
+
+    def pooled(self, scores: Tensor, ctx: LayerContext) -> Tensor:
+        """``(B, H_kv, S)`` scores after ``pool`` then ``whole_words``."""
+        scores = max_pool(scores, self.pool)
+        if not self.whole_words:
+            return scores
+        if ctx.words is None:
+            raise ValueError("whole_words needs the prompt's tokenizer (compress_prefill(..., tokenizer=...))")
+        return word_max(scores, ctx.words)
 
     def compress(self, ctx: LayerContext) -> Selection:
         if self.budget == "head":
@@ -137,12 +148,7 @@ class KVzipPress(BudgetedSelection, ScorerPress):
         if self.value_aware:
             norms = projected_value_norms(ctx)
             scores = scores * (norms / norms.mean(dim=(1, 2), keepdim=True).clamp_min(1e-12))
-        scores = max_pool(scores, self.pool)
-        if self.whole_words:
-            if ctx.words is None:
-                raise ValueError("whole_words needs the prompt's tokenizer (compress_prefill(..., tokenizer=...))")
-            scores = word_max(scores, ctx.words)
-        return scores.masked_fill(self.protected(ctx)[:, None, :], float("inf"))
+        return self.pooled(scores, ctx).masked_fill(self.protected(ctx)[:, None, :], float("inf"))
 
 
 def max_pool(scores: Tensor, window: int) -> Tensor:

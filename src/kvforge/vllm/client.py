@@ -51,20 +51,26 @@ def whole_blocks_press(press: Press, num_tokens: int, multiple: int | None) -> P
 def uniform_press(name: str, compression_ratio: float) -> Press:
     """The press ``name`` keeping one count of entries on every layer and KV head (what vLLM's cache holds):
     ``budget="head"`` for presses with a budget unless the name sets ``token`` or ``tokens``; a press named with a
-    ragged budget is refused."""
+    ragged budget is refused. Presses that can keep words whole do (``whole_words=True`` unless the name says
+    otherwise): with one count per head, a head otherwise keeps scattered pieces of a number (docs/vllm.md)."""
     from kvforge.names import parse_press
     from kvforge.presses import build_press
     from kvforge.presses.kvzip import UNIFORM_BUDGETS
 
     base, options = parse_press(name)
     press = build_press(name, compression_ratio)
+    overrides: dict[str, Any] = {}
     if hasattr(press, "budget") and press.budget not in UNIFORM_BUDGETS:
         if "budget" in options:
             raise UserError(
                 f"press {name!r}: vLLM's paged cache holds one count of entries for every layer and KV head; "
                 f"use budget={' or budget='.join(UNIFORM_BUDGETS)}"
             )
-        press = build_press(name, compression_ratio, budget="head")
+        overrides["budget"] = "head"
+    if hasattr(press, "whole_words") and "whole_words" not in options:
+        overrides["whole_words"] = True
+    if overrides:
+        press = build_press(name, compression_ratio, **overrides)
     if type(press).__name__ in ("AdaKVPress", "CriticalAdaKVPress", "PyramidKVPress", "DecodingPress"):
         raise UserError(f"press {base!r} keeps a different number of entries per layer or head: vLLM cannot hold it")
     return press
