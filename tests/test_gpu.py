@@ -146,3 +146,21 @@ def test_rag_chunk_reuse_on_cuda(strategy):
     assert torch.isfinite(res.logits).all() and _on_cuda(res.cache)
     if strategy == "cacheblend":  # everything recomputed: the full prefill again
         torch.testing.assert_close(res.logits.float(), full.logits.float(), **BF16)
+
+
+@pytest.mark.parametrize("name", ["kvzip-plus:budget=head:whole_words=true", "kvzip:whole_words=true"])
+@torch.no_grad()
+def test_whole_words_select_on_cuda_what_they_select_on_cpu(name):
+    """Words (read on CPU from the tokenizer) meet scores on the GPU: the kept positions of every layer and head
+    equal a float32 CPU run's."""
+    tok = tiny_tokenizer()
+    text = "The code of the gate is 4711-0815; remember 99 red balloons and 1234567. " * 2
+    ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+    kept = {}
+    for device in (CUDA, "cpu"):
+        model = tiny_model("llama").to(device, torch.float32)
+        cache = KVCache.for_model(model)
+        compress_prefill(model, ids.to(device), cache, build_press(name, 0.6), chunk_size=48, tokenizer=tok)
+        kept[device] = [layer.view()[2].cpu() for layer in cache.layers]  # positions (B, H_kv, kept)
+    for on_gpu, on_cpu in zip(kept[CUDA], kept["cpu"], strict=True):
+        assert torch.equal(on_gpu.sort(-1).values, on_cpu.sort(-1).values)
