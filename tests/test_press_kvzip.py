@@ -372,6 +372,23 @@ def test_word_ids_join_digits_and_letters_and_split_at_spaces_and_marks(tok):
     assert torch.bincount(long).tolist() == [MAX_WORD, MAX_WORD, 1]  # a run longer than a word is cut
 
 
+def test_word_ids_read_sentencepiece_word_starts():
+    """A SentencePiece decoder drops a piece's opening space when it decodes alone: its marker starts the word."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from kvforge.presses.layer import word_ids
+
+    vocab = {"<unk>": 0, "\u2581the": 1, "\u2581code": 2, "\u2581is": 3, "\u25814": 4, "7": 5, "1": 6, ".": 7,
+             "\u2581Ne": 8, "il": 9}  # fmt: skip
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.decoder = decoders.Metaspace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+    ids = [1, 2, 3, 4, 5, 6, 6, 7, 8, 9]
+    assert tok.decode([2]) == "code"  # the space is gone when the piece decodes alone
+    assert word_ids(tok, ids).tolist() == [0, 1, 2, 3, 3, 3, 3, 4, 5, 5]  # the / code / is / 4711 / . / Neil
+
+
 def test_whole_words_keep_a_number_whole_in_the_heads_that_want_any_of_it():
     """Head 0 scores one digit of a 7-digit word high, head 1 another: with whole_words each head keeps all seven
     (and still keeps exactly its budget); without it each keeps its one digit."""

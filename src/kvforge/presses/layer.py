@@ -279,8 +279,14 @@ MAX_WORD = 16  # tokens: a longer run (a hash, a URL) is cut into words of this 
 def word_ids(tokenizer: Any, ids: list[int]) -> Tensor:
     """``(S,)`` ascending word index of every token of ``ids``: a word is a run of tokens that continue one another
     with letters or digits (``" 8" "7" "8"`` is one word, so is ``" Neil"``; ``"."``, ``"-"`` and a token that opens
-    with a space start new ones), at most :data:`MAX_WORD` tokens."""
+    with a space start new ones), at most :data:`MAX_WORD` tokens. A SentencePiece piece that opens a word (``"▁Ne"``)
+    decodes alone without its space; its marker is read instead."""
+    pieces = tokenizer.convert_ids_to_tokens(ids)
     texts = [tokenizer.decode([i]) for i in ids]
+    texts = [
+        " " + t if str(p).startswith("\u2581") and not t[:1].isspace() else t
+        for p, t in zip(pieces, texts, strict=True)
+    ]
     out, word, length, prev = [], -1, 0, ""
     for text in texts:
         joins = (
