@@ -21,7 +21,7 @@ from kvforge.prefill import forward, prefill
 from kvforge.presses import PRESSES, build_press, compress_prefill
 from kvforge.store import DiskStore, MemoryStore
 from kvforge.store.codec import quant_roundtrip, segments_equal
-from kvforge.testing import tiny_model, tiny_tokenizer
+from kvforge.testing import split_words, tiny_model, tiny_tokenizer
 
 # KVFORGE_TEST_DEVICE=cpu runs these tests' logic on CPU (a check of the tests themselves, not of the GPU path)
 CUDA = os.environ.get("KVFORGE_TEST_DEVICE", "cuda")
@@ -167,14 +167,7 @@ def test_whole_words_on_cuda_keep_words_whole_with_the_cpu_budget(name):
         cache = KVCache.for_model(model)
         compress_prefill(model, ids.to(device), cache, build_press(name, 0.6), chunk_size=48, tokenizer=tok)
         counts[device] = cache.num_entries()
-        if device != CUDA:
-            continue
-        for layer in cache.layers:
-            _, _, pos, valid = (t.cpu() if t is not None else None for t in layer.view())
-            for h in range(pos.shape[1]):
-                kept = torch.zeros(ids.shape[1], dtype=torch.bool)
-                kept[pos[0, h][valid[0, h]] if valid is not None else pos[0, h]] = True
-                body, kept_body = words[header:], kept[header:]
-                split = [w for w in body.unique() if 0 < int(kept_body[body == w].sum()) < int((body == w).sum())]
+        if device == CUDA:
+            for split in split_words(cache, words, header):
                 assert len(split) <= 2, split
     assert counts[CUDA] == counts["cpu"]

@@ -15,7 +15,7 @@ from kvforge.presses import KVzipPress, LayerContext, build_press, compress_pref
 from kvforge.presses.expected_attention import ExpectedAttentionPress, averaged_rope, rotate
 from kvforge.presses.kvzip_heads import calibration_path, load_head_scores, save_head_scores
 from kvforge.presses.replay import REPEAT_PART_PROMPT, REPEAT_PROMPT, header_length, replay_prefix
-from kvforge.testing import tiny_model, tiny_tokenizer
+from kvforge.testing import split_words, tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TEXT = "The quick brown fox jumps over the lazy dog; the secret code is 4711. " * 3
@@ -429,12 +429,30 @@ def test_whole_words_through_compress_prefill_split_at_most_one_word_per_head(to
                      tokenizer=tok)
     words = word_ids(tok, ids[0].tolist())
     header = header_length(tok, ids[0].tolist()) + 4
+    for split in split_words(cache, words, header):
+        assert len(split) <= 2, split  # the budget's cut, and the word the header's end falls in
     for layer in cache.layers:
         _, _, pos, valid = layer.view()
         for h in range(pos.shape[1]):
-            kept = torch.zeros(ids.shape[1], dtype=torch.bool)
-            kept[pos[0, h][valid[0, h]] if valid is not None else pos[0, h]] = True
-            body, kept_body = words[header:], kept[header:]
-            split = [w for w in body.unique() if 0 < int(kept_body[body == w].sum()) < int((body == w).sum())]
-            assert len(split) <= 2, split  # the budget's cut, and the word the header's end falls in
-            assert 0 < int(kept_body.sum()) < len(body)
+            kept = pos[0, h] if valid is None else pos[0, h][valid[0, h]]
+            assert 0 < int((kept >= header).sum()) < len(words) - header
+
+
+def test_words_are_read_only_for_presses_that_need_them(tok, monkeypatch):
+    """The prompt's words are a declared need (``Needs.words``): read once per prefill for the presses that keep
+    words whole, never for the others."""
+    from kvforge.presses.apply import CompressionSource
+    from kvforge.presses.layer import Needs
+
+    calls = []
+    real = apply_mod.word_ids
+    monkeypatch.setattr(apply_mod, "word_ids", lambda *a: calls.append(1) or real(*a))
+    model, ids = tiny_model("llama"), chat_ids(tok)
+    whole, plain = build_press("kvzip:whole_words=true", 0.5), build_press("kvzip", 0.5)
+    assert whole.needs().words and not plain.needs().words and plain.needs().merge(whole.needs()).words
+    source = CompressionSource(model, ids, KVCache.for_model(model), Needs(reconstruction=True), tokenizer=tok)
+    assert all(c.words is None for c in source.contexts(plain)) and not calls
+    got = source.contexts(whole)
+    assert all(c.words is not None and len(c.words) == ids.shape[1] for c in got)
+    source.contexts(whole)
+    assert len(calls) == 1

@@ -95,3 +95,21 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
         "{% if add_generation_prompt %}<a>{% endif %}"
     )
     return fast
+
+
+def split_words(cache: Any, words: torch.Tensor, start: int) -> list[list[int]]:
+    """Per (layer, KV head) of a compressed ``cache``: the words (``words`` ``(S,)``, as
+    :func:`kvforge.presses.layer.word_ids` gives them) of the entries from ``start`` on that the head keeps only
+    partly."""
+    body = words[start:]
+    sizes = torch.bincount(body)
+    out = []
+    for layer in cache.layers:
+        _, _, pos, valid = layer.view()
+        pos, valid = pos.cpu(), None if valid is None else valid.cpu()
+        for h in range(pos.shape[1]):
+            kept = torch.zeros(len(words), dtype=torch.bool)
+            kept[pos[0, h] if valid is None else pos[0, h][valid[0, h]]] = True
+            counts = torch.bincount(body[kept[start:]], minlength=len(sizes))
+            out.append([w for w in body.unique().tolist() if 0 < counts[w] < sizes[w]])
+    return out

@@ -96,7 +96,7 @@ class CompressionSource:
         self.chunk_size, self.tokenizer = chunk_size, tokenizer
         self.layers = compressible_layers(cache)
         self.header = header_length(tokenizer, ids[0].tolist())
-        self.words = None if tokenizer is None else word_ids(tokenizer, ids[0].tolist())
+        self._words: Tensor | None = None  # word ids of the prompt, read once for the first press that needs them
         self.start = [layer.length for layer in cache.layers]
         final_position = cache.next_position + ids.shape[1] - 1
         window = needs.window_size if self.layers else 0
@@ -227,7 +227,7 @@ class CompressionSource:
                 window,
                 lookahead,
                 self.header,
-                self.words,
+                self._word_ids() if needs.words else None,
             )
             for rank, idx in enumerate(self.layers)
         ]
@@ -236,6 +236,11 @@ class CompressionSource:
         # a replay shared with an earlier press reports what it cost when it ran (TTFT as if run alone)
         seconds |= {"reconstruction": replay_seconds, "compress": clock[2] - clock[1]}
         return contexts, seconds, reused
+
+    def _word_ids(self) -> Tensor | None:
+        if self._words is None and self.tokenizer is not None:
+            self._words = word_ids(self.tokenizer, self.ids[0].tolist())
+        return self._words
 
     @torch.inference_mode()
     def calibrate_heads(self, skip: int) -> list[list[float] | None]:

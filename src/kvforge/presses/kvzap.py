@@ -259,7 +259,7 @@ class KVzapPress(BudgetedSelection, ScorerPress):
         return {k: v for k, v in super().config().items() if k != "scorer"}
 
     def needs(self) -> Needs:
-        return Needs(scorers=(self.scorer,))
+        return Needs(scorers=(self.scorer,), words=self.whole_words)
 
     def score(self, ctx: LayerContext) -> Tensor:
         got = (ctx.hidden_scores or {}).get(self.scorer.key)

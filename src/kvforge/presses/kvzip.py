@@ -135,7 +135,7 @@ class KVzipPress(BudgetedSelection, ScorerPress):
             raise ValueError("replay_chunk and keep_first must be >= 0 (replay_chunk 0 = the whole context at once)")
 
     def needs(self) -> Needs:
-        return Needs(reconstruction=True, replay=self)
+        return Needs(reconstruction=True, replay=self, words=self.whole_words)
 
     def protected(self, ctx: LayerContext) -> Tensor:
         """``(B, S)`` True for entries always kept: the first ``keep_first`` and the template header."""

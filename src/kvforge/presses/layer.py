@@ -59,6 +59,7 @@ class Needs:
     query_stats: bool = False  # Expected Attention: mean/covariance of the prompt's pre-RoPE queries
     scorers: tuple[HiddenScorer, ...] = ()  # learned scorers run on every prompt forward (KVzap)
     replay: Any = None  # reconstruction: whose replay settings (a KVzipPress; None = KVzip's defaults)
+    words: bool = False  # the word of every new entry (whole_words), read from the prompt's tokenizer
 
     def merge(self, other: Needs) -> Needs:
         keys = {s.key for s in self.scorers}
@@ -69,6 +70,7 @@ class Needs:
             self.query_stats or other.query_stats,
             self.scorers + tuple(s for s in other.scorers if s.key not in keys),
             self.replay if self.replay is not None else other.replay,
+            self.words or other.words,
         )
 
 
@@ -113,8 +115,8 @@ class LayerContext:
         query_mean, query_cov: ``(B, H, D)``, ``(B, H, D, D)`` mean and covariance of the prompt's pre-RoPE queries
             (positions >= 4, the sinks excluded), or None.
         hidden_scores: ``{scorer key: (B, H_kv, S)}`` what each :class:`HiddenScorer` gave the new entries.
-        words: ``(S,)`` the word each new entry belongs to (:func:`word_ids`; a number is one word), or None when
-            the prompt's tokenizer is not known.
+        words: ``(S,)`` the word each new entry belongs to (:func:`word_ids`; a number is one word), for a press
+            whose needs ask for them (``Needs.words``); None otherwise or when the prompt's tokenizer is not known.
     """
 
     keys: Tensor
@@ -281,16 +283,17 @@ def word_ids(tokenizer: Any, ids: list[int]) -> Tensor:
     with letters or digits (``" 8" "7" "8"`` is one word, so is ``" Neil"``; ``"."``, ``"-"`` and a token that opens
     with a space start new ones), at most :data:`MAX_WORD` tokens. A SentencePiece piece that opens a word (``"▁Ne"``)
     decodes alone without its space; its marker is read instead."""
-    pieces = tokenizer.convert_ids_to_tokens(ids)
-    texts = [tokenizer.decode([i]) for i in ids]
     texts = [
         " " + t if str(p).startswith("\u2581") and not t[:1].isspace() else t
-        for p, t in zip(pieces, texts, strict=True)
+        for p, t in zip(tokenizer.convert_ids_to_tokens(ids), (tokenizer.decode([i]) for i in ids), strict=True)
     ]
     out, word, length, prev = [], -1, 0, ""
     for text in texts:
         joins = (
-            bool(text) and bool(prev) and text[0].isalnum() and (prev[-1].isalnum() or prev.isspace())
+            bool(text)
+            and bool(prev)
+            and text[0].isalnum()
+            and (prev[-1].isalnum() or prev.isspace())
             and length < MAX_WORD
         )
         if not joins:
