@@ -133,6 +133,75 @@ def test_head_wise_layer_stored_without_padding():
     assert segments_equal(out, padded) and not bool(out.keys[0][~padded.valid[0]].any())
 
 
+def test_batched_inverse_equals_the_formula_matrix_by_matrix():
+    """decode_matrices (bytes straight into one batched product) gives, for each matrix, mean + coef @ basis.T with
+    coef = offset + step * (code - 128) on the used components: unequal row counts, a matrix of no rows and one whose
+    components all got no bits (its rows are its mean)."""
+    from kvforge.store.transform import decode_matrices, encode_matrix
+
+    g = torch.Generator().manual_seed(3)
+    d, counts, budgets = 8, [37, 0, 12, 5], [2.0, 2.0, 3.0, 1e-9]
+    basis = torch.linalg.qr(torch.randn(4, d, d, generator=g))[0]
+    mean = torch.randn(4, d, generator=g)
+    streams, side, want = [], [[], [], []], []
+    for h, (n, budget) in enumerate(zip(counts, budgets, strict=True)):
+        x = torch.randn(n, d, generator=g) * torch.linspace(3, 0.1, d)
+        data, bits, offset, step = encode_matrix(x, mean[h], basis[h], budget)
+        streams.append(data)
+        for j, t in enumerate((bits, offset, step)):
+            side[j].append(t)
+        used = bits > 0
+        codes = torch.zeros(n, d)
+        if n and int(used.sum()):
+            import zlib
+
+            raw = torch.frombuffer(bytearray(zlib.decompress(data)), dtype=torch.uint8).float()
+            codes[:, used] = raw.view(int(used.sum()), n).T - 128
+        coef = torch.where(used, offset.float() + step.float() * codes, torch.zeros(()))
+        want.append(mean[h] + coef @ basis[h].T)
+    assert int(side[0][3].sum()) == 0  # the last matrix's components all got no bits
+    got = decode_matrices(streams, counts, *(torch.stack(t) for t in side), mean, basis)
+    assert got.shape == (4, max(counts), d)
+    for h, n in enumerate(counts):
+        torch.testing.assert_close(got[h, :n], want[h], rtol=1e-5, atol=1e-5)
+
+
+def test_layers_decoded_together_equal_layers_decoded_one_by_one(monkeypatch):
+    """Layers of one shape and RoPE are decoded in one batch; layers of other RoPE frequencies, other widths or none
+    form their own batches: the result is the same as decoding each layer alone (up to float rounding)."""
+    from kvforge.store import codec, transform
+
+    seg = make_segment(lengths=(90, 70, 60, 90, 40), num_heads=2, head_dim=16, masked=True)
+    seg.positions = [p + 10 for p in seg.positions]  # past the sinks: rotations of every size
+    seg.positions[0][:, :3] = torch.arange(3)  # ...but for a few sinks
+    freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    rng = [freq, freq, None, freq * 0.5, freq]  # layer 2: no RoPE; layer 3: other frequencies
+    basis = transform.basis_from_segment(seg)
+    basis.inv_freq = rng
+    transform.BOOK.add(basis)
+    data = codec.encode(seg, "kvtc-b3", basis=basis)
+    together = codec.decode(data)
+    monkeypatch.setattr(codec, "MAX_DECODE_ELEMENTS", 1)  # every layer alone
+    alone = codec.decode(data)
+    for a, b in zip(together.keys + together.values, alone.keys + alone.values, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for i, m in enumerate(seg.valid):
+        rows = m if m is not None else torch.ones(seg.keys[i].shape[:2], dtype=torch.bool)
+        sinks = rows & (seg.positions[i] < transform.SINKS)
+        assert torch.equal(together.keys[i][sinks], seg.keys[i][sinks])  # sinks exact in their own slots
+        assert _rel_err(seg.keys[i], together.keys[i], rows) < 0.1  # keys back at their positions
+
+
+def test_rotating_each_key_by_its_own_delta_equals_the_direct_rotation():
+    from kvforge.rope import rotate_each, rotate_keys
+
+    freq = 1.0 / (10000 ** (torch.arange(0, 32, 2).float() / 32))
+    keys = torch.randn(3, 50, 32)
+    for delta in (torch.randint(-5, 40, (3, 50)), torch.randint(0, 10**6, (3, 50))):  # a range; scattered values
+        torch.testing.assert_close(rotate_each(keys, delta, freq), rotate_keys(keys, delta, freq), rtol=1e-5,
+                                   atol=1e-5)  # fmt: skip
+
+
 def test_store_round_trip_is_bit_exact_with_the_in_process_decode(tmp_path):
     """memory, disk and tiered stores return exactly what quant_roundtrip gives; the basis is kept as a store blob."""
     seg = make_segment(lengths=(96, 80, 64), num_heads=2, head_dim=16)

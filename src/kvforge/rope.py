@@ -49,15 +49,15 @@ class RopeSpec:
         """``keys`` ``(..., S, D)`` post-RoPE moved by ``delta`` positions (int or ``(S,)``/broadcastable)."""
         if not isinstance(delta, int):
             return rotate_keys(keys, delta, self.inv_freq[layer_idx])
-        # layers share few distinct frequency sets and one chunk moves by one delta: reuse the cos/sin table
+        # layers share few distinct frequency sets and one chunk moves by one delta: one (D/2,) cos/sin pair, kept
         freq = self.inv_freq[layer_idx]
-        key = (delta, keys.shape[-2], freq.data_ptr(), keys.device)
+        key = (delta, freq.data_ptr(), keys.device)
         table = self._tables.get(key)
         if table is None:
             if len(self._tables) > 256:
                 self._tables.clear()
-            table = self._tables[key] = rotation_table(delta, keys.shape[-2], freq, keys.device)
-        return apply_rotation(keys, *table)
+            table = self._tables[key] = half_rotation_table(torch.tensor([delta]), freq, keys.device)
+        return apply_half_rotation(keys, *table)
 
     def rotate_layers(self, keys: list[Tensor], delta: Tensor) -> list[Tensor]:
         """Every layer's ``keys[l]`` ``(H, S, D)`` moved by ``delta`` ``(S,)`` (one per entry; 0 = stays).
@@ -107,6 +107,21 @@ def apply_half_rotation(keys: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     torch.mul(k2, cos, out=out[..., half:])
     out[..., half:].addcmul_(k1, sin)
     return out.to(keys.dtype)
+
+
+def rotate_each(keys: Tensor, delta: Tensor, inv_freq: Tensor) -> Tensor:
+    """``keys`` ``(..., S, D)`` each moved by its own ``delta`` ``(..., S)`` (integers), in fp32, cast back: the same
+    rotation as :func:`rotate_keys`, its angles computed once per distinct delta (fp64), not once per entry (many
+    heads and layers of one segment share few positions)."""
+    delta = delta.to(torch.long)
+    low, high = (int(delta.min()), int(delta.max())) if delta.numel() else (0, 0)
+    if high - low + 1 <= delta.numel():  # a table over the range, indexed
+        cos, sin = half_rotation_table(torch.arange(low, high + 1, device=delta.device), inv_freq, keys.device)
+        index = delta - low
+    else:
+        distinct, index = torch.unique(delta, return_inverse=True)
+        cos, sin = half_rotation_table(distinct, inv_freq, keys.device)
+    return apply_half_rotation(keys, cos[index], sin[index])
 
 
 def apply_rotation(keys: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -19,6 +19,7 @@ Formats 1 and 2 (``b"KVFORGE\\n"  u64 header_len  header JSON  safetensors paylo
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 import struct
 from typing import Any, NamedTuple
 
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor
 
 from kvforge.errors import CorruptSegmentError, ModelMismatchError
-from kvforge.rope import rotate_keys
+from kvforge.rope import rotate_each
 from kvforge.store import transform
 from kvforge.store.checksum import checksum, default_algo, hasher
 from kvforge.store.payload import index_json, parse_index, read_payload, tensor_index, write_parts
@@ -542,17 +543,19 @@ def _check_layers(header: dict[str, Any], limit: int) -> None:
 
 
 def _segment_from(header: dict[str, Any], tensors: dict[str, Tensor], basis: KVBasis | None = None) -> KVSegment:
-    keys, values, positions, valid = [], [], [], []
+    keys: list[Tensor] = []
+    values: list[Tensor] = []
+    positions: list[Tensor] = []
+    valid: list[Tensor | None] = []
     quant = header.get("quant")
     scheme = parse_scheme(quant)
+    compact: list[_CompactLayer] = []
     for i, info in enumerate(header["layers"]):
         dtype, v_dtype = _dtype_from_name(info["dtype"]), _dtype_from_name(info["v_dtype"])
-        if "layout" in info:  # version 4: packed head-wise or transform-coded
-            k, v, p, m = _compact_layer(i, info, tensors, basis)
-            keys.append(k)
-            values.append(v)
-            positions.append(p)
-            valid.append(m)
+        if "layout" in info:  # version 4: packed head-wise or transform-coded, decoded together below
+            compact.append(_CompactLayer.read(i, info, tensors))
+            for out in (keys, values, positions, valid):
+                out.append(None)  # type: ignore[arg-type]
             continue
         m = tensors[f"m.{i}"] if info["valid"] else None
         if quant is None:
@@ -573,6 +576,16 @@ def _segment_from(header: dict[str, Any], tensors: dict[str, Tensor], basis: KVB
         values.append(v)
         positions.append(p)
         valid.append(m)
+    coded = [layer for layer in compact if layer.info["layout"] != "packed"]
+    if coded and basis is None:
+        raise CorruptSegmentError(f"layer {coded[0].i} is transform-coded but the segment names no basis")
+    decoded = _transform_layers(coded, tensors, basis) if coded else {}
+    for layer in compact:
+        if layer.info["layout"] == "packed":
+            k_flat, v_flat = tensors[f"k.{layer.i}"], tensors[f"v.{layer.i}"]
+        else:
+            k_flat, v_flat = decoded[layer.i]
+        keys[layer.i], values[layer.i], positions[layer.i], valid[layer.i] = layer.finish(k_flat, v_flat)
     meta = dict(header["meta"])
     if quant is not None:
         meta["quant"] = quant  # the caller must know this KV is approximate
@@ -588,104 +601,172 @@ def _segment_from(header: dict[str, Any], tensors: dict[str, Tensor], basis: KVB
     )
 
 
-def _compact_layer(
-    i: int, info: dict[str, Any], tensors: dict[str, Tensor], basis: KVBasis | None
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Keys, values, positions and mask of a version-4 layer (padding slots zero, as every KVCache holds them)."""
-    h, s, d = info["k_shape"]
-    dv = info["v_shape"][2]
-    dtype, v_dtype, p_dtype = (_dtype_from_name(info[x]) for x in ("dtype", "v_dtype", "p_dtype"))
-    mask = None
-    if info["valid"]:
-        packed = transform.inflate(tensors[f"m.{i}"].numpy().data, -(-h * s // 8), f"layer {i}'s mask")
-        bits = np.unpackbits(np.frombuffer(packed, dtype=np.uint8))
-        mask = torch.from_numpy(bits[: h * s].astype(bool).reshape(h, s))
-    counts = [int(mask[x].sum()) for x in range(h)] if mask is not None else [s] * h
-    num_deltas = counts[0] if info["p_shared"] and counts else sum(counts)
-    raw = transform.inflate(tensors[f"p.{i}"].numpy().data, 8 * num_deltas, f"layer {i}'s positions")
-    deltas = torch.from_numpy(np.frombuffer(raw, dtype="<i8").copy())
-    rows = list(torch.split(deltas, counts[:1] if info["p_shared"] else counts))
-    flat = torch.cat([r.cumsum(0) for r in rows]) if rows else deltas
-    if info["p_shared"]:
-        flat = flat.repeat(h)
-    if info["layout"] == "packed":
-        k_flat, v_flat = tensors[f"k.{i}"], tensors[f"v.{i}"]
-    else:
-        if basis is None:
-            raise CorruptSegmentError(f"layer {i} is transform-coded but the segment names no basis")
-        k_parts, v_parts, at_k, at_v, start, at_exact = [], [], 0, 0, 0, 0
-        freq = basis.inv_freq[i]
-        outliers = _Outliers(i, info, tensors, len(counts))
-        k_exact, v_exact = tensors[f"k.{i}.exact"], tensors[f"v.{i}.exact"]
-        for head, n in enumerate(counts):
-            positions = flat[start : start + n]
-            sink = positions < transform.SINKS
-            coded = int((~sink).sum())
-            k_head = _decode_head(tensors, info, "k", i, head, at_k, coded, basis.key_mean[i][head],
-                                  basis.key_basis[i][head])  # fmt: skip
-            if freq is not None:
-                k_head = rotate_keys(k_head, positions[~sink], freq)
-            v_head = _decode_head(tensors, info, "v", i, head, at_v, coded, basis.value_mean[i][head],
-                                  basis.value_basis[i][head])  # fmt: skip
-            for name, decoded in (("k", k_head), ("v", v_head)):
-                outliers.restore(name, head, decoded)
-            num_exact = n - coded
-            k_full = torch.empty(n, d, dtype=dtype)
-            v_full = torch.empty(n, dv, dtype=v_dtype)
-            k_full[sink], k_full[~sink] = k_exact[at_exact : at_exact + num_exact], k_head.to(dtype)
-            v_full[sink], v_full[~sink] = v_exact[at_exact : at_exact + num_exact], v_head.to(v_dtype)
-            k_parts.append(k_full)
-            v_parts.append(v_full)
-            at_k += info["k_sizes"][head]
-            at_v += info["v_sizes"][head]
-            at_exact += num_exact
-            start += n
-        k_flat, v_flat = torch.cat(k_parts).to(dtype), torch.cat(v_parts).to(v_dtype)
-    if mask is None:
-        return k_flat.reshape(h, s, d), v_flat.reshape(h, s, dv), flat.reshape(h, s).to(p_dtype), None
-    k = torch.zeros(h, s, d, dtype=dtype)
-    v = torch.zeros(h, s, dv, dtype=v_dtype)
-    p = torch.zeros(h, s, dtype=p_dtype)
-    k[mask], v[mask], p[mask] = k_flat, v_flat, flat.to(p_dtype)
-    return k, v, p, mask
+@dataclass
+class _CompactLayer:
+    """A version-4 layer's shape, mask and positions, read before its keys and values are decoded: ``flat`` holds
+    every head's valid entries' positions, head after head (``counts`` per head)."""
+
+    i: int
+    info: dict[str, Any]
+    mask: Tensor | None
+    counts: list[int]
+    flat: Tensor
+
+    @classmethod
+    def read(cls, i: int, info: dict[str, Any], tensors: dict[str, Tensor]) -> _CompactLayer:
+        h, s, _ = info["k_shape"]
+        mask = None
+        if info["valid"]:
+            packed = transform.inflate(tensors[f"m.{i}"].numpy().data, -(-h * s // 8), f"layer {i}'s mask")
+            bits = np.unpackbits(np.frombuffer(packed, dtype=np.uint8))
+            mask = torch.from_numpy(bits[: h * s].astype(bool).reshape(h, s))
+        counts = mask.sum(dim=1).tolist() if mask is not None else [s] * h
+        num_deltas = counts[0] if info["p_shared"] and counts else sum(counts)
+        raw = transform.inflate(tensors[f"p.{i}"].numpy().data, 8 * num_deltas, f"layer {i}'s positions")
+        deltas = np.frombuffer(raw, dtype="<i8")
+        ends = np.cumsum([0, *(counts[:1] if info["p_shared"] else counts)])
+        flat = np.concatenate([deltas[a:b].cumsum() for a, b in zip(ends[:-1], ends[1:], strict=True)]) \
+            if len(ends) > 1 else deltas.copy()  # fmt: skip
+        if info["p_shared"]:
+            flat = np.tile(flat, h)
+        return cls(i, info, mask, counts, torch.from_numpy(np.ascontiguousarray(flat, dtype=np.int64)))
+
+    def finish(self, k_flat: Tensor, v_flat: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Keys, values, positions and mask from the valid entries' keys and values (padding slots zero, as every
+        KVCache holds them)."""
+        info = self.info
+        h, s, d = info["k_shape"]
+        dv = info["v_shape"][2]
+        dtype, v_dtype, p_dtype = (_dtype_from_name(info[x]) for x in ("dtype", "v_dtype", "p_dtype"))
+        k_flat, v_flat = k_flat.to(dtype), v_flat.to(v_dtype)
+        if self.mask is None:
+            return k_flat.reshape(h, s, d), v_flat.reshape(h, s, dv), self.flat.reshape(h, s).to(p_dtype), None
+        k = torch.zeros(h, s, d, dtype=dtype)
+        v = torch.zeros(h, s, dv, dtype=v_dtype)
+        p = torch.zeros(h, s, dtype=p_dtype)
+        k[self.mask], v[self.mask], p[self.mask] = k_flat, v_flat, self.flat.to(p_dtype)
+        return k, v, p, self.mask
 
 
-class _Outliers:
-    """The entries of a transform-coded layer kept at 16 bits (``<k|v>.<i>.oidx`` row indices among each head's coded
-    entries, ``.orows`` the rows): :meth:`restore` writes a head's rows over its decoded ones."""
-
-    def __init__(self, i: int, info: dict[str, Any], tensors: dict[str, Tensor], num_heads: int) -> None:
-        self.kept: dict[str, tuple[list[Tensor], list[Tensor]]] = {}
-        for name in ("k", "v"):
-            counts = info.get(f"{name}_outliers")
-            if counts is None:  # written without outliers (version 4)
-                continue
-            idx, rows = tensors.get(f"{name}.{i}.oidx"), tensors.get(f"{name}.{i}.orows")
-            if idx is None or rows is None or len(counts) != num_heads or idx.shape[0] != sum(counts) \
-                    or rows.shape[0] != idx.shape[0]:  # fmt: skip
-                raise CorruptSegmentError(
-                    f"layer {i}: the entries kept beside the {name} codes do not match its header"
-                )
-            self.kept[name] = (list(idx.long().split(counts)), list(rows.split(counts)))
-
-    def restore(self, name: str, head: int, decoded: Tensor) -> None:
-        if name not in self.kept:
-            return
-        idx, rows = self.kept[name][0][head], self.kept[name][1][head]
-        outside = idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= decoded.shape[0])
-        if outside or rows.shape[1:] != decoded.shape[1:]:
-            raise CorruptSegmentError(f"head {head}: an entry kept beside the {name} codes lies outside them")
-        decoded[idx] = rows.to(decoded.dtype)
+MAX_DECODE_ELEMENTS = 1 << 24  # transform-coded layers decoded at once: at most this many coefficients (64 MB fp32)
 
 
-def _decode_head(
-    tensors: dict[str, Tensor], info: dict[str, Any], name: str, i: int, head: int, at: int, n: int, mean: Tensor,
-    basis: Tensor,
-) -> Tensor:  # fmt: skip
-    size = info[f"{name}_sizes"][head]
-    data = tensors[f"{name}.{i}"].numpy()[at : at + size].tobytes()
-    bits, lo, step = (tensors[f"{name}.{i}.{x}"][head] for x in ("bits", "min", "step"))
-    return transform.decode_matrix(data, n, bits, lo, step, mean, basis)
+def _transform_layers(
+    layers: list[_CompactLayer], tensors: dict[str, Tensor], basis: KVBasis | None
+) -> dict[int, tuple[Tensor, Tensor]]:
+    """Keys and values ``(sum(counts), D)`` of each transform-coded layer, in its ``flat`` order: the attention sinks
+    as stored, the rest decoded (:func:`kvforge.store.transform.decode_matrices`) for many layers at once (layers of
+    one shape and RoPE, up to :data:`MAX_DECODE_ELEMENTS` coefficients: one product and one rotation for all), keys
+    rotated back to their positions where the basis codes them before RoPE, and the outliers written over."""
+    assert basis is not None
+    out: dict[int, tuple[Tensor, Tensor]] = {}
+    groups: list[list[_CompactLayer]] = []
+    for layer in layers:
+        h, _, d = layer.info["k_shape"]
+        if layer.i >= basis.num_layers or tuple(basis.key_basis[layer.i].shape) != (h, d, d):
+            raise CorruptSegmentError(f"layer {layer.i}: KV of {h} heads x {d} dims does not fit its KV basis")
+        last = groups[-1][-1] if groups else None
+        size = sum(len(x.counts) * max(x.counts, default=0) for x in groups[-1]) * d if groups else 0
+        if last is None or not _same_coding(last, layer, basis) or size + h * max(layer.counts, default=0) * d > \
+                MAX_DECODE_ELEMENTS:  # fmt: skip
+            groups.append([layer])
+        else:
+            groups[-1].append(layer)
+    for group in groups:
+        out |= _transform_group(group, tensors, basis)
+    return out
+
+
+def _same_coding(a: _CompactLayer, b: _CompactLayer, basis: KVBasis) -> bool:
+    """Layers decoded together: the same head count and widths, and the same RoPE frequencies (or none)."""
+    fa, fb = basis.inv_freq[a.i], basis.inv_freq[b.i]
+    same_rope = (fa is None and fb is None) or (fa is not None and fb is not None and torch.equal(fa, fb))
+    return same_rope and a.info["k_shape"][0::2] == b.info["k_shape"][0::2] and \
+        a.info["v_shape"][0::2] == b.info["v_shape"][0::2]  # fmt: skip
+
+
+def _transform_group(
+    group: list[_CompactLayer], tensors: dict[str, Tensor], basis: KVBasis
+) -> dict[int, tuple[Tensor, Tensor]]:
+    h = group[0].info["k_shape"][0]
+    flat = torch.cat([layer.flat for layer in group])  # every entry of the group: layer after layer, head after head
+    per_head = torch.tensor([n for layer in group for n in layer.counts], dtype=torch.long)
+    matrix = torch.repeat_interleave(torch.arange(per_head.numel()), per_head)  # (layer, head) of each entry
+    sink = flat < transform.SINKS
+    rows_coded = torch.nonzero(~sink).flatten()  # entries decoded from codes, in order
+    rows_exact = torch.nonzero(sink).flatten()
+    of_coded = matrix[rows_coded]
+    counts = torch.bincount(of_coded, minlength=per_head.numel())
+    width = int(counts.max()) if counts.numel() else 0
+    first = torch.cumsum(counts, 0) - counts
+    source = of_coded * width + (torch.arange(of_coded.numel()) - first[of_coded])  # row in the decoded matrices
+    counts_list = counts.tolist()
+    gather = torch.zeros(flat.shape[0], dtype=torch.long)  # each entry's row in the decoded matrices (sinks: row 0)
+    gather[rows_coded] = source
+    freq = basis.inv_freq[group[0].i]
+    result: dict[str, Tensor] = {}
+    for name in ("k", "v"):
+        streams: list[memoryview] = []
+        for layer in group:
+            sizes = layer.info[f"{name}_sizes"]
+            if len(sizes) != h:
+                raise CorruptSegmentError(f"layer {layer.i}: {len(sizes)} {name} streams for {h} heads")
+            packed = tensors[f"{name}.{layer.i}"].numpy().data
+            ends = np.cumsum([0, *sizes]).tolist()
+            streams += [packed[ends[x] : ends[x + 1]] for x in range(h)]
+        side = [torch.cat([tensors[f"{name}.{x.i}.{part}"] for x in group]) for part in ("bits", "min", "step")]
+        means = basis.key_mean if name == "k" else basis.value_mean
+        bases = basis.key_basis if name == "k" else basis.value_basis
+        mean = torch.cat([means[x.i] for x in group])
+        base = torch.cat([bases[x.i] for x in group])
+        decoded = transform.decode_matrices(streams, counts_list, *side, mean, base)  # (layers * h, width, D)
+        width_d = decoded.shape[-1]
+        decoded = decoded.view(-1, width_d)
+        if name == "k" and freq is not None:
+            positions = torch.zeros(decoded.shape[0], dtype=torch.long)
+            positions[source] = flat[rows_coded]
+            decoded = rotate_each(decoded, positions, freq)
+        index, kept = _outliers(group, tensors, name, counts, width)
+        if index.numel():
+            decoded[index] = kept.to(decoded.dtype)
+        exact = torch.cat([tensors[f"{name}.{layer.i}.exact"] for layer in group])
+        if exact.shape[0] != rows_exact.numel():
+            raise CorruptSegmentError(f"layers {group[0].i}-{group[-1].i}: {exact.shape[0]} exact {name} entries "
+                                      f"for {rows_exact.numel()} sinks")  # fmt: skip
+        rows = decoded.index_select(0, gather)  # one pass: the sinks' rows are overwritten next
+        rows[rows_exact] = exact.to(decoded.dtype)
+        result[name] = rows
+    sizes = [layer.flat.shape[0] for layer in group]
+    keys, values = result["k"].split(sizes), result["v"].split(sizes)
+    return {layer.i: (k, v) for layer, k, v in zip(group, keys, values, strict=True)}
+
+
+def _outliers(
+    group: list[_CompactLayer], tensors: dict[str, Tensor], name: str, counts: Tensor, width: int
+) -> tuple[Tensor, Tensor]:
+    """The entries of a group's transform-coded layers kept at 16 bits beside the ``name`` codes: rows of the
+    decoded ``(layers * heads * width, D)`` matrix and the rows to write there. Per layer, ``<name>.<i>.oidx``
+    holds row indices among each head's coded entries (``info[<name>_outliers]`` per head), ``.orows`` the rows."""
+    index, rows = [], []
+    heads = len(group[0].counts)
+    for g, layer in enumerate(group):
+        per_head = layer.info.get(f"{name}_outliers")
+        if per_head is None:  # written without outliers (version 4)
+            continue
+        idx, kept = tensors.get(f"{name}.{layer.i}.oidx"), tensors.get(f"{name}.{layer.i}.orows")
+        if idx is None or kept is None or len(per_head) != heads or idx.shape[0] != sum(per_head) \
+                or kept.shape[0] != idx.shape[0] or list(kept.shape[1:]) != layer.info[f"{name}_shape"][2:]:
+            raise CorruptSegmentError(f"layer {layer.i}: the entries kept beside the {name} codes do not match its "
+                                      "header")  # fmt: skip
+        matrix = g * heads + torch.repeat_interleave(torch.arange(heads), torch.tensor(per_head, dtype=torch.long))
+        idx = idx.long()
+        if idx.numel() and bool(((idx < 0) | (idx >= counts[matrix])).any()):
+            raise CorruptSegmentError(f"layer {layer.i}: an entry kept beside the {name} codes lies outside them")
+        index.append(matrix * width + idx)
+        rows.append(kept)
+    if not index:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0)
+    return torch.cat(index), torch.cat(rows)
 
 
 def summarize(header: dict[str, Any], stored_bytes: int | None = None) -> dict[str, Any]:

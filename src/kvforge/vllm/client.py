@@ -15,6 +15,7 @@ miss, never a wrong hit.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -117,7 +118,7 @@ class VllmDocuments:
 
     @classmethod
     def for_model(
-        cls, folder: str, store: str | KVStore, press: str | None = "kvzip", compression_ratio: float = 0.75,
+        cls, folder: str | os.PathLike[str], store: str | KVStore, press: str | None = "kvzip", compression_ratio: float = 0.75,
         quant: str | None = None, load: bool = True, slot_multiple: int | None = None,
     ) -> VllmDocuments:  # fmt: skip
         """For the model folder vLLM serves (``load``: also load it into kvforge's engine, to store documents).
@@ -126,6 +127,7 @@ class VllmDocuments:
         from kvforge.model import folder_fingerprint
         from kvforge.store import open_store
 
+        folder = os.fspath(folder)  # a Path is as good as its string (the fingerprint reads the string)
         press_obj = uniform_press(press, compression_ratio) if press else None
         if quant is not None:
             from kvforge.store.base import check_quant

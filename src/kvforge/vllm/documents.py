@@ -191,9 +191,10 @@ def slot_kv(
     keys rotated by ``k - n`` positions (computed in fp32, cast to the cache's ``dtype``)."""
     keys, values = [], []
     for layer, (k, v, p) in enumerate(zip(segment.keys, segment.values, segment.positions, strict=True)):
-        order = p.argsort(dim=-1)  # (H_kv, k): kept entries in position order (the order kvforge's engine holds)
-        k = k.gather(1, order[..., None].expand_as(k))
-        v = v.gather(1, order[..., None].expand_as(v))
+        if p.shape[-1] > 1 and not bool((p[:, 1:] > p[:, :-1]).all()):  # kept entries in position order (the order
+            order = p.argsort(dim=-1)  # kvforge's engine holds), (H_kv, k)
+            k = k.gather(1, order[..., None].expand_as(k))
+            v = v.gather(1, order[..., None].expand_as(v))
         keys.append(rope.rotate(k.float(), doc.shift, layer).to(dtype))
         values.append(v.to(dtype))
     return keys, values
