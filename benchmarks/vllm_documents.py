@@ -252,12 +252,13 @@ def run(args: argparse.Namespace) -> None:
             server.stop()
         out.close()
         return
-    if args.only == "documents":  # one server: full prefills and compressed documents, timed alternately
+    if args.only in ("documents", "ttft"):  # one server: full prefills and compressed documents, timed alternately
         server = start("vllm-kvforge", args, work / "logs", docs_url)
         try:
-            reference = quality(server.url, "full")
-            compressed = quality(server.url, "documents")
-            emit({**base, **documents_row(reference, compressed, stored, full_slots)})
+            if args.only == "documents":
+                reference = quality(server.url, "full")
+                compressed = quality(server.url, "documents")
+                emit({**base, **documents_row(reference, compressed, stored, full_slots)})
             emit({**base, **alternating(server.url, args, stored)})
         finally:
             server.stop()
@@ -533,9 +534,10 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument(
         "--only",
-        choices=["documents", "concurrency", "blocks"],
+        choices=["documents", "ttft", "concurrency", "blocks"],
         default=None,
-        help="documents: one server, compressed documents' quality and TTFT against the prefix-cache hit",
+        help="documents: one server, compressed documents' quality and TTFT against the prefix-cache hit; ttft: the "
+        "TTFT alone, on the first --ttft-docs documents",
     )
     p.add_argument("--compress-threads", type=int, default=None, help="torch threads of the compressing engine")
     p.add_argument(

@@ -78,13 +78,28 @@ def test_gather_returns_what_the_backend_wrote(writer, dtype, copies):
 
 
 @pytest.mark.parametrize("writer", [write_head_major, write_cpu_vec, write_padded, write_shuffled])
-def test_scatter_is_what_the_backend_would_write_and_keeps_other_bytes(writer, copies):
-    layout = probe_layout(writer, shape_of(writer), N, H, D, torch.float32)
-    keys, values = torch.randn(N, H, D), torch.randn(N, H, D)
-    expected = torch.full((4, *shape_of(writer)), 7.0)
-    writer(keys, values, expected, torch.arange(N) + 2 * N)  # block 2
-    cache = torch.full((4, *shape_of(writer)), 7.0)  # 7.0 stands for other blocks' data and padding
-    layout.scatter(cache, [2], keys.transpose(0, 1), values.transpose(0, 1))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spaced", ["", "blocks", "inside"])
+def test_scatter_is_what_the_backend_would_write_and_keeps_other_bytes(writer, dtype, spaced, copies):
+    """Blocks written out of order keep every other byte. CPU caches are written in place block by block, also when
+    the blocks are apart (``blocks``: every other block of a larger cache); a cache whose blocks are not contiguous
+    inside (``inside``: half of a wider last dimension) goes through a copy of its blocks."""
+    layout = probe_layout(writer, shape_of(writer), N, H, D, dtype)
+    block_ids = [2, 0]
+    keys, values = torch.randn(2 * N, H, D).to(dtype), torch.randn(2 * N, H, D).to(dtype)
+
+    def blank():  # 7.0 stands for other blocks' data and padding
+        *inner, last = shape_of(writer)
+        if spaced == "blocks":
+            return torch.full((8, *inner, last), 7.0, dtype=dtype)[::2]
+        if spaced == "inside":
+            return torch.full((4, *inner, 2 * last), 7.0, dtype=dtype)[..., :last]
+        return torch.full((4, *inner, last), 7.0, dtype=dtype)
+
+    expected = blank().contiguous()
+    writer(keys, values, expected, torch.tensor([b * N + t for b in block_ids for t in range(N)]))
+    cache = blank()
+    layout.scatter(cache, block_ids, keys.transpose(0, 1), values.transpose(0, 1))
     assert torch.equal(cache, expected)
 
 

@@ -18,9 +18,10 @@ Formats 1 and 2 (``b"KVFORGE\\n"  u64 header_len  header JSON  safetensors paylo
 
 from __future__ import annotations
 
+import itertools
 import json
-from dataclasses import dataclass
 import struct
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -625,7 +626,7 @@ class _CompactLayer:
         raw = transform.inflate(tensors[f"p.{i}"].numpy().data, 8 * num_deltas, f"layer {i}'s positions")
         deltas = np.frombuffer(raw, dtype="<i8")
         ends = np.cumsum([0, *(counts[:1] if info["p_shared"] else counts)])
-        flat = np.concatenate([deltas[a:b].cumsum() for a, b in zip(ends[:-1], ends[1:], strict=True)]) \
+        flat = np.concatenate([deltas[a:b].cumsum() for a, b in itertools.pairwise(ends)]) \
             if len(ends) > 1 else deltas.copy()  # fmt: skip
         if info["p_shared"]:
             flat = np.tile(flat, h)
@@ -754,8 +755,14 @@ def _outliers(
         if per_head is None:  # written without outliers (version 4)
             continue
         idx, kept = tensors.get(f"{name}.{layer.i}.oidx"), tensors.get(f"{name}.{layer.i}.orows")
-        if idx is None or kept is None or len(per_head) != heads or idx.shape[0] != sum(per_head) \
-                or kept.shape[0] != idx.shape[0] or list(kept.shape[1:]) != layer.info[f"{name}_shape"][2:]:
+        if (
+            idx is None
+            or kept is None
+            or len(per_head) != heads
+            or idx.shape[0] != sum(per_head)
+            or kept.shape[0] != idx.shape[0]
+            or list(kept.shape[1:]) != layer.info[f"{name}_shape"][2:]
+        ):
             raise CorruptSegmentError(f"layer {layer.i}: the entries kept beside the {name} codes do not match its "
                                       "header")  # fmt: skip
         matrix = g * heads + torch.repeat_interleave(torch.arange(heads), torch.tensor(per_head, dtype=torch.long))

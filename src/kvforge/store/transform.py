@@ -435,24 +435,29 @@ def decode_matrices(streams: list[bytes | memoryview], counts: list[int], bits: 
 
     A coefficient is ``offset_j + step_j (c - 128)`` for its byte ``c``, and ``x = mean + coef @ basis.T``, so the
     centred codes go into one batched product as they are: ``x = (c - 128) @ (step_j basis_j) + mean + offset @
-    basis.T`` (unused components: zero codes, zero offset). One scatter per matrix, one product for all."""
-    h, d = bits.shape
+    basis.T``, over the used components only (components without bits have zero offset and no codes; matrices with
+    fewer used components are padded with zero codes). One copy per matrix, one product for all."""
+    h = bits.shape[0]
     rows = max(counts, default=0)
-    codes = np.zeros((h, d, rows), dtype=np.float32)  # component-major, as the streams hold them
     bits_np = bits.numpy()
+    used = [np.flatnonzero(bits_np[head]) for head in range(h)]
+    width = max((len(u) for u in used), default=0)  # the product runs over used components only (padded)
+    codes = np.zeros((h, width, rows), dtype=np.float32)  # component-major, as the streams hold them
+    index = np.zeros((h, width), dtype=np.int64)
     for head, (data, n) in enumerate(zip(streams, counts, strict=True)):
-        used = np.flatnonzero(bits_np[head])
-        size = n * len(used)
+        size = n * len(used[head])
+        index[head, : len(used[head])] = used[head]
         if size or len(data):
             raw = inflate(data, size, "a transform-coded layer")
             if size:
                 centred = (np.frombuffer(raw, dtype=np.uint8) ^ np.uint8(128)).view(np.int8)  # c - 128, exactly
-                codes[head, used, :n] = centred.reshape(len(used), n)
+                codes[head, : len(used[head]), :n] = centred.reshape(len(used[head]), n)
     basis, step = basis.float(), step.float()
     shift = torch.where(bits > 0, offset.float(), torch.zeros_like(step))  # (H, D)
     bias = torch.baddbmm(mean.float()[:, :, None], basis, shift[:, :, None])  # (H, D, 1)
-    weight = (basis * step[:, None, :]).transpose(1, 2)  # (H, components, D)
-    return torch.baddbmm(bias.transpose(1, 2), torch.from_numpy(codes).transpose(1, 2), weight)
+    columns = torch.from_numpy(index)  # (H, width); padding points at component 0 with a zero code
+    weight = basis.gather(2, columns[:, None, :].expand(h, basis.shape[1], width)) * step.gather(1, columns)[:, None]
+    return torch.baddbmm(bias.transpose(1, 2), torch.from_numpy(codes).transpose(1, 2), weight.transpose(1, 2))
 
 
 # ------------------------------------------------------------------------------------------------ stores

@@ -118,8 +118,8 @@ class VllmDocuments:
 
     @classmethod
     def for_model(
-        cls, folder: str | os.PathLike[str], store: str | KVStore, press: str | None = "kvzip", compression_ratio: float = 0.75,
-        quant: str | None = None, load: bool = True, slot_multiple: int | None = None,
+        cls, folder: str | os.PathLike[str], store: str | KVStore, press: str | None = "kvzip",
+        compression_ratio: float = 0.75, quant: str | None = None, load: bool = True, slot_multiple: int | None = None,
     ) -> VllmDocuments:  # fmt: skip
         """For the model folder vLLM serves (``load``: also load it into kvforge's engine, to store documents).
         ``slot_multiple`` None: the block size of vLLM's cache that a connector announced for ``folder`` in the

@@ -178,7 +178,23 @@ class KVForgeConnector(KVConnectorBase_V1):
             self._load_errors: set[int] = set()
             self._layers = vllm_config.compilation_config.static_forward_context
             self._hf_config = vllm_config.model_config.hf_config
-            self._rope: Any = None  # read from the model's config when a document is first loaded
+            self._rope: Any = None  # the model's RoPE, to move a document's keys to their slots
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Read at start what the first document load would otherwise read: the model's RoPE and the KV basis the
+        store codes this model with (kvtc), so a first question costs no more than the next ones."""
+        from kvforge.rope import rope_spec_from_config
+        from kvforge.store.transform import store_basis
+
+        try:
+            self._rope = rope_spec_from_config(self._hf_config)
+        except Exception as e:  # no RoPE that moves: documents are refused when asked, with this reason
+            logger.debug("kvforge connector: no RoPE for documents (%s)", e)
+        try:
+            store_basis(self.store, self.model_id)
+        except Exception as e:  # an unreachable store: read again at the first load
+            logger.debug("kvforge connector: KV basis not read at start (%s)", e)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -358,10 +374,13 @@ class KVForgeConnector(KVConnectorBase_V1):
                 blocks = self._kernel_blocks(cache, move.block_ids)[1]
                 lo = move.first - move.first % spec.block_size  # the block of slot ``first`` is written whole
                 size = len(move.block_ids) * spec.block_size
-                k = keys[layer].new_zeros(spec.num_kv_heads, size, spec.head_size)
-                v = values[layer].new_zeros(spec.num_kv_heads, size, spec.head_size)
-                k[:, : move.last - lo] = keys[layer][:, lo : move.last]
-                v[:, : move.last - lo] = values[layer][:, lo : move.last]
+                if move.last - lo == size:  # whole blocks of slots: written as they are
+                    k, v = keys[layer][:, lo : move.last], values[layer][:, lo : move.last]
+                else:
+                    k = keys[layer].new_zeros(spec.num_kv_heads, size, spec.head_size)
+                    v = values[layer].new_zeros(spec.num_kv_heads, size, spec.head_size)
+                    k[:, : move.last - lo] = keys[layer][:, lo : move.last]
+                    v[:, : move.last - lo] = values[layer][:, lo : move.last]
                 self._layout(name, cache).scatter(cache, blocks, k, v)
         except (LookupError, LayoutError, docs.DocumentError) as e:
             logger.warning("kvforge connector: document %s not loaded (%s); its request is recomputed",

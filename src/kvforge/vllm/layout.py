@@ -87,6 +87,13 @@ class BlockLayout:
             x.to(device=cache.device, dtype=cache.dtype).reshape(h, n, t, d).transpose(0, 1) for x in (keys, values)
         ]
         on_cpu = _use_numpy(cache)
+        if on_cpu and self.key_strides is not None and self.value_strides is not None:
+            whole = _as_numpy(cache)
+            if whole[:1].flags.c_contiguous:  # each block written in place through a strided view: no copies
+                for j, block in enumerate(np.asarray(block_ids, dtype=np.int64).tolist()):
+                    for (index, strides), rows in zip(self._parts(), data, strict=True):
+                        self._view(whole[block : block + 1], index, strides)[...] = _as_numpy(rows[j : j + 1])
+                return
         if on_cpu:  # numpy, as in gather
             ids: Any = np.asarray(block_ids, dtype=np.int64)
             blocks: Any = _as_numpy(cache)[ids]  # a copy: the bytes of these blocks that are not K/V are kept
