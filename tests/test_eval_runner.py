@@ -353,3 +353,19 @@ def test_shared_prefill_resumes_after_the_full_row(tmp_path, engine):
         assert (r["prediction"], r["num_entries"], r["kept_ratio"]) == (
             want["prediction"], want["num_entries"], want["kept_ratio"])
         assert r["kl"] == pytest.approx(want["kl"], abs=1e-4)
+
+
+def test_a_learned_press_is_trained_before_the_shared_prefill_binds_it(tmp_path, monkeypatch, engine):
+    """On a machine that never trained KVzap for the model, an evaluation of kvzap beside another press trains the
+    scorer first (once, in the cache dir), instead of failing when the example's shared prefill binds it."""
+    from kvforge.kvzap_train import model_path
+    from kvforge.presses.kvzip_heads import fingerprint_of
+
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    path = model_path(fingerprint_of(engine.model, engine.tokenizer), "linear")
+    assert not path.exists()
+    trials = press_trials(["full", "kvzap:budget=head", "snapkv"], [0.5], query_aware=False)
+    rows = EvalRunner(engine, trials, tmp_path / "out", {"model": "tiny"}, max_new_tokens=2).run(
+        _examples()[:1], progress=False
+    )
+    assert path.exists() and {r["method"] for r in rows} == {"full", "kvzap:budget=head", "snapkv"}

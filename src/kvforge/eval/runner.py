@@ -368,6 +368,8 @@ class EvalRunner:
         from tqdm.auto import tqdm
 
         self._check_run_info()
+        for trial in self.trials:  # learned scorers trained (once per model) before any prefill shares them
+            ensure_trained(trial.press, self.engine.model, self.engine.tokenizer)
         done = {row_key(r): r for r in load_rows(self.results_path, repair=True)}
         total = len(examples) * len(self.trials)
         finished = sum((e.id, *t.key) in done for e in examples for t in self.trials)
