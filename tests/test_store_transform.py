@@ -77,6 +77,14 @@ def test_round_trip_error_falls_with_bits_and_positions_masks_are_exact(dtype):
     assert errors[0] > errors[1] > errors[2] and errors[2] < 1e-3
 
 
+def test_a_segment_of_sinks_only_comes_back_exact():
+    """Entries at positions < 4 are stored as they are: a segment holding nothing else (a document of a few tokens)
+    has no codes at all and decodes to exactly what was stored, beside a layer with no entries."""
+    seg = make_segment(lengths=(3, 2, 0, 3), num_heads=2, head_dim=16, masked=False)
+    out = quant_roundtrip(seg, "kvtc")
+    assert all(torch.equal(a, b) for a, b in zip(seg.keys + seg.values, out.keys + out.values, strict=True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_entries_the_code_blurs_most_are_kept_beside_it(dtype):
     """kvtc keeps the ceil(2%) coded entries of each head (keys and values apiece) with the largest error at 16 bits:

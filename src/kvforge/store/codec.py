@@ -734,7 +734,10 @@ def _transform_group(
         if exact.shape[0] != rows_exact.numel():
             raise CorruptSegmentError(f"layers {group[0].i}-{group[-1].i}: {exact.shape[0]} exact {name} entries "
                                       f"for {rows_exact.numel()} sinks")  # fmt: skip
-        rows = decoded.index_select(0, gather)  # one pass: the sinks' rows are overwritten next
+        if decoded.shape[0]:
+            rows = decoded.index_select(0, gather)  # one pass: the sinks' rows are overwritten next
+        else:  # nothing coded (every entry a sink)
+            rows = decoded.new_empty(flat.shape[0], width_d)
         rows[rows_exact] = exact.to(decoded.dtype)
         result[name] = rows
     sizes = [layer.flat.shape[0] for layer in group]
