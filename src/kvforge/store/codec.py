@@ -662,17 +662,18 @@ def _transform_layers(
     assert basis is not None
     out: dict[int, tuple[Tensor, Tensor]] = {}
     groups: list[list[_CompactLayer]] = []
+    size = 0  # coefficients of the last group
     for layer in layers:
         h, _, d = layer.info["k_shape"]
         if layer.i >= basis.num_layers or tuple(basis.key_basis[layer.i].shape) != (h, d, d):
             raise CorruptSegmentError(f"layer {layer.i}: KV of {h} heads x {d} dims does not fit its KV basis")
-        last = groups[-1][-1] if groups else None
-        size = sum(len(x.counts) * max(x.counts, default=0) for x in groups[-1]) * d if groups else 0
-        if last is None or not _same_coding(last, layer, basis) or size + h * max(layer.counts, default=0) * d > \
-                MAX_DECODE_ELEMENTS:  # fmt: skip
-            groups.append([layer])
-        else:
+        more = h * max(layer.counts, default=0) * d
+        if groups and _same_coding(groups[-1][-1], layer, basis) and size + more <= MAX_DECODE_ELEMENTS:
             groups[-1].append(layer)
+            size += more
+        else:
+            groups.append([layer])
+            size = more
     for group in groups:
         out |= _transform_group(group, tensors, basis)
     return out
@@ -734,10 +735,8 @@ def _transform_group(
         if exact.shape[0] != rows_exact.numel():
             raise CorruptSegmentError(f"layers {group[0].i}-{group[-1].i}: {exact.shape[0]} exact {name} entries "
                                       f"for {rows_exact.numel()} sinks")  # fmt: skip
-        if decoded.shape[0]:
-            rows = decoded.index_select(0, gather)  # one pass: the sinks' rows are overwritten next
-        else:  # nothing coded (every entry a sink)
-            rows = decoded.new_empty(flat.shape[0], width_d)
+        # one pass (the sinks' rows are overwritten next); nothing to gather from when every entry is a sink
+        rows = decoded.index_select(0, gather) if decoded.shape[0] else decoded.new_empty(flat.shape[0], width_d)
         rows[rows_exact] = exact.to(decoded.dtype)
         result[name] = rows
     sizes = [layer.flat.shape[0] for layer in group]
