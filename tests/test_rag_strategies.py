@@ -7,7 +7,7 @@ import torch
 from rag_helpers import RagRunner
 
 from kvforge.cache import KVCache
-from kvforge.prefill import forward, prefill_at
+from kvforge.prefill import forward, kv_through, prefill_at
 from kvforge.reuse.rag import STRATEGIES, APEStrategy, CacheBlendStrategy, CacheClipStrategy, ChunkReuse, make_strategy
 from kvforge.reuse.rag.attend import APEAttention
 from kvforge.testing import tiny_model, tiny_tokenizer
@@ -103,6 +103,38 @@ def test_cacheblend_picks_largest_key_deviation(rag, prompt):
     full = rag.prefill(prompt, make_strategy("full"))
     res = rag.prefill(prompt, CacheBlendStrategy(recompute_ratio=0.2, check_layer=last))
     torch.testing.assert_close(res.logits, full.logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("check", [0, 1])
+def test_check_pass_stops_after_the_check_layer_with_the_same_entries(rag, prompt, check):
+    """CacheBlend's check pass stops once the check layer's KV is written: the entries of layers <= check equal those
+    of a pass through the whole model, the later layers stay unwritten, and the layers after it never run."""
+    from kvforge.reuse.rag.assemble import build_cache
+
+    asm = rag.load(prompt)
+    rest = torch.arange(asm.prefix_len, asm.num_tokens)
+    whole = build_cache(rag.model, asm, asm.is_context)
+    prefill_at(rag.model, asm.ids[rest], asm.positions[rest], whole, chunk_size=7)
+    ran: list[int] = []
+    hooks = [
+        layer.mlp.register_forward_hook(lambda *_, i=i: ran.append(i)) for i, layer in enumerate(rag.model.model.layers)
+    ]
+    try:
+        stopped = build_cache(rag.model, asm, asm.is_context)
+        kv_through(rag.model, asm.ids[rest], asm.positions[rest], stopped, check, chunk_size=7)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert set(ran) == set(range(check)) and stopped.stop_after is None
+    for li in range(check + 1):
+        k, v, pos, _ = stopped.layers[li].view()
+        k_ref, v_ref, pos_ref, _ = whole.layers[li].view()
+        assert torch.equal(pos, pos_ref)
+        torch.testing.assert_close(k, k_ref, atol=1e-6, rtol=0)
+        torch.testing.assert_close(v, v_ref, atol=1e-6, rtol=0)
+    k_later, _, _, _ = stopped.layers[check + 1].view()
+    assert not bool(k_later[:, :, rest].abs().sum()), "a layer after the check layer was written"
+    assert stopped.next_position == whole.next_position
 
 
 def test_ape_with_unit_temperature_and_scale_is_plain_attention(rag, prompt):

@@ -379,6 +379,12 @@ def _run_start(positions: Tensor) -> int | None:
     return p0 if bool((positions == run).all()) else None
 
 
+class KVReady(Exception):
+    """Raised by :meth:`KVCache.update` once layer ``KVCache.stop_after`` is written: the forward in flight needed only
+    the entries up to that layer (CacheBlend's check pass), so that layer's attention and everything after it are
+    skipped. :func:`kvforge.prefill.forward` ends the forward normally on it."""
+
+
 class AttentionHook(Protocol):
     """A declared way to change attention for one cache (RAG: APE's merge, auxiliary-model score capture).
 
@@ -449,6 +455,7 @@ class KVCache(Cache):
         # a decoding-time budget (kvforge.presses.decoding.BudgetPolicy): sees attention, cuts layers when forwards end
         self.policy: Any = None
         self._hf_layer: int | None = None  # last layer appended by a forward of the model's own attention
+        self.stop_after: int | None = None  # forwards end once this layer's entries are written (KVReady)
 
     @classmethod
     def for_model(cls, model: Any, **kwargs: Any) -> KVCache:
@@ -464,12 +471,16 @@ class KVCache(Cache):
         if self.query_positions is None or self._hf_layer is not None:
             return self._update_hf(key_states, value_states, layer_idx)
         if self.write_slots is not None:
-            return self.layers[layer_idx].write(
+            out = self.layers[layer_idx].write(
                 key_states, value_states, self.query_positions, self.write_slots, self.num_visible
             )
-        return self.layers[layer_idx].append(
-            key_states, value_states, self.query_positions, self._first_position, self._contiguous
-        )
+        else:
+            out = self.layers[layer_idx].append(
+                key_states, value_states, self.query_positions, self._first_position, self._contiguous
+            )
+        if layer_idx == self.stop_after:
+            raise KVReady
+        return out
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens processed (NOT entries held): what models use to place the next positions."""

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from kvforge import compat
 from kvforge.attention import kvforge_attention_scope
-from kvforge.cache import KVCache
+from kvforge.cache import KVCache, KVReady
 
 DEFAULT_CHUNK_SIZE = 512
 
@@ -58,6 +58,9 @@ def forward(
     cache.begin(position_ids)
     try:
         out = call_model(model, ids, position_ids, cache, logits_to_keep, **model_kwargs)
+    except KVReady:  # the entries up to cache.stop_after are written: nothing after them was asked for (no logits)
+        cache.end(ids)
+        return ids.new_empty((b, 0, 0), dtype=torch.float32)
     except BaseException:
         cache.abort()  # roll back the entries this forward appended: the cache stays usable
         raise
@@ -128,6 +131,31 @@ def prefill_at(
     are appended and every layer is sorted by position afterwards. ``next_position`` follows the largest position.
     Returns the last logits.
     """
+    return _prefill_at(model, input_ids, positions, cache, chunk_size)[:, -1]
+
+
+def kv_through(
+    model: Any,
+    input_ids: Tensor | list[int],
+    positions: Tensor | list[int],
+    cache: KVCache,
+    layer: int,
+    *,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+) -> None:
+    """:func:`prefill_at` that computes only the entries of layers ``0..layer``: each forward stops once ``layer``'s
+    keys and values are written, so that layer's attention and MLP and every later layer never run (CacheBlend's
+    check pass needs the check layer's keys, not its output). The entries equal :func:`prefill_at`'s."""
+    cache.stop_after = layer
+    try:
+        _prefill_at(model, input_ids, positions, cache, chunk_size)
+    finally:
+        cache.stop_after = None
+
+
+def _prefill_at(
+    model: Any, input_ids: Tensor | list[int], positions: Tensor | list[int], cache: KVCache, chunk_size: int | None
+) -> Tensor:
     ids = _as_batch(input_ids)
     pos = torch.as_tensor(positions, dtype=torch.long).reshape(1, -1)
     if ids.shape != pos.shape:
@@ -157,7 +185,7 @@ def prefill_at(
         for layer in cache.layers:
             layer.written()
     cache.next_position = max(cache.next_position, int(pos.max()) + 1)
-    return logits[:, -1]
+    return logits
 
 
 def sort_by_position(cache: KVCache) -> None:

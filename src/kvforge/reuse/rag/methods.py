@@ -17,7 +17,7 @@ from torch import Tensor
 
 from kvforge.cache import AttentionHook, KVCache
 from kvforge.names import RAG_RECOMPUTING
-from kvforge.prefill import prefill_at
+from kvforge.prefill import kv_through
 from kvforge.reuse.rag.assemble import Assembly, ChunkSource, build_cache, truncated
 from kvforge.reuse.rag.attend import APEAttention
 from kvforge.reuse.rag.aux import AuxScorer, check_grouping, select_top
@@ -106,7 +106,10 @@ class APEStrategy:
 
 @dataclass
 class CacheBlendStrategy:
-    """CacheBlend (arXiv 2405.16444): layers 0..check_layer on all tokens, top-r KV deviation recomputed after.
+    """CacheBlend (arXiv 2405.16444): KV of layers 0..check_layer for all tokens, top-r key deviation recomputed.
+
+    The check pass runs layers before ``check_layer`` on every token and ``check_layer`` up to its keys and values
+    (their attention and MLP outputs are not needed there).
 
     Tokens are ranked by the squared L2 distance between fresh and reused keys at ``check_layer`` (LMCache's
     rule). Selected tokens are then run from layer 0 over a cache holding fresh KV for layers <= check_layer and
@@ -129,8 +132,8 @@ class CacheBlendStrategy:
         # early layers: every non-prefix token, over the prefix only
         early = build_cache(reuse.model, asm, asm.is_context, num_layers=check + 1)
         rest = torch.arange(asm.prefix_len, asm.num_tokens)
-        with truncated(reuse.model, check + 1):
-            prefill_at(reuse.model, asm.ids[rest], asm.positions[rest], early, chunk_size=EARLY_CHUNK_SIZE)
+        with truncated(reuse.model, check + 1):  # the check layer's keys are all it needs of that layer
+            kv_through(reuse.model, asm.ids[rest], asm.positions[rest], early, check, chunk_size=EARLY_CHUNK_SIZE)
         fresh = {}
         for li in range(check + 1):
             k, v, _, _ = early.layers[li].view()  # (1, H_kv, N, D): every token, in prompt order
