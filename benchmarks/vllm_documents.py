@@ -447,6 +447,12 @@ def _calibrate(store_url: str, model: str) -> None:
                     "--device", "cpu"], check=True)  # fmt: skip
 
 
+def answer_line(text: str) -> str:
+    """The answer in a greedy text: its first non-empty line (a needle's value, before the model runs on into a
+    story of its own up to max_tokens)."""
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
 def _blocks_written(folder: Path, expected: int, timeout_s: float = 600) -> int:
     """Wait until the connector's background writer has stored ``expected`` block files (kvtc codes each block
     before writing it: seconds per block on a busy CPU); the count."""
@@ -483,6 +489,8 @@ def _prefix_blocks(
             {
                 "id": s["ex"].id,
                 "same": again["text"] == ref["text"],
+                "same_answer": answer_line(again["text"]) == answer_line(ref["text"]),
+                "texts": [ref["text"], again["text"]],
                 "full_score": ref["score"],
                 "first": first,
                 "again": again,
@@ -503,6 +511,8 @@ def _prefix_blocks(
         "cached_tokens": rows[0]["again"]["cached_tokens"],
         "kv_slots": rows[0]["again"]["prompt_tokens"],
         "same_greedy": sum(r["same"] for r in rows),
+        "same_answer": sum(r["same_answer"] for r in rows),
+        "texts": {r["id"]: r["texts"] for r in rows},
         "score": sum(r["score"] for r in rows),
         "full_score": sum(r["full_score"] for r in rows),
     }
