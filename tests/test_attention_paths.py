@@ -216,3 +216,47 @@ def test_a_rag_recompute_takes_the_slot_path_with_the_masked_paths_logits(monkey
     monkeypatch.setattr(KVLayer, "sorted_query_slots", lambda self: None)
     masked = runner.prefill(prompt, make_strategy("cacheblend", ratio))
     torch.testing.assert_close(fast.logits, masked.logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("ratio", [0.3, 1.0])
+def test_a_rag_recompute_in_sliding_window_layers_attends_in_bands_with_the_masked_paths_logits(monkeypatch, ratio):
+    """Sliding-window layers of a RAG plan (reserved slots, positions strictly increasing) attend in bands of the
+    window before each group of queries, with the logits of the positional mask over every key."""
+    from rag_helpers import RagRunner
+
+    from kvforge.reuse.rag import make_strategy
+    from kvforge.testing import tiny_model, tiny_tokenizer
+
+    model = tiny_model("gemma3")  # sliding, sliding, full
+    runner = RagRunner(model, tiny_tokenizer())
+    docs = ["The cat sat on the mat, then it slept all day.", "Paris is the capital of France.", "The code is 7731."]
+    prompt = runner.build_prompt(docs, "What is the code?", system="Answer briefly.")
+    window = model.config.sliding_window
+    assert len(prompt.ids()) > 2 * window  # the window hides entries
+    monkeypatch.setattr(attention, "SLOT_GROUP", 3)
+    bands = []
+    real = attention._in_window_bands
+    monkeypatch.setattr(attention, "_in_window_bands", lambda *a: bands.append(1) or real(*a))
+    fast = runner.prefill(prompt, make_strategy("cacheblend", ratio))
+    assert bands, "the sliding-window layers did not attend in bands"
+    monkeypatch.setattr(KVLayer, "window_query_slots", lambda self: None)
+    masked = runner.prefill(prompt, make_strategy("cacheblend", ratio))
+    torch.testing.assert_close(fast.logits, masked.logits, atol=1e-5, rtol=0)
+
+
+def test_window_bands_equal_the_window_mask_with_gaps_in_positions(monkeypatch):
+    """Queries at ascending slots of a layer whose positions increase with gaps: bands from window - 1 slots before
+    a group's first slot give what the window mask over every key gives."""
+    positions = torch.tensor([0, 1, 2, 4, 7, 8, 9, 12, 13, 14, 20, 21])
+    slots = torch.tensor([2, 3, 6, 7, 8, 10, 11])
+    window = 4
+    layer = KVLayer(window=window)
+    _, k, v = _qkv(len(positions), len(positions), kv_heads=2, seed=5)
+    layer.replace(k, v, positions[None, None].expand(2, 2, -1).clone())
+    q, _, _ = _qkv(len(slots), len(positions), kv_heads=2, seed=6)
+    q_pos = positions[slots][None].expand(2, -1)
+    mask = ((positions[None, :] <= q_pos[0, :, None]) & (q_pos[0, :, None] - positions[None, :] < window))[None, None]
+    for group in (1, 2, 3, 16):
+        monkeypatch.setattr(attention, "SLOT_GROUP", group)
+        out = attention._in_window_bands(q, k, v, slots, layer, q_pos, None)
+        torch.testing.assert_close(out, _reference(q, k, v, mask), atol=1e-5, rtol=0)

@@ -54,6 +54,8 @@ def kvforge_attention(
     if layer is not None and kv_cache is not None and kv_cache.query_positions is not None:
         if layer.is_plain_causal(kv_cache.query_positions):
             mask, is_causal = None, q_len > 1
+        elif (bands := _window_slots(kv_cache, layer, softcap)) is not None:
+            return _in_window_bands(query, key, value, bands, layer, kv_cache.query_positions, scaling), None
         else:
             mask = layer.attention_mask(kv_cache.query_positions)  # (B, 1 or H_kv, Q, K)
     else:
@@ -168,6 +170,36 @@ def _up_to_slots(query: Tensor, key: Tensor, value: Tensor, slots: Tensor, scale
             out = _merge(out, lse, out_past, lse_past)
         outs.append(out)
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+
+
+def _window_slots(cache: KVCache, layer: Any, softcap: float | None) -> Tensor | None:
+    """The query slots of a reserved write into a sliding-window layer whose queries may attend in bands (positions
+    strictly increasing; nothing else needs the full mask: no attention hook, decoding policy or softcap)."""
+    reserved = cache.reserved
+    if reserved is None or not reserved.strict or cache.attention_hook is not None or cache.policy is not None:
+        return None
+    return layer.window_query_slots() if softcap is None else None
+
+
+def _in_window_bands(
+    query: Tensor, key: Tensor, value: Tensor, slots: Tensor, layer: Any, query_positions: Tensor, scale: float | None
+) -> Tensor:
+    """Sliding-window attention of queries written to ascending ``slots`` ``(Q,)`` of a layer in strictly increasing
+    position order: a group of queries attends only to the band from ``window - 1`` slots before its first slot to
+    its last (entries before it are at least ``window`` positions back), with the positional mask over that band;
+    the same values as the mask over every key. Returns ``(B, Q, H, D)``."""
+    window = int(layer.window)
+    k_pos = layer.view()[2][:, :1]  # (B, 1, K): entries are not head-wise
+    at = slots.tolist()
+    outs = []
+    for g in range(0, len(at), SLOT_GROUP):
+        lo, hi = max(0, at[g] - window + 1), at[min(g + SLOT_GROUP, len(at)) - 1] + 1
+        q_pos = query_positions[:, None, g : g + SLOT_GROUP, None]  # (B, 1, G, 1)
+        band = k_pos[:, :, None, lo:hi]  # (B, 1, 1, band)
+        allowed = (band <= q_pos) & (q_pos - band < window)
+        q = query[:, :, g : g + SLOT_GROUP]
+        outs.append(sdpa(q, key[:, :, lo:hi], value[:, :, lo:hi], allowed, False, scale))
+    return torch.cat(outs, dim=1)
 
 
 @functools.cache

@@ -331,6 +331,15 @@ class KVLayer:
             allowed = allowed.repeat_interleave(num_query_heads // allowed.shape[1], dim=1)
         return allowed
 
+    def window_query_slots(self) -> Tensor | None:
+        """The slots ``(Q,)`` of this forward's queries (ascending) when this is a sliding-window layer written
+        through reserved slots in position order, with no sinks, validity mask or head-wise entries, else None: a
+        query then sees at most the ``window`` entries up to its own slot (when the cache's positions are strictly
+        increasing, :attr:`Reserved.strict`, which the caller checks)."""
+        if self.query_slots is None or self.window is None or self.num_sink or self.valid is not None:
+            return None
+        return None if self.is_headwise else self.query_slots
+
     def sorted_query_slots(self) -> Tensor | None:
         """The slots ``(Q,)`` this forward's queries were written to when every query sees exactly the entries up to
         its own slot (a reserved write into a layer in position order, no window, no validity mask), else None."""
@@ -362,11 +371,14 @@ class Reserved:
 
     ``slots`` ``(S,)``: entry indices, in the order the tokens run; ``positions`` ``(S,)``: their positions.
     ``in_order``: every layer's entries are in position order, so a query chunk needs only a prefix of them.
+    ``strict``: in strictly increasing order (one entry per position), so an entry ``window`` or more slots before a
+    query's is ``window`` or more positions before it: a sliding-window layer's query needs only a band of them.
     """
 
     slots: Tensor
     positions: Tensor
     in_order: bool
+    strict: bool = False
 
 
 def _run_start(positions: Tensor) -> int | None:

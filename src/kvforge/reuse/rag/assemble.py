@@ -177,6 +177,7 @@ def build_cache(
         slots=run.nonzero().flatten(),
         positions=asm.positions[run],
         in_order=bool((asm.positions[1:] >= asm.positions[:-1]).all()),
+        strict=bool((asm.positions[1:] > asm.positions[:-1]).all()),
     )
     kept_positions = asm.positions[~run]
     cache.next_position = int(kept_positions.max()) + 1 if kept_positions.numel() else 0
