@@ -196,50 +196,32 @@ def test_queries_up_to_their_slots_equal_the_masked_reference(monkeypatch, kv_he
 
 
 @pytest.mark.parametrize("ratio", [0.3, 1.0])
-def test_a_rag_recompute_takes_the_slot_path_with_the_masked_paths_logits(monkeypatch, ratio):
-    """A RAG plan's recompute (reserved slots in position order) runs on the slot path, in several groups, and
-    gives the logits of the positional mask over every key."""
+@pytest.mark.parametrize(
+    ("arch", "path", "gate"),
+    [("llama", "_up_to_slots", "sorted_query_slots"), ("gemma3", "_in_window_bands", "window_query_slots")],
+)
+def test_a_rag_recompute_takes_the_fast_path_with_the_masked_paths_logits(monkeypatch, ratio, arch, path, gate):
+    """A RAG plan's recompute (reserved slots in position order) runs on the slot path (full attention: keys up to
+    each query's slot) or in bands (sliding-window layers: the window before each group of queries), in several
+    groups, and gives the logits of the positional mask over every key."""
     from rag_helpers import RagRunner
 
     from kvforge.reuse.rag import make_strategy
     from kvforge.testing import tiny_model, tiny_tokenizer
 
-    runner = RagRunner(tiny_model("llama", num_hidden_layers=3), tiny_tokenizer())
-    docs = ["The cat sat on the mat, then it slept all day.", "Paris is the capital of France.", "The code is 7731."]
-    prompt = runner.build_prompt(docs, "What is the code?", system="Answer briefly.")
-    monkeypatch.setattr(attention, "SLOT_GROUP", 3)
-    calls = []
-    real = attention._up_to_slots
-    monkeypatch.setattr(attention, "_up_to_slots", lambda *a: calls.append(1) or real(*a))
-    fast = runner.prefill(prompt, make_strategy("cacheblend", ratio))
-    assert calls, "the recompute did not take the slot path"
-    monkeypatch.setattr(KVLayer, "sorted_query_slots", lambda self: None)
-    masked = runner.prefill(prompt, make_strategy("cacheblend", ratio))
-    torch.testing.assert_close(fast.logits, masked.logits, atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("ratio", [0.3, 1.0])
-def test_a_rag_recompute_in_sliding_window_layers_attends_in_bands_with_the_masked_paths_logits(monkeypatch, ratio):
-    """Sliding-window layers of a RAG plan (reserved slots, positions strictly increasing) attend in bands of the
-    window before each group of queries, with the logits of the positional mask over every key."""
-    from rag_helpers import RagRunner
-
-    from kvforge.reuse.rag import make_strategy
-    from kvforge.testing import tiny_model, tiny_tokenizer
-
-    model = tiny_model("gemma3")  # sliding, sliding, full
+    model = tiny_model(arch, num_hidden_layers=3)  # gemma3: sliding, sliding, full
     runner = RagRunner(model, tiny_tokenizer())
     docs = ["The cat sat on the mat, then it slept all day.", "Paris is the capital of France.", "The code is 7731."]
     prompt = runner.build_prompt(docs, "What is the code?", system="Answer briefly.")
-    window = model.config.sliding_window
-    assert len(prompt.ids()) > 2 * window  # the window hides entries
+    window = getattr(model.config, "sliding_window", None)
+    assert window is None or len(prompt.ids()) > 2 * window  # the window hides entries
     monkeypatch.setattr(attention, "SLOT_GROUP", 3)
-    bands = []
-    real = attention._in_window_bands
-    monkeypatch.setattr(attention, "_in_window_bands", lambda *a: bands.append(1) or real(*a))
+    calls = []
+    real = getattr(attention, path)
+    monkeypatch.setattr(attention, path, lambda *a: calls.append(1) or real(*a))
     fast = runner.prefill(prompt, make_strategy("cacheblend", ratio))
-    assert bands, "the sliding-window layers did not attend in bands"
-    monkeypatch.setattr(KVLayer, "window_query_slots", lambda self: None)
+    assert calls, f"the recompute did not take {path}"
+    monkeypatch.setattr(KVLayer, gate, lambda self: None)
     masked = runner.prefill(prompt, make_strategy("cacheblend", ratio))
     torch.testing.assert_close(fast.logits, masked.logits, atol=1e-5, rtol=0)
 
