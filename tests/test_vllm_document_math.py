@@ -126,7 +126,8 @@ def test_ragged_documents_and_presses_are_refused():
         uniform_press("kvzip:budget=layer", 0.5)
     with pytest.raises(UserError, match="different number of entries"):
         uniform_press("adakv", 0.5)
-    assert uniform_press("kvzip", 0.5).budget == "head" and uniform_press("kvzap", 0.5).budget == "head"
+    assert uniform_press("kvzip", 0.5).budget == "token" and uniform_press("kvzap", 0.5).budget == "token"
+    assert uniform_press("kvzip:budget=head", 0.5).budget == "head"
     # words kept whole by default under one count per head, unless the name says otherwise
     assert uniform_press("kvzip-plus", 0.5).whole_words and uniform_press("kvzip:budget=token", 0.5).whole_words
     assert not uniform_press("kvzip:whole_words=false", 0.5).whole_words

@@ -51,9 +51,10 @@ def whole_blocks_press(press: Press, num_tokens: int, multiple: int | None) -> P
 
 def uniform_press(name: str, compression_ratio: float) -> Press:
     """The press ``name`` keeping one count of entries on every layer and KV head (what vLLM's cache holds):
-    ``budget="head"`` for presses with a budget unless the name sets ``token`` or ``tokens``; a press named with a
-    ragged budget is refused. Presses that can keep words whole do (``whole_words=True`` unless the name says
-    otherwise): with one count per head, a head otherwise keeps scattered pieces of a number (docs/vllm.md)."""
+    ``budget="token"`` (the same tokens in every KV head of a layer) for presses with a budget unless the name sets
+    ``head`` or ``tokens``; a press named with a ragged budget is refused. Presses that can keep words whole do
+    (``whole_words=True`` unless the name says otherwise): with one count per head, a head otherwise keeps scattered
+    pieces of a number (docs/vllm.md)."""
     from kvforge.names import parse_press
     from kvforge.presses import build_press
     from kvforge.presses.kvzip import UNIFORM_BUDGETS
@@ -67,7 +68,7 @@ def uniform_press(name: str, compression_ratio: float) -> Press:
                 f"press {name!r}: vLLM's paged cache holds one count of entries for every layer and KV head; "
                 f"use budget={' or budget='.join(UNIFORM_BUDGETS)}"
             )
-        overrides["budget"] = "head"
+        overrides["budget"] = "token"
     if hasattr(press, "whole_words") and "whole_words" not in options:
         overrides["whole_words"] = True
     if overrides:

@@ -5,9 +5,10 @@ A document compressed query-agnostic by kvforge (:class:`kvforge.reuse.document.
 ``n`` entries. vLLM's paged cache holds the same number of slots for every layer and KV head, one block table per
 request, and places token ``i`` of a prompt at position ``i``. So:
 
-- **uniform selection.** A document served by vLLM keeps the same ``k`` on every layer and KV head (per-head top-k:
-  ``budget="head"`` for KVzip and KVzap, the plain per-head top-k of the other scorer presses). Which entries each
-  head keeps still differs: every slot holds a post-RoPE key, and attention never asks where it came from.
+- **uniform selection.** A document served by vLLM keeps the same ``k`` on every layer and KV head (``budget="token"``
+  for KVzip and KVzap: the same tokens in every KV head of a layer, or ``"head"``: a top-k per head; the plain
+  per-head top-k of the other scorer presses). Which entries each layer or head keeps may differ: every slot holds a
+  post-RoPE key, and attention never asks where it came from.
 - **one constant rotation.** RoPE is relative. Rotating every kept key by ``k - n`` positions and placing the
   question right after the ``k`` slots gives every question token at vLLM's position ``k + j`` exactly the
   distances to the kept entries it has at kvforge's position ``n + j``; decoding goes on from there.
@@ -126,8 +127,8 @@ def describe(segment: KVSegment, key: str, vocab_size: int) -> ServedDocument:
         raise DocumentError(
             f"document {key[:24]} keeps a different number of entries per layer or KV head ({counts[0]}..{counts[-1]}"
             f"{', head-wise padding' if any(m is not None for m in segment.valid) else ''}); vLLM's paged cache "
-            'holds one count for every layer and head: compress it with a per-head budget (budget="head" for kvzip '
-            "and kvzap, or a plain scorer press such as knorm, snapkv, streaming_llm)"
+            'holds one count for every layer and head: compress it with a uniform budget (budget="token" or "head" '
+            "for kvzip and kvzap, or a plain scorer press such as knorm, snapkv, streaming_llm)"
         )
     return ServedDocument(key, segment.next_position, slots, secrets.token_hex(8), vocab_size)
 
