@@ -189,16 +189,13 @@ def _in_window_bands(
     its last (entries before it are at least ``window`` positions back), with the positional mask over that band;
     the same values as the mask over every key. Returns ``(B, Q, H, D)``."""
     window = int(layer.window)
-    k_pos = layer.view()[2][:, :1]  # (B, 1, K): entries are not head-wise
     at = slots.tolist()
     outs = []
     for g in range(0, len(at), SLOT_GROUP):
-        lo, hi = max(0, at[g] - window + 1), at[min(g + SLOT_GROUP, len(at)) - 1] + 1
-        q_pos = query_positions[:, None, g : g + SLOT_GROUP, None]  # (B, 1, G, 1)
-        band = k_pos[:, :, None, lo:hi]  # (B, 1, 1, band)
-        allowed = (band <= q_pos) & (q_pos - band < window)
+        band = slice(max(0, at[g] - window + 1), at[min(g + SLOT_GROUP, len(at)) - 1] + 1)
+        allowed = layer.attention_mask(query_positions[:, g : g + SLOT_GROUP], span=band)
         q = query[:, :, g : g + SLOT_GROUP]
-        outs.append(sdpa(q, key[:, :, lo:hi], value[:, :, lo:hi], allowed, False, scale))
+        outs.append(sdpa(q, key[:, :, band], value[:, :, band], allowed, False, scale))
     return torch.cat(outs, dim=1)
 
 

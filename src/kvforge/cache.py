@@ -309,14 +309,19 @@ class KVLayer:
         )
         return per_slot * self.length
 
-    def attention_mask(self, query_positions: Tensor, num_query_heads: int | None = None) -> Tensor | None:
+    def attention_mask(
+        self, query_positions: Tensor, num_query_heads: int | None = None, span: slice | None = None
+    ) -> Tensor | None:
         """Boolean mask ``(B, 1 or H_kv, Q, K)`` for this layer's entries, or None when every entry is visible.
 
         An entry is visible to a query when its position is <= the query's, it is valid, and (with a window) it is
         within ``window`` positions or a sink. The mask is per KV head (a GQA group shares it);
-        ``num_query_heads`` given, a head-wise mask is repeated to ``(B, H, Q, K)`` (for code that wants that).
+        ``num_query_heads`` given, a head-wise mask is repeated to ``(B, H, Q, K)`` (for code that wants that);
+        ``span`` given, the mask covers only those entries (K = their count).
         """
         _, _, pos, valid = self.view()
+        if span is not None:
+            pos, valid = pos[..., span], None if valid is None else valid[..., span]
         q = query_positions  # (B, Q)
         if self.num_new == q.shape[1] and self.num_new == 1 and valid is None and self.window is None:
             return None  # one decoding query sees every entry
