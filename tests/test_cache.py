@@ -259,9 +259,35 @@ def test_a_cache_from_a_stored_segment_holds_its_entries_where_the_model_runs(mo
     prefill(model, [5, 6, 7, 8], cache)
     segment = cache.to_segment("m", [5, 6, 7, 8])
     arrived = []
-    monkeypatch.setattr(KVLayer, "replace", lambda self, k, v, p, valid=None: arrived.append((k.device, v.device)))
+
+    def record(self, keys, values, positions, valid=None):
+        arrived.extend((k.device, v.device) for k, v in zip(keys, values, strict=True))
+
+    monkeypatch.setattr(KVLayer, "replace_parts", record)
     KVCache.from_segment(segment, copy.deepcopy(model).to("meta"))
     assert arrived and all(k.type == v.type == "meta" for k, v in arrived)
     arrived.clear()
     KVCache.from_segment(segment)  # no model: the entries stay where the segment is
     assert arrived and all(k.type == "cpu" for k, _ in arrived)
+
+
+@pytest.mark.parametrize("end", [None, 7, 8, 11])
+def test_a_cache_from_stored_blocks_equals_the_cache_they_were_cut_from(model, end):
+    """Blocks written as separate segments and read back (cut at any ``end``, inside a block, at its edge, past the
+    last one) give the entries, positions and token ids of the cache they came from, and prefill on as it does."""
+    ids = list(range(5, 17))
+    cache = KVCache.for_model(model)
+    prefill(model, ids, cache)
+    blocks = [cache.to_segment("m", ids[s:e], start=s, end=e) for s, e in ((0, 4), (4, 8), (8, 12))]
+    joined = KVCache.from_segments(blocks, model, end=end)
+    stop = len(ids) if end is None else end
+    assert joined.next_position == stop and joined.token_ids == ids[:stop]
+    for got, want in zip(joined.layers, cache.layers, strict=True):
+        k, v, p, valid = got.view()
+        k0, v0, p0, _ = want.view()
+        assert valid is None and got.run_start == 0
+        torch.testing.assert_close(k, k0[:, :, :stop], rtol=0, atol=0)
+        torch.testing.assert_close(v, v0[:, :, :stop], rtol=0, atol=0)
+        assert torch.equal(p, p0[:, :, :stop])
+    if stop < len(ids):
+        torch.testing.assert_close(prefill(model, ids[stop:], joined), prefill(model, ids, KVCache.for_model(model)))

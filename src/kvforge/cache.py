@@ -213,32 +213,47 @@ class KVLayer:
             positions: ``(B, H_kv, S')`` or ``(B, S')`` int64.
             valid: optional ``(B, H_kv, S')`` bool; False marks padding of a head-wise selection.
         """
-        b, h, s, _ = keys.shape
-        if positions.dim() == 2:
-            positions = positions[:, None, :].expand(b, h, s)
-        if tuple(positions.shape) != (b, h, s) or (valid is not None and tuple(valid.shape) != (b, h, s)):
-            raise ValueError(f"positions/valid must be {(b, h, s)}, got {tuple(positions.shape)}")
-        if values.shape[:3] != keys.shape[:3]:
-            raise ValueError(f"values {tuple(values.shape)} do not match keys {tuple(keys.shape)}")
+        self.replace_parts([keys], [values], [positions], valid)
+
+    def replace_parts(
+        self, keys: Sequence[Tensor], values: Sequence[Tensor], positions: Sequence[Tensor], valid: Tensor | None = None
+    ) -> None:
+        """:meth:`replace` with the content given in parts along the sequence (stored blocks, in order): each part is
+        copied once, into the new buffer, instead of joined first and copied again."""
+        b, h, _, d = keys[0].shape
+        s = sum(k.shape[2] for k in keys)
+        positions = [p[:, None, :].expand(b, h, p.shape[-1]) if p.dim() == 2 else p for p in positions]
+        for k, v, p in zip(keys, values, positions, strict=True):
+            if tuple(p.shape) != tuple(k.shape[:3]) or (k.shape[0], k.shape[1], k.shape[3]) != (b, h, d):
+                raise ValueError(f"positions must be {tuple(k.shape[:3])}, got {tuple(p.shape)}")
+            if v.shape[:3] != k.shape[:3]:
+                raise ValueError(f"values {tuple(v.shape)} do not match keys {tuple(k.shape)}")
+        if valid is not None and tuple(valid.shape) != (b, h, s):
+            raise ValueError(f"positions/valid must be {(b, h, s)}, got {tuple(valid.shape)}")
         if valid is not None and bool(valid.all()):
             valid = None
         capacity = max(self.capacity, math.ceil(max(s, 1) / self.block_size) * self.block_size)
-        new_keys = keys.new_empty((b, h, capacity, keys.shape[3]))
-        new_values = values.new_empty((b, h, capacity, values.shape[3]))
-        new_positions = torch.empty((b, h, capacity), dtype=torch.long, device=keys.device)
-        new_keys[:, :, :s] = keys
-        new_values[:, :, :s] = values
-        new_positions[:, :, :s] = positions
+        new_keys = keys[0].new_empty((b, h, capacity, d))
+        new_values = values[0].new_empty((b, h, capacity, values[0].shape[3]))
+        new_positions = torch.empty((b, h, capacity), dtype=torch.long, device=keys[0].device)
+        start = 0
+        for k, v, p in zip(keys, values, positions, strict=True):
+            end = start + k.shape[2]
+            new_keys[:, :, start:end] = k
+            new_values[:, :, start:end] = v
+            new_positions[:, :, start:end] = p
+            start = end
         self.keys, self.values, self.positions = new_keys, new_values, new_positions
         if valid is None:
             self.valid = None
         else:
-            self.valid = torch.zeros((b, h, capacity), dtype=torch.bool, device=keys.device)
+            self.valid = torch.zeros((b, h, capacity), dtype=torch.bool, device=keys[0].device)
             self.valid[:, :, :s] = valid
         self.length = s
         self.num_new = 0
-        self.is_headwise = bool(h > 1 and not (positions == positions[:, :1]).all()) or valid is not None
-        self.run_start = None if self.valid is not None else _run_start(positions)
+        held = new_positions[:, :, :s]
+        self.is_headwise = bool(h > 1 and not (held == held[:, :1]).all()) or valid is not None
+        self.run_start = None if self.valid is not None else _run_start(held)
 
     def replace_masked(self, keys: Tensor, values: Tensor, positions: Tensor, keep: Tensor) -> None:
         """Keep a different set of entries per head: pack each head's kept entries to the front, pad to the longest.
@@ -384,6 +399,19 @@ class Reserved:
     positions: Tensor
     in_order: bool
     strict: bool = False
+
+
+def _cut(k: Tensor, v: Tensor, p: Tensor, end: int, headwise: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """A segment's entries ``(H_kv, S, D)`` at positions ``< end``: a slice when they lead, else a gather."""
+    keep = p[0] < end  # (S,)
+    count = int(keep.sum())
+    if count == keep.numel():
+        return k, v, p
+    if headwise:
+        raise ValueError("a head-wise compressed segment cannot be cut")
+    if bool(keep[:count].all()):  # positions ascending: a slice, no gather copy
+        return k[:, :count], v[:, :count], p[:, :count]
+    return k[:, keep], v[:, keep], p[:, keep]
 
 
 def _run_start(positions: Tensor) -> int | None:
@@ -715,25 +743,13 @@ class KVCache(Cache):
             token_ids = token_ids[:end]
         end = segments[-1].next_position if end is None else end
         for i, layer in enumerate(cache.layers):
-            k = torch.cat([s.keys[i] for s in segments], dim=1)  # (H_kv, S, D)
-            v = torch.cat([s.values[i] for s in segments], dim=1)
-            p = torch.cat([s.positions[i] for s in segments], dim=1)  # (H_kv, S)
             masks = [s.valid[i] for s in segments]
-            m = masks[0] if len(segments) == 1 else None
             if len(segments) > 1 and any(x is not None for x in masks):
                 raise ValueError("head-wise compressed segments cannot be joined")
-            keep = p[0] < end  # (S,)
-            count = int(keep.sum())
-            if count < keep.numel():
-                if m is not None:
-                    raise ValueError("a head-wise compressed segment cannot be cut")
-                if bool(keep[:count].all()):  # positions ascending: a slice, no gather copy
-                    k, v, p = k[:, :count], v[:, :count], p[:, :count]
-                else:
-                    k, v, p = k[:, keep], v[:, keep], p[:, keep]
-            layer.replace(
-                k[None].to(device), v[None].to(device), p[None].to(device), None if m is None else m[None].to(device)
-            )
+            parts = [_cut(s.keys[i], s.values[i], s.positions[i], end, masks[0] is not None) for s in segments]
+            parts = [part for part in parts if part[0].shape[1]] or parts[:1]  # blocks wholly past ``end`` drop out
+            k, v, p = ([part[j][None].to(device) for part in parts] for j in range(3))
+            layer.replace_parts(k, v, p, None if masks[0] is None else masks[0][None].to(device))
         cache.next_position = end
         cache.token_ids = token_ids
         return cache
