@@ -155,3 +155,28 @@ def test_huge_bodies_are_refused_before_the_model_thread() -> None:
         assert added == []  # neither reached the engine
     finally:
         live.close()
+
+
+def test_a_stream_starts_when_its_job_starts_not_at_the_next_poll(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A streamed request waits until the worker starts its job, then answers 200 and streams: the wait ends on the
+    start itself while the job still runs (the poll interval only paces the disconnect checks), so a stream's first
+    token is never held back to the next poll."""
+    import asyncio
+
+    from kvforge.serve import state
+    from kvforge.serve.jobs import Job
+
+    monkeypatch.setattr(state, "_POLL_S", 3600.0)
+
+    class Connected:
+        async def is_disconnected(self) -> bool:
+            return False
+
+    async def started_then_running() -> Any:
+        loop = asyncio.get_running_loop()
+        job = Job(lambda job: None, loop, None)  # its future stays pending: the job is still running
+        loop.call_later(0.01, job.started_event.set)
+        wait = state.Server.wait(object.__new__(state.Server), Connected(), job, until_started=True)  # type: ignore[arg-type]
+        return await asyncio.wait_for(wait, 10.0)
+
+    assert asyncio.run(started_then_running()) is True

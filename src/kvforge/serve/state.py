@@ -134,7 +134,11 @@ class Server:
         started = asyncio.ensure_future(job.started_event.wait())
         try:
             while True:
-                done, _ = await asyncio.wait({job.future, started} if until_started else {job.future}, timeout=_POLL_S)
+                done, _ = await asyncio.wait(
+                    {job.future, started} if until_started else {job.future},
+                    timeout=_POLL_S,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
                 if job.future in done or (until_started and started in done):
                     break
                 if time.monotonic() > job.deadline:
