@@ -2,18 +2,17 @@
 
 - ``ttft``: a lone cold prompt (``--tokens`` ids, a new one each time) streamed by ``kvforge serve`` (the default
   batched scheduler) to its first token, against a lone ``Engine`` prefill of the same ids in this process.
-- ``sequential``: ``--requests`` short chat requests sent one after another to ``kvforge serve``, to vLLM's
-  OpenAI server (its CPU build, from ``--vllm-python``) on the same weights, and run by ``Engine.run`` in this
-  process, alternating rounds (without a python that imports vLLM, the row says so and only ``Engine`` is the peer);
-  while one side is timed the other servers are stopped (SIGSTOP; ``--no-pause`` leaves them running: an idle vLLM
-  CPU server keeps polling and takes a core).
+- ``versus``: ``kvforge serve`` against vLLM's OpenAI server (its CPU build, from ``--vllm-python``) on the same
+  weights and ``--threads``: a cold ``--tokens`` chat prompt, the same prompt again (a prefix hit) and its decode
+  seconds per token, ``--requests`` short chats one after another, and the same chats at once; while one side is
+  timed the other is stopped (SIGSTOP: an idle vLLM CPU server keeps polling and takes a core).
 - ``document``: ``--questions`` questions on one document stored compressed (query-agnostic press, through
   ``POST /v1/kv/documents``), sent all at once against one after another; the greedy answers are compared with
   ``Engine`` alone. ``engine-document``: the same loop in this process, ``Engine.run_many`` against ``Engine.run``.
 
     PYTHONPATH=src python benchmarks/serve_bars.py ttft --tokens 2048 --repeats 3
     PYTHONPATH=src python benchmarks/serve_bars.py ttft-inprocess --tokens 2048 --repeats 2
-    PYTHONPATH=src python benchmarks/serve_bars.py sequential --vllm-python VENV/bin/python --rounds 3
+    PYTHONPATH=src python benchmarks/serve_bars.py versus --vllm-python VENV/bin/python --threads 1 --rounds 3
     PYTHONPATH=src python benchmarks/serve_bars.py document --questions 8 --rounds 2
     PYTHONPATH=src python benchmarks/serve_bars.py engine-document --doc-tokens 600 --max-tokens 12 --threads 1
 """
@@ -28,7 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,11 +43,11 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "H
 
 
 @contextmanager
-def server(command: list[str], port: int, log: Path, ready: str = "/v1/models", timeout_s: float = 900.0
-           ) -> Iterator[str]:  # fmt: skip
-    """Start ``command`` (a server on ``port``, its output appended to ``log``), wait until ``ready`` answers, stop it
-    (SIGTERM, then SIGKILL)."""
-    with Server(log.name.removesuffix(".log"), command, port, log.parent).start() as srv:
+def server(command: list[str], port: int, log: Path, ready: str = "/v1/models", timeout_s: float = 900.0,
+           env: dict[str, str] | None = None) -> Iterator[str]:  # fmt: skip
+    """Start ``command`` (a server on ``port``, its output appended to ``log``, ``env`` added to this process's),
+    wait until ``ready`` answers, stop it (SIGTERM, then SIGKILL)."""
+    with Server(log.name.removesuffix(".log"), command, port, log.parent, dict(env or {})).start() as srv:
         srv.wait(timeout_s, ready)
         PIDS[srv.url] = srv.process.pid  # type: ignore[union-attr]
         yield srv.url
@@ -79,8 +78,9 @@ def kvforge_command(args: argparse.Namespace, port: int, *extra: str) -> list[st
             "--served-model-name", "m", "--timeout", "3600", *extra]  # fmt: skip
 
 
-def stream(url: str, path: str, body: dict[str, Any]) -> tuple[float, float, str]:
-    """(seconds to the first generated text, seconds to the end, text) of a streamed request."""
+def stream(url: str, path: str, body: dict[str, Any], pieces: bool = False) -> Any:
+    """(seconds to the first generated text, seconds to the end, text) of a streamed request; ``pieces``: and the
+    number of streamed pieces that carried text (one per token on both servers)."""
     start, first, text = time.perf_counter(), None, []
     with httpx.stream("POST", url + path, json=body | {"stream": True}, timeout=900.0) as r:
         r.raise_for_status()
@@ -93,7 +93,8 @@ def stream(url: str, path: str, body: dict[str, Any]) -> tuple[float, float, str
                 first = time.perf_counter() - start
             text.append(piece)
     end = time.perf_counter() - start
-    return (first if first is not None else end), end, "".join(text)
+    out = (first if first is not None else end), end, "".join(text)
+    return (*out, sum(1 for t in text if t)) if pieces else out
 
 
 def model_thread(url: str) -> dict[str, float]:
@@ -165,56 +166,67 @@ def vllm_available(python: str) -> str | None:
     return None if done.returncode == 0 else f"{python} cannot import vllm: {done.stderr.strip().splitlines()[-1:]}"
 
 
-def bench_sequential(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
-    """``--requests`` short chats one after another: kvforge serve, vLLM and ``Engine.run`` alternating rounds."""
+def bench_versus(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """kvforge serve against vLLM's OpenAI server (same fp32 weights), each timed with the other stopped, alternating
+    which goes first: a cold ``--tokens`` chat prompt (TTFT), the same prompt again (TTFT of a prefix hit) and its
+    decode seconds per token, ``--requests`` short chats one after another, and the same chats all at once.
+    ``--threads``: the compute threads of each side (kvforge: ``OMP_NUM_THREADS``; vLLM: its worker's OpenMP team,
+    ``VLLM_CPU_OMP_THREADS_BIND``)."""
     from contextlib import ExitStack
 
-    from kvforge import Engine, Request, load_model
+    from transformers import AutoTokenizer
 
-    model, tokenizer = load_model(args.model)
-    folder = str(Path(model.config._name_or_path))
-    engine = Engine(model, tokenizer)
-    vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--dtype", "float32",
-            "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(args.port + 1),
-            "--served-model-name", "m"]  # fmt: skip
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from kvforge.model import model_folder
+
+    folder = str(model_folder(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    threads = args.threads or 1
     why_not = vllm_available(args.vllm_python)
     if why_not:
-        yield {"bar": "sequential", "vllm": "not measured", "why": why_not}
-
-    def in_process(question: str) -> dict[str, Any]:
-        g = engine.run(Request([{"role": "user", "content": question}], args.max_tokens))
-        return {"usage": {"completion_tokens": len(g.token_ids)}}
-
+        raise SystemExit(f"versus needs vLLM: {why_not}")
+    vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--dtype", "float32",
+            "--enable-prompt-tokens-details", "--enable-prefix-caching", "--host", "127.0.0.1", "--port",
+            str(args.port + 1), "--served-model-name", "m"]  # fmt: skip
+    vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0",
+                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # fmt: skip
+    kv_env = {"OMP_NUM_THREADS": str(threads)}
+    kv_cmd = kvforge_command(args, args.port, "--reuse", "prefix", "--store", "memory://", *args.kvforge_args)
+    question = "\n\nIn one sentence, what is this passage about?"
     with ExitStack() as stack:
-        kv_url = stack.enter_context(server(kvforge_command(args, args.port, *args.kvforge_args), args.port, args.log))
-        sides: dict[str, Callable[[str], dict[str, Any]]] = {
-            "kvforge": lambda q: chat(kv_url, "m", q, args.max_tokens),
-            "engine": in_process,
-        }
-        urls = {"kvforge": kv_url}
-        if not why_not:
-            vllm_url = stack.enter_context(server(vllm, args.port + 1, args.log, timeout_s=1200.0))
-            sides["vllm"] = lambda q: chat(vllm_url, "m", q, args.max_tokens)
-            urls["vllm"] = vllm_url
-        for ask in sides.values():
-            ask("Hello!")  # warm up
-        names = list(sides)
+        urls = {"kvforge": stack.enter_context(server(kv_cmd, args.port, args.log, env=kv_env)),
+                "vllm": stack.enter_context(server(vllm, args.port + 1, args.log, timeout_s=1200.0, env=vllm_env))}
+        for url in urls.values():
+            chat(url, "m", "Hello!", 4)  # warm up
         for round_ in range(args.rounds):
-            totals: dict[str, float] = {}
-            for name in names if round_ % 2 == 0 else names[::-1]:
-                with others_paused([u for side, u in urls.items() if side != name and not args.no_pause]):
+            measured: dict[str, dict[str, float]] = {}
+            for side in ("kvforge", "vllm") if round_ % 2 == 0 else ("vllm", "kvforge"):
+                url = urls[side]
+                body = {"model": "m", "max_tokens": args.max_tokens, "temperature": 0, "messages": [
+                    {"role": "user", "content": tokenizer.decode(haystack_ids(tokenizer, args.tokens, round_))
+                     + question}]}  # fmt: skip
+                with others_paused([u for name, u in urls.items() if name != side]):
+                    cold, _, cold_text = stream(url, "/v1/chat/completions", body)
+                    hit, end, hit_text, pieces = stream(url, "/v1/chat/completions", body, pieces=True)
                     start = time.perf_counter()
-                    answers = [sides[name](q) for q in QUESTIONS[: args.requests]]
-                    totals[name] = time.perf_counter() - start
-                tokens = sum(a["usage"]["completion_tokens"] for a in answers)
-                yield {"bar": "sequential", "side": name, "round": round_, "requests": args.requests,
-                       "seconds": round(totals[name], 4), "completion_tokens": tokens}  # fmt: skip
-            peer = "vllm" if "vllm" in totals else "engine"
-            yield {"bar": "sequential", "round": round_, "peer": peer,
-                   "ratio": round(totals["kvforge"] / totals[peer], 4),
-                   "ratio_vs_engine": round(totals["kvforge"] / totals["engine"], 4),
-                   "others_paused": not args.no_pause, "kvforge_args": args.kvforge_args}  # fmt: skip
+                    serial = [chat(url, "m", q, args.max_tokens) for q in QUESTIONS[: args.requests]]
+                    serial_s = time.perf_counter() - start
+                    start = time.perf_counter()
+                    with ThreadPoolExecutor(args.requests) as pool:
+                        asks = [pool.submit(chat, url, "m", q, args.max_tokens) for q in QUESTIONS[: args.requests]]
+                        together = [f.result() for f in asks]
+                    together_s = time.perf_counter() - start
+                measured[side] = {"cold_ttft_s": cold, "hit_ttft_s": hit,
+                                  "decode_s_per_token": (end - hit) / max(pieces - 1, 1),
+                                  "sequential_s": serial_s, "concurrent_s": together_s}  # fmt: skip
+                yield {"bar": "versus", "side": side, "round": round_, "threads": threads, "tokens": args.tokens,
+                       **{key: round(v, 4) for key, v in measured[side].items()}, "hit_pieces": pieces,
+                       "same_text_cold_hit": cold_text == hit_text,
+                       "sequential_tokens": sum(a["usage"]["completion_tokens"] for a in serial),
+                       "concurrent_tokens": sum(a["usage"]["completion_tokens"] for a in together)}  # fmt: skip
+            yield {"bar": "versus", "round": round_, "threads": threads, "ratio": round(
+                       measured["kvforge"]["cold_ttft_s"] / measured["vllm"]["cold_ttft_s"], 4),
+                   **{f"ratio_{key}": round(measured["kvforge"][key] / measured["vllm"][key], 4)
+                      for key in measured["kvforge"]}}  # fmt: skip
 
 
 def bench_document(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
@@ -356,7 +368,7 @@ def bench_ttft_inprocess(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                    "threads": torch.get_num_threads()}  # fmt: skip
 
 
-BARS = {"ttft": bench_ttft, "sequential": bench_sequential, "document": bench_document,
+BARS = {"ttft": bench_ttft, "versus": bench_versus, "document": bench_document,
         "engine-document": bench_engine_document, "ttft-inprocess": bench_ttft_inprocess}  # fmt: skip
 
 
@@ -367,17 +379,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8731)
     parser.add_argument("--tokens", type=int, default=2048, help="ttft: prompt tokens")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=8, help="sequential: requests per round")
+    parser.add_argument("--requests", type=int, default=8, help="versus: short chats per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--vllm-python", default="python", help="sequential: the python of vLLM's environment")
-    parser.add_argument("--no-pause", action="store_true",
-                        help="sequential: leave the other servers running while one side is timed")
+    parser.add_argument("--vllm-python", default="python", help="versus: the python of vLLM's environment")
     parser.add_argument("--questions", type=int, default=8, help="document: questions")
     parser.add_argument("--doc-tokens", type=int, default=1500, help="document: tokens of the stored document")
     parser.add_argument("--press", default="knorm")
     parser.add_argument("--compression-ratio", type=float, default=0.5)
-    parser.add_argument("--threads", type=int, default=0, help="engine-document: torch threads (0: torch's default)")
+    parser.add_argument("--threads", type=int, default=0, help="engine-document, versus: threads (0: default)")
     parser.add_argument("--kvforge-args", nargs=argparse.REMAINDER, default=[], help="extra `kvforge serve` flags")
     parser.add_argument("--out", type=Path, default=RESULTS / "performance" / "serve_bars.jsonl")
     args = parser.parse_args(argv)
