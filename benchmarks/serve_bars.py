@@ -192,6 +192,7 @@ def bench_versus(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     kv_env = {"OMP_NUM_THREADS": str(threads)}
     kv_cmd = kvforge_command(args, args.port, "--reuse", "prefix", "--store", "memory://", *args.kvforge_args)
     question = "\n\nIn one sentence, what is this passage about?"
+    hf = _Generate(folder, threads)
     with ExitStack() as stack:
         urls = {"kvforge": stack.enter_context(server(kv_cmd, args.port, args.log, env=kv_env)),
                 "vllm": stack.enter_context(server(vllm, args.port + 1, args.log, timeout_s=1200.0, env=vllm_env))}
@@ -199,11 +200,15 @@ def bench_versus(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             chat(url, "m", "Hello!", 4)  # warm up
         for round_ in range(args.rounds):
             measured: dict[str, dict[str, float]] = {}
+            messages = [{"role": "user", "content": tokenizer.decode(haystack_ids(tokenizer, args.tokens, round_))
+                         + question}]  # fmt: skip
+            with others_paused(list(urls.values())):  # transformers' generate in this process, both servers stopped
+                measured["transformers"] = hf.run(messages, QUESTIONS[: args.requests], args.max_tokens)
+            yield {"bar": "versus", "side": "transformers", "round": round_, "threads": threads,
+                   **{key: round(v, 4) for key, v in measured["transformers"].items()}}  # fmt: skip
             for side in ("kvforge", "vllm") if round_ % 2 == 0 else ("vllm", "kvforge"):
                 url = urls[side]
-                body = {"model": "m", "max_tokens": args.max_tokens, "temperature": 0, "messages": [
-                    {"role": "user", "content": tokenizer.decode(haystack_ids(tokenizer, args.tokens, round_))
-                     + question}]}  # fmt: skip
+                body = {"model": "m", "max_tokens": args.max_tokens, "temperature": 0, "messages": messages}
                 with others_paused([u for name, u in urls.items() if name != side]):
                     cold, _, cold_text = stream(url, "/v1/chat/completions", body)
                     hit, end, hit_text, pieces = stream(url, "/v1/chat/completions", body, pieces=True)
@@ -226,7 +231,59 @@ def bench_versus(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
             yield {"bar": "versus", "round": round_, "threads": threads, "ratio": round(
                        measured["kvforge"]["cold_ttft_s"] / measured["vllm"]["cold_ttft_s"], 4),
                    **{f"ratio_{key}": round(measured["kvforge"][key] / measured["vllm"][key], 4)
-                      for key in measured["kvforge"]}}  # fmt: skip
+                      for key in measured["kvforge"]},
+                   **{f"ratio_vs_transformers_{key}": round(measured["kvforge"][key] / value, 4)
+                      for key, value in measured["transformers"].items()}}  # fmt: skip
+
+
+class _Generate:
+    """transformers' own ``model.generate`` on the same weights, greedy, in this process with ``threads`` threads: a
+    cold prompt's TTFT and decode seconds per token (from one streamed generation), a list of chats one after another
+    and the same chats as one left-padded batch. It has no prefix cache across calls: no hit row."""
+
+    def __init__(self, folder: str, threads: int) -> None:
+        import torch
+
+        from kvforge.model import load_model
+
+        torch.set_num_threads(threads)
+        self.model, self.tokenizer = load_model(folder)
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+
+    def _ids(self, messages: list[dict[str, str]]) -> Any:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                  return_dict=True)  # fmt: skip
+
+    def run(self, messages: list[dict[str, str]], questions: list[str], max_tokens: int) -> dict[str, float]:
+        from transformers.generation.streamers import BaseStreamer
+
+        class Clock(BaseStreamer):  # put() gets the prompt first, then each new token
+            def __init__(self) -> None:
+                self.times: list[float] = []
+
+            def put(self, value: Any) -> None:
+                self.times.append(time.perf_counter())
+
+            def end(self) -> None:
+                pass
+
+        greedy = {"do_sample": False, "pad_token_id": self.tokenizer.pad_token_id}
+        clock, start = Clock(), time.perf_counter()
+        self.model.generate(**self._ids(messages), max_new_tokens=max_tokens, streamer=clock, **greedy)
+        cold, tokens = clock.times[1] - start, clock.times[1:]
+        start = time.perf_counter()
+        for q in questions:
+            self.model.generate(**self._ids([{"role": "user", "content": q}]), max_new_tokens=max_tokens, **greedy)
+        serial_s = time.perf_counter() - start
+        texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                    tokenize=False) for q in questions]  # fmt: skip
+        start = time.perf_counter()
+        batch = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        self.model.generate(**batch, max_new_tokens=max_tokens, **greedy)
+        return {"cold_ttft_s": cold, "decode_s_per_token": (tokens[-1] - tokens[0]) / max(len(tokens) - 1, 1),
+                "sequential_s": serial_s, "concurrent_s": time.perf_counter() - start}  # fmt: skip
 
 
 def bench_document(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
