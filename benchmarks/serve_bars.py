@@ -78,9 +78,9 @@ def kvforge_command(args: argparse.Namespace, port: int, *extra: str) -> list[st
             "--served-model-name", "m", "--timeout", "3600", *extra]  # fmt: skip
 
 
-def stream(url: str, path: str, body: dict[str, Any], pieces: bool = False) -> Any:
-    """(seconds to the first generated text, seconds to the end, text) of a streamed request; ``pieces``: and the
-    number of streamed pieces that carried text (one per token on both servers)."""
+def stream(url: str, path: str, body: dict[str, Any]) -> tuple[float, float, str, int]:
+    """(seconds to the first generated text, seconds to the end, text, number of streamed pieces that carried text:
+    one per token on both servers) of a streamed request."""
     start, first, text = time.perf_counter(), None, []
     with httpx.stream("POST", url + path, json=body | {"stream": True}, timeout=900.0) as r:
         r.raise_for_status()
@@ -93,8 +93,7 @@ def stream(url: str, path: str, body: dict[str, Any], pieces: bool = False) -> A
                 first = time.perf_counter() - start
             text.append(piece)
     end = time.perf_counter() - start
-    out = (first if first is not None else end), end, "".join(text)
-    return (*out, sum(1 for t in text if t)) if pieces else out
+    return (first if first is not None else end), end, "".join(text), sum(1 for t in text if t)
 
 
 def model_thread(url: str) -> dict[str, float]:
@@ -142,7 +141,7 @@ def bench_ttft(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 ids = haystack_ids(tokenizer, args.tokens, 2 * i + (side == "engine"))
                 if side == "server":
                     cpu = cpu_seconds(PIDS[url])
-                    served, _, _ = stream(url, "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 1})
+                    served, _, _, _ = stream(url, "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 1})
                     measured[side] = served, cpu_seconds(PIDS[url]) - cpu
                 else:  # what the server's first token costs at least: the prefill, then argmax
                     cpu, start = time.process_time(), time.perf_counter()
@@ -210,8 +209,8 @@ def bench_versus(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
                 url = urls[side]
                 body = {"model": "m", "max_tokens": args.max_tokens, "temperature": 0, "messages": messages}
                 with others_paused([u for name, u in urls.items() if name != side]):
-                    cold, _, cold_text = stream(url, "/v1/chat/completions", body)
-                    hit, end, hit_text, pieces = stream(url, "/v1/chat/completions", body, pieces=True)
+                    cold, _, cold_text, _ = stream(url, "/v1/chat/completions", body)
+                    hit, end, hit_text, pieces = stream(url, "/v1/chat/completions", body)
                     start = time.perf_counter()
                     serial = [chat(url, "m", q, args.max_tokens) for q in QUESTIONS[: args.requests]]
                     serial_s = time.perf_counter() - start

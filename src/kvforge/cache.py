@@ -224,7 +224,9 @@ class KVLayer:
         s = sum(k.shape[2] for k in keys)
         positions = [p[:, None, :].expand(b, h, p.shape[-1]) if p.dim() == 2 else p for p in positions]
         for k, v, p in zip(keys, values, positions, strict=True):
-            if tuple(p.shape) != tuple(k.shape[:3]) or (k.shape[0], k.shape[1], k.shape[3]) != (b, h, d):
+            if (k.shape[0], k.shape[1], k.shape[3]) != (b, h, d):
+                raise ValueError(f"key parts {tuple(k.shape)} and {tuple(keys[0].shape)} differ beyond their length")
+            if tuple(p.shape) != tuple(k.shape[:3]):
                 raise ValueError(f"positions must be {tuple(k.shape[:3])}, got {tuple(p.shape)}")
             if v.shape[:3] != k.shape[:3]:
                 raise ValueError(f"values {tuple(v.shape)} do not match keys {tuple(k.shape)}")
